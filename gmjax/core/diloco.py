@@ -1,0 +1,304 @@
+"""``gmjax.DiLoCo``: the algorithm's configuration, its fragment plan and its aggregator.
+
+References:
+  Douillard et al., *DiLoCo: Distributed Low-Communication Training of Language
+  Models*, arXiv 2311.08105.
+  Douillard et al., *Streaming DiLoCo with overlapping communication*, arXiv 2501.18512.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+from collections.abc import Mapping, Sequence
+from typing import Any, Self
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gmjax.core import outer
+from gmjax.core.codec import check_precision, decode_values
+from gmjax.core.records import (
+    Contribution,
+    FragmentState,
+    Participant,
+    Precision,
+    RoundResult,
+)
+from gmjax.core.schedule import RoundSchedule
+from gmjax.core.schema import ParameterSpec, Schema, master_name, momentum_name
+from gmjax.core.stats import cosine
+
+
+def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
+  if allow_none and value is None:
+    return
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(f"DiLoCo {name} must be a positive int, got {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class DiLoCo:
+  """DiLoCo and Streaming DiLoCo: the configuration every gmjax runtime shares.
+
+  Learners train ``sync_every`` (``H``) inner steps, then exchange the pseudo-gradient
+  ``Δ = anchor − θ``; the outer optimizer (Nesterov SGD by default) applies the
+  token-weighted mean of the deltas to an F32 master. With ``fragments = P > 1`` the
+  parameters sync in ``P`` staggered fragments (Streaming DiLoCo).
+
+  Attributes:
+    sync_every: ``H``, inner steps between two syncs of a fragment.
+    fragments: ``P``, ``1 <= P <= H``; the plan uses ``min(P, #leaves)``.
+    outer_learning_rate: ``η`` of the outer SGD (0.7 in the paper).
+    outer_momentum: ``μ`` of the outer SGD, in ``[0, 1)`` (0.9 in the paper).
+    nesterov: Nesterov momentum (the paper's choice) or plain momentum.
+    delta_precision: how deltas travel (None: the parameter dtype).
+    commit_precision: None publishes Θ; otherwise commits carry ``master − Θ_old`` at it.
+    mixing: the share of its local θ a learner keeps when it aligns, in ``[0, 1)``.
+    overlap_steps: ``τ``, steps trained past publishing before merging a round's commit;
+      ``0`` is classic DiLoCo, ``None`` (mail only) bounds waiting by ``in_flight``.
+    in_flight: rounds a learner may keep outstanding (mail).
+    quorum_size: contributions that can close a round after the grace period (mail).
+    flush_on_close: a leaving learner publishes its last steps as final contributions.
+    global_batch_size: the batch the live learners share (mail).
+
+  References:
+    Douillard et al., arXiv 2311.08105; Douillard et al., arXiv 2501.18512.
+  """
+
+  sync_every: int
+  fragments: int = 1
+  outer_learning_rate: float = 0.7
+  outer_momentum: float = 0.9
+  nesterov: bool = True
+  delta_precision: Precision = None
+  commit_precision: Precision = None
+  mixing: float = 0.0
+  overlap_steps: int | None = 0
+  in_flight: int = 1
+  quorum_size: int | None = None
+  flush_on_close: bool = True
+  global_batch_size: int | None = None
+
+  def __post_init__(self):
+    _positive_int("sync_every", self.sync_every)
+    _positive_int("fragments", self.fragments)
+    if self.fragments > self.sync_every:
+      raise ValueError(
+          f"DiLoCo needs 1 <= fragments <= sync_every, got fragments={self.fragments},"
+          f" sync_every={self.sync_every}: every fragment must sync once per sync_every"
+          " steps, so lower fragments or raise sync_every."
+      )
+    lr = self.outer_learning_rate
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0 or not np.isfinite(lr):
+      raise ValueError(
+          f"DiLoCo outer_learning_rate must be a positive number, got {lr!r}"
+          " (the paper uses 0.7)."
+      )
+    mu = self.outer_momentum
+    if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0 <= mu < 1:
+      raise ValueError(
+          f"DiLoCo outer_momentum must be in [0, 1), got {mu!r} (the paper uses 0.9)."
+      )
+    if not isinstance(self.nesterov, bool):
+      raise ValueError(f"DiLoCo nesterov must be a bool, got {self.nesterov!r}.")
+    check_precision(self.delta_precision, "delta_precision")
+    check_precision(self.commit_precision, "commit_precision")
+    mixing = self.mixing
+    if isinstance(mixing, bool) or not isinstance(mixing, (int, float)) or not 0 <= mixing < 1:
+      raise ValueError(
+          f"DiLoCo mixing must be in [0, 1), got {mixing!r}: it is the share of local"
+          " parameters kept when aligning to a commit (0 adopts the commit)."
+      )
+    if self.overlap_steps is not None:
+      tau = self.overlap_steps
+      if isinstance(tau, bool) or not isinstance(tau, int) or not 0 <= tau < self.sync_every:
+        raise ValueError(
+            f"DiLoCo overlap_steps must be None or an int in [0, sync_every), got {tau!r}"
+            f" with sync_every={self.sync_every}: the next round of a fragment needs the"
+            " merged anchor."
+        )
+    _positive_int("in_flight", self.in_flight)
+    _positive_int("quorum_size", self.quorum_size, allow_none=True)
+    _positive_int("global_batch_size", self.global_batch_size, allow_none=True)
+    if not isinstance(self.flush_on_close, bool):
+      raise ValueError(f"DiLoCo flush_on_close must be a bool, got {self.flush_on_close!r}.")
+
+  # The seed's Algorithm protocol.
+
+  def schedule(self, fragments: int | None = None) -> RoundSchedule:
+    """The schedule for the effective fragment count ``plan`` produced."""
+    return RoundSchedule(
+        sync_every=self.sync_every,
+        fragments=self.fragments if fragments is None else fragments,
+        in_flight=self.in_flight,
+        overlap_steps=self.overlap_steps,
+    )
+
+  def plan(self, schema: Schema) -> tuple[tuple[str, ...], ...]:
+    """Partitions the leaves into ``min(P, #leaves)`` fragments of near-equal bytes.
+
+    Greedy: leaves from the largest (ties by name) go to the lightest fragment (ties by
+    index). Deterministic; every leaf lands in exactly one fragment; each fragment's names
+    are sorted and fragments are ordered by their first name.
+    """
+    count = min(self.fragments, len(schema))
+    bins: list[list[str]] = [[] for _ in range(count)]
+    heap = [(0, i) for i in range(count)]
+    for spec in sorted(schema.parameters, key=lambda p: (-p.nbytes, p.name)):
+      load, index = heapq.heappop(heap)
+      bins[index].append(spec.name)
+      heapq.heappush(heap, (load + spec.nbytes, index))
+    return tuple(sorted(tuple(sorted(b)) for b in bins))
+
+  @property
+  def delta_dtype(self) -> Precision:
+    return self.delta_precision
+
+  @property
+  def commit_dtype(self) -> Precision:
+    return self.commit_precision
+
+  def aggregator(
+      self, schema: Schema, names: Sequence[str], backend: Any = None
+  ) -> DiLoCoAggregator:
+    """The aggregator of the fragment holding ``names`` (``backend`` is unused: JAX)."""
+    del backend
+    return DiLoCoAggregator(self, schema.subset(names))
+
+  def quorum(self) -> int:
+    return 1 if self.quorum_size is None else self.quorum_size
+
+  def global_batch(self) -> int | None:
+    return self.global_batch_size
+
+  def keeps_master(self, dtype: str) -> bool:
+    """Whether a leaf of ``dtype`` needs a ``master.<name>`` beside its published Θ."""
+    return dtype != "F32" or self.commit_precision is not None
+
+  def initial_state(self, schema: Schema, names: Sequence[str], theta: Mapping[str, Any]) -> FragmentState:
+    """Version 0 of a fragment: the creator's parameters, zero momentum, exact master."""
+    fragment = schema.subset(names)
+    theta0, outer0 = {}, {}
+    for spec in fragment.parameters:
+      value = np.asarray(jax.device_get(theta[spec.name]))
+      theta0[spec.name] = value.astype(_numpy_dtype(spec), copy=True)
+      outer0[momentum_name(spec.name)] = np.zeros(spec.shape, np.float32)
+      if self.keeps_master(spec.dtype):
+        outer0[master_name(spec.name)] = theta0[spec.name].astype(np.float32)
+    return FragmentState(version=0, theta=theta0, outer=outer0)
+
+  def to_json(self) -> dict[str, Any]:
+    return {"name": "DiLoCo", **dataclasses.asdict(self)}
+
+  @classmethod
+  def from_json(cls, record: Mapping[str, Any]) -> Self:
+    record = dict(record)
+    name = record.pop("name", "DiLoCo")
+    if name != "DiLoCo":
+      raise ValueError(f"not a DiLoCo configuration: name={name!r}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(record) - known)
+    if unknown:
+      raise ValueError(f"unknown DiLoCo fields {unknown}")
+    return cls(**record)
+
+
+def _numpy_dtype(spec: ParameterSpec):
+  from gmjax.core.schema import NUMPY_DTYPES  # pylint: disable=g-import-not-at-top
+
+  return NUMPY_DTYPES[spec.dtype]
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("specs", "delta_precision", "commit_precision", "learning_rate",
+                     "momentum_coef", "nesterov", "keep_master"),
+)
+def _close(theta, outer_state, contributions, weights, *, specs, delta_precision,
+           commit_precision, learning_rate, momentum_coef, nesterov, keep_master):
+  deltas = [decode_values(c, specs, delta_precision) for c in contributions]
+  gradient = outer.weighted_sum(deltas, list(weights))
+  momentum = {s.name: outer_state[momentum_name(s.name)] for s in specs}
+  master = {
+      s.name: (outer_state[master_name(s.name)] if keep_master[i]
+               else theta[s.name].astype(jnp.float32))
+      for i, s in enumerate(specs)
+  }
+  master, momentum = outer.outer_step(
+      gradient, momentum, master, learning_rate=learning_rate,
+      momentum_coef=momentum_coef, nesterov=nesterov,
+  )
+  new_theta, update = outer.publish(master, theta, specs, commit_precision)
+  new_outer = {momentum_name(s.name): momentum[s.name] for s in specs}
+  for i, s in enumerate(specs):
+    if keep_master[i]:
+      new_outer[master_name(s.name)] = master[s.name]
+  return new_theta, new_outer, update, deltas
+
+
+@dataclasses.dataclass(frozen=True)
+class DiLoCoAggregator:
+  """Closes rounds of one fragment: weighted mean of deltas, outer step, publish.
+
+  ``g = Σ_m w_m · decode(Δ_m)`` with ``w_m = tokens_m / Σ tokens`` (equal weights when no
+  tokens were counted), summed in sorted learner order, then ``outer_step`` and
+  ``publish``.
+  """
+
+  config: DiLoCo
+  schema: Schema
+
+  def close_round(
+      self, state: FragmentState, contributions: Sequence[Contribution]
+  ) -> RoundResult:
+    specs = self.schema.parameters
+    ordered = sorted(contributions, key=lambda c: c.learner)
+    learners = [c.learner for c in ordered]
+    if len(set(learners)) != len(learners):
+      raise ValueError(f"close_round got two contributions from one learner: {learners}")
+    if not ordered:
+      # No valid contribution: the version advances with Θ and the outer state unchanged.
+      update = None
+      if self.config.commit_precision is not None:
+        zeros = {s.name: np.zeros(s.shape, np.float32) for s in specs}
+        from gmjax.core.codec import encode_flat  # pylint: disable=g-import-not-at-top
+
+        update = _host(encode_flat(zeros, self.schema, self.config.commit_precision))
+      return RoundResult(
+          FragmentState(state.version + 1, dict(state.theta), dict(state.outer)), (), None, update
+      )
+    total = sum(c.tokens for c in ordered)
+    if total > 0:
+      weights = [c.tokens / total for c in ordered]
+    else:
+      weights = [1.0 / len(ordered)] * len(ordered)
+    theta, outer_state, update, deltas = _close(
+        {s.name: state.theta[s.name] for s in specs},
+        dict(state.outer),
+        [dict(c.tensors) for c in ordered],
+        np.asarray(weights, np.float32),
+        specs=specs,
+        delta_precision=self.config.delta_precision,
+        commit_precision=self.config.commit_precision,
+        learning_rate=float(self.config.outer_learning_rate),
+        momentum_coef=float(self.config.outer_momentum),
+        nesterov=self.config.nesterov,
+        keep_master=tuple(self.config.keeps_master(s.dtype) for s in specs),
+    )
+    participants = tuple(
+        Participant(c.learner, c.local_step, c.steps, c.tokens, float(w))
+        for c, w in zip(ordered, weights)
+    )
+    return RoundResult(
+        state=FragmentState(state.version + 1, _host(theta), _host(outer_state)),
+        participants=participants,
+        cosine=cosine(deltas),
+        update=None if update is None else _host(update),
+    )
+
+
+def _host(tree: Mapping[str, Any]) -> dict[str, np.ndarray]:
+  return {k: np.asarray(v) for k, v in jax.device_get(dict(tree)).items()}

@@ -1,0 +1,128 @@
+"""The records runtimes exchange and the protocols they drive.
+
+These keep the semantics of the gradientmail algorithms module: a committed
+``FragmentState``, a learner's ``Contribution``, the ``Participant`` entry the round
+record keeps, and the ``RoundResult`` an ``Aggregator`` returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from gmjax.core.schedule import RoundSchedule
+
+DType = Literal["F32", "F16", "BF16"]
+Quantized = Literal["F8_E4M3", "F4", "I4"]
+Precision = DType | Quantized | None
+"""How a tensor travels: in a parameter dtype, quantized with its scales beside it, or,
+with ``None``, in its own (schema) dtype."""
+
+DTYPES: tuple[str, ...] = ("F32", "F16", "BF16")
+QUANTIZED: tuple[str, ...] = ("F8_E4M3", "F4", "I4")
+PRECISIONS: tuple[Precision, ...] = (None, *DTYPES, *QUANTIZED)
+
+# A tensor as it is held by a record: any array with a dtype and shape (numpy or jax).
+Tensor = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class FragmentState:
+  """A fragment as last committed: its version, the published anchor and the outer state.
+
+  ``theta`` maps leaf names to the published Θ at the schema dtype. ``outer`` holds
+  ``momentum.<name>`` in F32, and ``master.<name>`` in F32 when the published tensor is not
+  the master (the schema dtype is not F32, or commits carry an update).
+  """
+
+  version: int
+  theta: Mapping[str, Tensor]
+  outer: Mapping[str, Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Contribution:
+  """One learner's delta ``anchor - θ`` of a fragment for one round, as payload entries.
+
+  ``final`` when the learner published it while closing: it trains no further.
+  """
+
+  learner: str
+  local_step: int
+  steps: int
+  tokens: int
+  step_seconds: float
+  final: bool
+  tensors: Mapping[str, Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Participant:
+  """A contribution as the round record lists it, with the weight it received."""
+
+  learner: str
+  local_step: int
+  steps: int
+  tokens: int
+  weight: float
+
+  def to_json(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundResult:
+  """What closing a round produced.
+
+  Attributes:
+    state: the fragment's next state.
+    participants: the contributions as the round record lists them.
+    cosine: mean pairwise cosine similarity of the decoded deltas over the fragment
+      (None with fewer than two).
+    update: ``encode(master - Θ_old, commit_precision)`` entries for learners holding the
+      old Θ to rebuild the new one from; None when commits carry Θ alone.
+  """
+
+  state: FragmentState
+  participants: tuple[Participant, ...]
+  cosine: float | None
+  update: Mapping[str, Tensor] | None
+
+
+@runtime_checkable
+class Aggregator(Protocol):
+  """Closes one round of one fragment; the only place outer tensor arithmetic happens."""
+
+  def close_round(
+      self, state: FragmentState, contributions: Sequence[Contribution]
+  ) -> RoundResult: ...
+
+
+@runtime_checkable
+class Algorithm(Protocol):
+  """A synchronization algorithm as the runtimes drive it."""
+
+  def schedule(self, fragments: int) -> RoundSchedule: ...
+
+  def plan(self, schema) -> tuple[tuple[str, ...], ...]: ...
+
+  @property
+  def delta_dtype(self) -> Precision: ...
+
+  @property
+  def commit_dtype(self) -> Precision: ...
+
+  def aggregator(self, schema, names: Sequence[str], backend: Any = None) -> Aggregator: ...
+
+  def quorum(self) -> int: ...
+
+  @property
+  def mixing(self) -> float: ...
+
+  @property
+  def flush_on_close(self) -> bool: ...
+
+  def global_batch(self) -> int | None: ...
+
+  def to_json(self) -> Mapping[str, object]: ...

@@ -1,0 +1,143 @@
+"""The round schedule and the timing estimates every runtime shares.
+
+References:
+  Douillard et al., *DiLoCo: Distributed Low-Communication Training of Language
+  Models*, arXiv 2311.08105.
+  Douillard et al., *Streaming DiLoCo with overlapping communication*, arXiv 2501.18512.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Self
+
+_EMA_DECAY = 0.1
+_TIMEOUT_FACTOR = 3.0
+_TIMEOUT_FLOOR_POLLS = 30
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundSchedule:
+  """Which fragment each round synchronizes and at which global step.
+
+  Round ``r`` targets fragment ``r mod P`` at global step
+
+  .. math:: \\mathrm{step\\_of}(r) = (r \\operatorname{div} P) H + \\lfloor ((r \\bmod P) + 1) H / P \\rfloor
+
+  so every fragment is synchronized exactly once per ``H`` global steps and the gaps
+  between consecutive rounds sum to ``H``.
+
+  Attributes:
+    sync_every: ``H``, global steps between two syncs of one fragment.
+    fragments: ``P``, the number of fragments, ``1 <= P <= H``.
+    in_flight: rounds a learner may keep outstanding.
+    overlap_steps: ``tau``, steps a learner may train past publishing a round before it
+      waits for that round's commit; ``None`` bounds waiting by ``in_flight`` alone.
+  """
+
+  sync_every: int
+  fragments: int
+  in_flight: int = 1
+  overlap_steps: int | None = None
+
+  def __post_init__(self):
+    for field in ("sync_every", "fragments", "in_flight"):
+      value = getattr(self, field)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"RoundSchedule {field} must be a positive int, got {value!r}.")
+    if self.fragments > self.sync_every:
+      raise ValueError(
+          f"RoundSchedule needs fragments <= sync_every, got fragments={self.fragments} and"
+          f" sync_every={self.sync_every}; use fewer fragments or sync less often."
+      )
+    if self.overlap_steps is not None and (
+        not isinstance(self.overlap_steps, int) or self.overlap_steps < 0
+    ):
+      raise ValueError(
+          f"RoundSchedule overlap_steps must be None or an int >= 0, got {self.overlap_steps!r}."
+      )
+
+  def fragment_of(self, round: int) -> int:  # pylint: disable=redefined-builtin
+    return round % self.fragments
+
+  def step_of(self, round: int) -> int:  # pylint: disable=redefined-builtin
+    cycle, position = divmod(round, self.fragments)
+    return cycle * self.sync_every + (position + 1) * self.sync_every // self.fragments
+
+  def version_after(self, round: int) -> int:  # pylint: disable=redefined-builtin
+    return round // self.fragments + 1
+
+  def gap(self, round: int) -> int:  # pylint: disable=redefined-builtin
+    return self.step_of(round) - self.step_of(round - 1)
+
+  def round_at(self, step: int) -> int | None:
+    """The round whose sync happens at global ``step``, or None if no round does."""
+    if step < 1:
+      return None
+    cycle, offset = divmod(step, self.sync_every)
+    if offset == 0:
+      return cycle * self.fragments - 1
+    for position in range(self.fragments):
+      if (position + 1) * self.sync_every // self.fragments == offset:
+        return cycle * self.fragments + position
+    return None
+
+  def first_round_after(self, step: int) -> int:
+    """The first round whose sync step is strictly after global ``step``."""
+    r = max(0, (step // self.sync_every) * self.fragments - 1)
+    while self.step_of(r) <= step:
+      r += 1
+    return r
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimates:
+  """Exponential moving averages of the round timings, carried from record to record.
+
+  ``step`` is the learners' reported seconds per training step, ``quorum`` the seconds
+  from round start to quorum and ``sync`` the seconds from closing to a durable commit.
+  Each is ``None`` until its first observation, which is taken as is; later ones move the
+  average by ``0.1·(new - old)``.
+  """
+
+  step: float | None = None
+  quorum: float | None = None
+  sync: float | None = None
+
+  def updated(
+      self,
+      *,
+      step: float | None = None,
+      quorum: float | None = None,
+      sync: float | None = None,
+  ) -> Self:
+    def ema(old: float | None, new: float | None) -> float | None:
+      if new is None:
+        return old
+      if old is None:
+        return float(new)
+      return old + _EMA_DECAY * (new - old)
+
+    return dataclasses.replace(
+        self,
+        step=ema(self.step, step),
+        quorum=ema(self.quorum, quorum),
+        sync=ema(self.sync, sync),
+    )
+
+  def timeout(self, poll_interval: float) -> float:
+    """Seconds after which a round these estimates describe is presumed not to commit.
+
+    ``max(30·poll_interval, 3·(step + quorum + sync))`` with unknown terms left out.
+    """
+    expected = sum(s for s in (self.step, self.quorum, self.sync) if s is not None)
+    return max(_TIMEOUT_FLOOR_POLLS * poll_interval, _TIMEOUT_FACTOR * expected)
+
+  def to_json(self) -> dict[str, float | None]:
+    return {"step": self.step, "quorum": self.quorum, "sync": self.sync}
+
+  @classmethod
+  def from_json(cls, record) -> Self:
+    record = record or {}
+    return cls(**{k: (None if record.get(k) is None else float(record[k]))
+                  for k in ("step", "quorum", "sync")})

@@ -1,0 +1,234 @@
+"""Parameter schemas: the names, dtypes and shapes of a parameter pytree's leaves.
+
+A leaf's name is its pytree key path joined with ``/`` (``params/dense/kernel``,
+``layers/0/w``); the trailing ``value`` attribute of a flax ``nnx.Variable`` is left out,
+so an ``nnx.State`` names its leaves as the module path does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+
+# Names of the numpy dtypes each safetensors dtype code stands for.
+NUMPY_DTYPES: dict[str, np.dtype] = {
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "U8": np.dtype(np.uint8),
+}
+_CODES = {dtype: code for code, dtype in NUMPY_DTYPES.items()}
+PARAMETER_DTYPES = ("F32", "F16", "BF16")
+
+MOMENTUM = "momentum."
+MASTER = "master."
+SCALE = ".scale"
+
+
+def dtype_code(dtype: Any, *, what: str = "leaf") -> str:
+  """The schema code (``F32``/``F16``/``BF16``) of a parameter dtype; float64 is F32."""
+  dtype = np.dtype(dtype)
+  if dtype == np.float64:
+    return "F32"
+  code = _CODES.get(dtype)
+  if code not in PARAMETER_DTYPES:
+    raise ValueError(
+        f"{what} has dtype {dtype}, but gmjax parameters must be float32, float16 or"
+        " bfloat16 (float64 is taken as float32); pass only the trainable float"
+        " parameters, e.g. nnx.state(model, nnx.Param)."
+    )
+  return code
+
+
+def scale_name(name: str) -> str:
+  return name + SCALE
+
+
+def momentum_name(name: str) -> str:
+  return MOMENTUM + name
+
+
+def master_name(name: str) -> str:
+  return MASTER + name
+
+
+def _key_name(key: Any) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def path_name(path: tuple[Any, ...]) -> str:
+  """The ``/``-joined name of a pytree key path."""
+  if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+    path = path[:-1]  # an nnx.Variable's payload: name it after the variable
+  return "/".join(_key_name(k) for k in path)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterSpec:
+  """One leaf: its name, its dtype code and its shape."""
+
+  name: str
+  dtype: str
+  shape: tuple[int, ...]
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)
+
+  @property
+  def nbytes(self) -> int:
+    return self.size * NUMPY_DTYPES[self.dtype].itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Schema:
+  """A tuple of specs sorted by name, and (when built from a tree) the way back to it.
+
+  Attributes:
+    parameters: the specs, sorted by name.
+    treedef: the source tree's structure; ``None`` for a schema built from specs.
+    leaf_names: the names in the source tree's leaf order.
+  """
+
+  parameters: tuple[ParameterSpec, ...]
+  treedef: Any = dataclasses.field(default=None, compare=False, repr=False)
+  leaf_names: tuple[str, ...] | None = dataclasses.field(
+      default=None, compare=False, repr=False
+  )
+
+  def __post_init__(self):
+    names = [p.name for p in self.parameters]
+    if names != sorted(names):
+      object.__setattr__(
+          self, "parameters", tuple(sorted(self.parameters, key=lambda p: p.name))
+      )
+      names = sorted(names)
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+      raise ValueError(
+          f"Schema has duplicate leaf names {duplicates}; keys containing '/' can collide"
+          " with nested keys, rename them."
+      )
+    present = set(names)
+    for name in names:
+      for base in _derived_bases(name):
+        if base in present:
+          raise ValueError(
+              f"Schema leaf name {name!r} collides with a name gmjax derives from leaf"
+              f" {base!r} ('momentum.<name>', 'master.<name>', '<name>.scale'); rename"
+              " the leaf."
+          )
+
+  @classmethod
+  def from_tree(cls, tree: Any) -> Schema:
+    """The schema of a pytree of float arrays (dicts, lists, NamedTuples, nnx.State)."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    if not leaves:
+      raise ValueError("Schema.from_tree got a tree with no array leaves.")
+    specs, names = [], []
+    for path, leaf in leaves:
+      name = path_name(path) or "_"
+      if not hasattr(leaf, "dtype") or not hasattr(leaf, "shape"):
+        raise ValueError(
+            f"Schema.from_tree: leaf {name!r} is {type(leaf).__name__}, not an array;"
+            " pass a pytree of arrays."
+        )
+      code = dtype_code(leaf.dtype, what=f"Schema.from_tree: leaf {name!r}")
+      specs.append(ParameterSpec(name, code, tuple(int(d) for d in leaf.shape)))
+      names.append(name)
+    return cls(tuple(specs), treedef=treedef, leaf_names=tuple(names))
+
+  @property
+  def names(self) -> tuple[str, ...]:
+    return tuple(p.name for p in self.parameters)
+
+  @property
+  def nbytes(self) -> int:
+    return sum(p.nbytes for p in self.parameters)
+
+  def __iter__(self) -> Iterator[ParameterSpec]:
+    return iter(self.parameters)
+
+  def __len__(self) -> int:
+    return len(self.parameters)
+
+  def __contains__(self, name: object) -> bool:
+    return any(p.name == name for p in self.parameters)
+
+  def __getitem__(self, name: str) -> ParameterSpec:
+    for p in self.parameters:
+      if p.name == name:
+        return p
+    raise KeyError(name)
+
+  def subset(self, names: Iterable[str]) -> Schema:
+    """The specs of ``names`` (a fragment), as a schema of its own."""
+    wanted = set(names)
+    missing = wanted - set(self.names)
+    if missing:
+      raise KeyError(f"names not in the schema: {sorted(missing)}")
+    return Schema(tuple(p for p in self.parameters if p.name in wanted))
+
+  def flatten(self, tree: Any) -> dict[str, Any]:
+    """The leaves of ``tree`` (structured like this schema's source) by name."""
+    if self.treedef is None:
+      raise ValueError("This schema was not built from a tree; use Schema.from_tree.")
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if treedef != self.treedef:
+      raise ValueError(
+          f"tree structure {treedef} does not match the schema's {self.treedef}; pass a"
+          " tree shaped like the parameters the run was created with."
+      )
+    return dict(zip(self.leaf_names, leaves))
+
+  def unflatten(self, entries: Mapping[str, Any]) -> Any:
+    """The tree of this schema's source structure holding ``entries[name]`` at each leaf."""
+    if self.treedef is None:
+      raise ValueError("This schema was not built from a tree; use Schema.from_tree.")
+    missing = [n for n in self.leaf_names if n not in entries]
+    if missing:
+      raise KeyError(f"entries lack leaves {missing}")
+    return jax.tree_util.tree_unflatten(self.treedef, [entries[n] for n in self.leaf_names])
+
+  def check(self, tree: Any, *, what: str = "params") -> dict[str, Any]:
+    """Flattens ``tree`` and checks each leaf's shape and dtype against the schema."""
+    flat = self.flatten(tree)
+    for spec in self.parameters:
+      leaf = flat[spec.name]
+      if tuple(leaf.shape) != spec.shape:
+        raise ValueError(
+            f"{what}: leaf {spec.name!r} has shape {tuple(leaf.shape)}, expected"
+            f" {spec.shape}."
+        )
+    return flat
+
+  def to_json(self) -> list[list[Any]]:
+    return [[p.name, p.dtype, list(p.shape)] for p in self.parameters]
+
+  @classmethod
+  def from_json(cls, record: Iterable[Iterable[Any]]) -> Schema:
+    specs = []
+    for name, dtype, shape in record:
+      if dtype not in NUMPY_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r} for {name!r} in a stored schema")
+      specs.append(ParameterSpec(str(name), str(dtype), tuple(int(d) for d in shape)))
+    return cls(tuple(specs))
+
+
+def _derived_bases(name: str) -> Iterator[str]:
+  if name.startswith(MOMENTUM):
+    yield name[len(MOMENTUM):]
+  if name.startswith(MASTER):
+    yield name[len(MASTER):]
+  if name.endswith(SCALE):
+    yield name[: -len(SCALE)]

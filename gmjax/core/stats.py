@@ -1,0 +1,49 @@
+"""Health statistics of a round: how much the learners' deltas agree."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@jax.jit
+def _gram(deltas: Sequence[Any]) -> jax.Array:
+  """The M×M matrix of dot products of whole-tree deltas, in F32."""
+  leaves = [jax.tree.leaves(d) for d in deltas]
+  gram = jnp.zeros((len(deltas), len(deltas)), jnp.float32)
+  for parts in zip(*leaves):
+    flat = jnp.stack([jnp.ravel(p).astype(jnp.float32) for p in parts])
+    gram = gram + flat @ flat.T
+  return gram
+
+
+def cosine(deltas: Sequence[Any]) -> float | None:
+  """Mean pairwise cosine similarity of whole-tree deltas.
+
+  Each delta's leaves are concatenated; the mean is over pairs ``i < j`` of
+  ``cos(Δ_i, Δ_j)``, skipping pairs with a zero-norm delta.
+
+  Args:
+    deltas: pytrees of one structure (decoded deltas of one fragment).
+
+  Returns:
+    The mean cosine, or None with fewer than two deltas (or no pair of nonzero ones).
+  """
+  deltas = list(deltas)
+  if len(deltas) < 2:
+    return None
+  gram = np.asarray(jax.device_get(_gram(deltas)), np.float64)
+  norms = np.sqrt(np.maximum(np.diag(gram), 0.0))
+  values = [
+      gram[i, j] / (norms[i] * norms[j])
+      for i in range(len(deltas))
+      for j in range(i + 1, len(deltas))
+      if norms[i] > 0 and norms[j] > 0
+  ]
+  if not values:
+    return None
+  return float(np.clip(np.mean(values), -1.0, 1.0))
