@@ -1,0 +1,1 @@
+"""The application around the library: the demo model, data, training job and CLI."""

@@ -1,0 +1,63 @@
+"""The ``gmjax`` command: ``gmjax train CONFIG`` and ``gmjax status RUN``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _train(args: argparse.Namespace) -> int:
+  from gmjax.app import config as config_lib  # pylint: disable=g-import-not-at-top
+  from gmjax.app.train import train  # pylint: disable=g-import-not-at-top
+
+  cfg = config_lib.load(args.config)
+  if args.out:
+    import dataclasses  # pylint: disable=g-import-not-at-top
+
+    cfg = dataclasses.replace(cfg, out=args.out)
+  summary = train(cfg, show_progress=not args.quiet)
+  losses = summary["final_val_loss"]
+  print(f"\nrun: {summary['run']}  rounds committed: {summary['rounds']}"
+        f"  mean cosine: {summary['mean_cosine'] if summary['mean_cosine'] is None else round(summary['mean_cosine'], 3)}")
+  for name, value in losses.items():
+    print(f"  final validation loss {name:>10}: {value:.4f}" if value is not None else f"  {name}: -")
+  print(f"figures: {', '.join(summary['figures'])}\nmetrics: {summary['metrics']}")
+  print(f"see the rounds with: gmjax status {summary['run']}")
+  return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+  import gmjax  # pylint: disable=g-import-not-at-top
+  from gmjax.mail.status import format_status  # pylint: disable=g-import-not-at-top
+
+  run = gmjax.mail.open(args.run)
+  if args.json:
+    print(json.dumps({"status": run.status(), "rounds": run.rounds()}, indent=2, default=str))
+  else:
+    print(format_status(run))
+  return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="gmjax", description="Low-communication training with JAX.")
+  commands = parser.add_subparsers(dest="command", required=True)
+  train = commands.add_parser("train", help="run the demo job described by a TOML config")
+  train.add_argument("config", help="a TOML file, e.g. configs/quickstart.toml")
+  train.add_argument("--out", help="output folder (default: the config's [train] out)")
+  train.add_argument("--quiet", action="store_true", help="no progress bars")
+  train.set_defaults(func=_train)
+  status = commands.add_parser("status", help="print a run's rounds and learners")
+  status.add_argument("run", help="the run's URL or directory")
+  status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+  status.set_defaults(func=_status)
+  args = parser.parse_args(argv)
+  try:
+    return args.func(args)
+  except (FileNotFoundError, ValueError) as error:
+    print(f"gmjax {args.command}: {error}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())
