@@ -137,7 +137,7 @@ def layout(schema: Schema, precision: Precision) -> Schema:
       else:
         specs.append(ParameterSpec(spec.name, "U8", (packed_size(spec.size),)))
       specs.append(ParameterSpec(scale_name(spec.name), "F32", (num_blocks(spec.size),)))
-  return Schema(tuple(specs))
+  return Schema(tuple(specs), payload=True)
 
 
 def _encode_values(values, dtypes, precision):

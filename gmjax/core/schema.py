@@ -98,6 +98,7 @@ class Schema:
     parameters: the specs, sorted by name.
     treedef: the source tree's structure; ``None`` for a schema built from specs.
     leaf_names: the names in the source tree's leaf order.
+    payload: a payload layout (see ``codec.layout``), whose derived names are expected.
   """
 
   parameters: tuple[ParameterSpec, ...]
@@ -105,6 +106,7 @@ class Schema:
   leaf_names: tuple[str, ...] | None = dataclasses.field(
       default=None, compare=False, repr=False
   )
+  payload: bool = dataclasses.field(default=False, compare=False, repr=False)
 
   def __post_init__(self):
     names = [p.name for p in self.parameters]
@@ -119,6 +121,8 @@ class Schema:
           f"Schema has duplicate leaf names {duplicates}; keys containing '/' can collide"
           " with nested keys, rename them."
       )
+    if self.payload:
+      return  # a payload layout holds derived names (``<name>.scale``) by design
     present = set(names)
     for name in names:
       for base in _derived_bases(name):
