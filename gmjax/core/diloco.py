@@ -29,7 +29,7 @@ from gmjax.core.records import (
 )
 from gmjax.core.schedule import RoundSchedule
 from gmjax.core.schema import ParameterSpec, Schema, master_name, momentum_name
-from gmjax.core.stats import cosine
+from gmjax.core.stats import cosine_from_gram, gram
 
 
 def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
@@ -236,7 +236,7 @@ def _close(theta, outer_state, contributions, weights, *, specs, delta_precision
   for i, s in enumerate(specs):
     if keep_master[i]:
       new_outer[master_name(s.name)] = master[s.name]
-  return new_theta, new_outer, update, deltas
+  return new_theta, new_outer, update, gram(deltas)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,7 +275,7 @@ class DiLoCoAggregator:
       weights = [c.tokens / total for c in ordered]
     else:
       weights = [1.0 / len(ordered)] * len(ordered)
-    theta, outer_state, update, deltas = _close(
+    theta, outer_state, update, dots = _close(
         {s.name: state.theta[s.name] for s in specs},
         dict(state.outer),
         [dict(c.tensors) for c in ordered],
@@ -295,7 +295,7 @@ class DiLoCoAggregator:
     return RoundResult(
         state=FragmentState(state.version + 1, _host(theta), _host(outer_state)),
         participants=participants,
-        cosine=cosine(deltas),
+        cosine=cosine_from_gram(dots),
         update=None if update is None else _host(update),
     )
 

@@ -10,9 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 
-@jax.jit
-def _gram(deltas: Sequence[Any]) -> jax.Array:
-  """The M×M matrix of dot products of whole-tree deltas, in F32."""
+def gram(deltas: Sequence[Any]) -> jax.Array:
+  """The M×M matrix of dot products of whole-tree deltas, in F32 (traceable)."""
   leaves = [jax.tree.leaves(d) for d in deltas]
   gram = jnp.zeros((len(deltas), len(deltas)), jnp.float32)
   for parts in zip(*leaves):
@@ -36,12 +35,22 @@ def cosine(deltas: Sequence[Any]) -> float | None:
   deltas = list(deltas)
   if len(deltas) < 2:
     return None
-  gram = np.asarray(jax.device_get(_gram(deltas)), np.float64)
+  return cosine_from_gram(_gram_jit(deltas))
+
+
+_gram_jit = jax.jit(gram)
+
+
+def cosine_from_gram(matrix: Any) -> float | None:
+  """The mean pairwise cosine of the deltas whose dot products ``matrix`` holds."""
+  gram = np.asarray(jax.device_get(matrix), np.float64)
+  if gram.shape[0] < 2:
+    return None
   norms = np.sqrt(np.maximum(np.diag(gram), 0.0))
   values = [
       gram[i, j] / (norms[i] * norms[j])
-      for i in range(len(deltas))
-      for j in range(i + 1, len(deltas))
+      for i in range(gram.shape[0])
+      for j in range(i + 1, gram.shape[0])
       if norms[i] > 0 and norms[j] > 0
   ]
   if not values:
