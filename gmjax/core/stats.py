@@ -12,12 +12,17 @@ import numpy as np
 
 def gram(deltas: Sequence[Any]) -> jax.Array:
   """The M×M matrix of dot products of whole-tree deltas, in F32 (traceable)."""
-  leaves = [jax.tree.leaves(d) for d in deltas]
-  gram = jnp.zeros((len(deltas), len(deltas)), jnp.float32)
-  for parts in zip(*leaves):
-    flat = jnp.stack([jnp.ravel(p).astype(jnp.float32) for p in parts])
-    gram = gram + flat @ flat.T
-  return gram
+  # Pairwise fused multiply-reduce passes: on CPU, XLA runs these several times faster
+  # than a stacked (M, n) @ (n, M) product, and they need no stacked copy.
+  leaves = [[jnp.ravel(p).astype(jnp.float32) for p in jax.tree.leaves(d)] for d in deltas]
+  count = len(deltas)
+  dots = {}
+  for i in range(count):
+    for j in range(i, count):
+      dots[i, j] = sum(jnp.sum(a * b) for a, b in zip(leaves[i], leaves[j]))
+  return jnp.stack(
+      [jnp.stack([dots[min(i, j), max(i, j)] for j in range(count)]) for i in range(count)]
+  )
 
 
 def cosine(deltas: Sequence[Any]) -> float | None:
