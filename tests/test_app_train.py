@@ -1,0 +1,71 @@
+"""``gmjax train`` end to end: learner processes over a local run, metrics, plots, status."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+TINY = """
+[train]
+learners = 2
+steps = 8
+batch_size = 4
+learning_rate = 3e-3
+warmup_steps = 2
+eval_every = 4
+eval_batches = 1
+poll_interval = 0.02
+corpus_bytes = 300000
+
+[model]
+d_model = 16
+layers = 1
+heads = 2
+mlp = 32
+seq_len = 16
+
+[diloco]
+sync_every = 4
+fragments = 2
+delta_precision = "F8_E4M3"
+overlap_steps = 1
+"""
+
+
+@pytest.mark.timeout(300)
+def test_train_writes_metrics_plots_and_a_run(tmp_path):
+  config = tmp_path / "tiny.toml"
+  config.write_text(TINY)
+  out = tmp_path / "out"
+  result = subprocess.run(
+      [sys.executable, "-m", "gmjax.app.cli", "train", str(config), "--out", str(out), "--quiet"],
+      capture_output=True, text=True, timeout=280, check=False)
+  assert result.returncode == 0, result.stdout + result.stderr
+  summary = json.loads((out / "summary.json").read_text())
+  # 8 steps, H=4, P=2: rounds at steps 2, 4, 6, 8.
+  assert summary["rounds"] == 4
+  assert set(summary["final_val_loss"]) == {"learner-0", "learner-1", "baseline"}
+  assert all(v is not None and 0 < v < 10 for v in summary["final_val_loss"].values())
+  for name in ("loss.png", "bytes.png", "cosine.png"):
+    assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+  steps = [r for r in records if r.get("event") == "step" and r["learner"] == "learner-0"]
+  assert [r["step"] for r in steps] == list(range(1, 9))
+  rounds = [r for r in records if r.get("event") == "round"]
+  assert [r["fragment"] for r in rounds] == [0, 1, 0, 1]
+  assert all(len(r["participants"]) == 2 for r in rounds)
+
+  status = subprocess.run([sys.executable, "-m", "gmjax.app.cli", "status", str(out / "run")],
+                          capture_output=True, text=True, timeout=120, check=False)
+  assert status.returncode == 0, status.stderr
+  assert "learner-0" in status.stdout and "learner-1" in status.stdout
+
+
+def test_train_refuses_a_bad_config(tmp_path):
+  config = tmp_path / "bad.toml"
+  config.write_text(TINY.replace("fragments = 2", "fragments = 9"))
+  result = subprocess.run([sys.executable, "-m", "gmjax.app.cli", "train", str(config)],
+                          capture_output=True, text=True, timeout=120, check=False)
+  assert result.returncode == 2
+  assert "fragments" in result.stderr
