@@ -18,6 +18,9 @@ from gmjax.core.schedule import RoundSchedule as RoundSchedule
 from gmjax.core.schema import ParameterSpec as ParameterSpec
 from gmjax.core.schema import Schema as Schema
 from gmjax.core.stats import cosine as cosine
+from gmjax.transform.diloco import diloco as diloco
+from gmjax.transform.state import DiLoCoState as DiLoCoState
+from gmjax.transform.state import DiLoCoStatistics as DiLoCoStatistics
 
 __version__ = "0.1.0"
 
@@ -26,6 +29,8 @@ __all__ = (
     "Algorithm",
     "Contribution",
     "DiLoCo",
+    "DiLoCoState",
+    "DiLoCoStatistics",
     "Estimates",
     "FragmentState",
     "ParameterSpec",
@@ -36,6 +41,7 @@ __all__ = (
     "Schema",
     "cosine",
     "decode",
+    "diloco",
     "dequantize",
     "encode",
     "layout",

@@ -1,0 +1,1 @@
+"""The in-mesh transformation: DiLoCo and Streaming DiLoCo as an optax GradientTransformation."""

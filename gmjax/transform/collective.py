@@ -1,0 +1,113 @@
+"""The exchange of one round inside the mesh: deltas across a named axis, weighted.
+
+Deltas cross the axis at ``delta_precision``, as the mail runtime stores them:
+
+* F32 deltas (``delta_precision="F32"``, or ``None`` with F32 parameters) are summed with
+  one ``psum`` of ``(w_m·Δ_m, Δ_m/‖Δ_m‖)``; the second half feeds the cosine statistic.
+* Every other precision all-gathers the encoded entries (F16/BF16 values, or the
+  quantized codes and their F32 block scales), and each learner decodes them and forms
+  ``Σ_m w_m · decode(Δ_m)`` locally, in learner order, with the core's ``weighted_sum``.
+
+References:
+  Douillard et al., *Streaming DiLoCo with overlapping communication*, arXiv 2501.18512
+  (quantized exchange of the outer gradients).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gmjax.core import outer
+from gmjax.core.codec import _encode_values, decode_values
+from gmjax.core.records import Precision
+from gmjax.core.schema import ParameterSpec
+
+AxisName = Any
+
+
+def travels_as_f32(specs: Sequence[ParameterSpec], precision: Precision) -> bool:
+  """Whether every delta of ``specs`` crosses the axis as F32 (then: a ``psum``)."""
+  if precision is None:
+    return all(s.dtype == "F32" for s in specs)
+  return precision == "F32"
+
+
+def _weights(tokens: jax.Array, learners: int) -> jax.Array:
+  """``w_m = tokens_m / Σ tokens``; equal weights when no tokens were counted."""
+  total = jnp.sum(tokens)
+  return jnp.where(total > 0, tokens / jnp.where(total > 0, total, 1), 1.0 / learners)
+
+
+def _squared_norm(tree: Mapping[str, jax.Array]) -> jax.Array:
+  return sum(jnp.sum(jnp.square(v)) for v in tree.values())
+
+
+def _unit(tree: Mapping[str, jax.Array]) -> tuple[dict[str, jax.Array], jax.Array]:
+  """``tree / ‖tree‖`` (zero for a zero tree) and whether the tree is nonzero (F32 0/1)."""
+  norm = jnp.sqrt(_squared_norm(tree))
+  nonzero = norm > 0
+  scale = jnp.where(nonzero, 1.0 / jnp.where(nonzero, norm, 1.0), 0.0)
+  return {k: v * scale for k, v in tree.items()}, nonzero.astype(jnp.float32)
+
+
+def mean_cosine(unit_sum: Mapping[str, jax.Array], nonzero: jax.Array) -> jax.Array:
+  """Mean pairwise cosine of ``K`` unit vectors from their sum: ``(‖Σ d‖² − K)/(K(K−1))``.
+
+  Zero deltas contribute nothing to the sum and are not counted in ``K``, so pairs with a
+  zero delta are skipped as in ``gmjax.cosine``. NaN when ``K < 2``.
+  """
+  k = nonzero
+  value = (_squared_norm(unit_sum) - k) / jnp.where(k > 1, k * (k - 1), 1.0)
+  return jnp.where(k > 1, jnp.clip(value, -1.0, 1.0), jnp.nan).astype(jnp.float32)
+
+
+def aggregate(
+    delta: Mapping[str, jax.Array],
+    tokens: jax.Array,
+    specs: Sequence[ParameterSpec],
+    precision: Precision,
+    axis_name: AxisName,
+) -> tuple[dict[str, jax.Array], jax.Array]:
+  """The outer gradient ``g = Σ_m w_m · decode(Δ_m)`` across ``axis_name``, and the cosine.
+
+  Args:
+    delta: this learner's F32 delta ``anchor − θ`` of one fragment, by leaf name.
+    tokens: tokens this learner trained since its last delta of the fragment (scalar).
+    specs: the fragment's parameter specs, sorted by name.
+    precision: ``delta_precision``.
+    axis_name: the learners' mapped axis, or None for a single learner.
+
+  Returns:
+    ``(g, cosine)``: ``g`` in F32 by leaf name (identical on every learner), and the mean
+    pairwise cosine of the decoded deltas (NaN with fewer than two nonzero deltas).
+  """
+  dtypes = {s.name: s.dtype for s in specs}
+  entries, _ = _encode_values(dict(delta), dtypes, precision)
+  if axis_name is None:
+    return decode_values(entries, specs, precision), jnp.float32(jnp.nan)
+  if travels_as_f32(specs, precision):
+    decoded = decode_values(entries, specs, precision)
+    learners = lax.psum(1, axis_name)
+    total = lax.psum(tokens, axis_name)
+    weight = jnp.where(total > 0, tokens / jnp.where(total > 0, total, 1), 1.0 / learners)
+    unit, nonzero = _unit(decoded)
+    weighted = {k: weight * v for k, v in decoded.items()}
+    gradient, unit_sum, count = lax.psum((weighted, unit, nonzero), axis_name)
+    return gradient, mean_cosine(unit_sum, count)
+  gathered, all_tokens = lax.all_gather((entries, tokens), axis_name)
+  learners = all_tokens.shape[0]
+  weights = _weights(all_tokens, learners)
+  deltas = [
+      decode_values({k: v[m] for k, v in gathered.items()}, specs, precision)
+      for m in range(learners)
+  ]
+  gradient = outer.weighted_sum(deltas, [weights[m] for m in range(learners)])
+  units = [_unit(d) for d in deltas]
+  unit_sum = outer.weighted_sum([u for u, _ in units], [1.0] * learners)
+  count = sum(n for _, n in units)
+  return gradient, mean_cosine(unit_sum, count)

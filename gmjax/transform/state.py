@@ -1,0 +1,72 @@
+"""The state of ``gmjax.diloco`` and the statistics users log from it."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+# Codes of ``DiLoCoState.pending``: what the next merge of a fragment does.
+NOTHING = 0
+MERGE = 1  # align to the fragment's new anchor with mixing
+RESET = 2  # the round was skipped: reset the fragment to its anchor, no mixing
+
+
+class DiLoCoStatistics(NamedTuple):
+  """Health statistics of the latest round, replicated on every learner.
+
+  Attributes:
+    rounds: rounds done so far (skipped ones included), int32.
+    skipped: rounds whose aggregated delta was not finite, so no outer step ran, int32.
+    fragment: the fragment the latest round synchronized, int32 (``-1`` before any).
+    delta_norm: the L2 norm of the latest round's outer gradient
+      ``g = Σ_m w_m Δ_m`` over its fragment, F32 (NaN before any round).
+    cosine: the mean pairwise cosine similarity of the learners' decoded deltas in the
+      latest round, F32; NaN with fewer than two nonzero deltas (one learner).
+  """
+
+  rounds: jax.Array
+  skipped: jax.Array
+  fragment: jax.Array
+  delta_norm: jax.Array
+  cosine: jax.Array
+
+
+def initial_statistics() -> DiLoCoStatistics:
+  return DiLoCoStatistics(
+      rounds=jnp.zeros([], jnp.int32),
+      skipped=jnp.zeros([], jnp.int32),
+      fragment=jnp.full([], -1, jnp.int32),
+      delta_norm=jnp.full([], jnp.nan, jnp.float32),
+      cosine=jnp.full([], jnp.nan, jnp.float32),
+  )
+
+
+class DiLoCoState(NamedTuple):
+  """State of ``gmjax.diloco``.
+
+  Attributes:
+    inner_state: the inner optimizer's state (local to each learner).
+    count: inner steps done (the global step), int32.
+    anchor: Θ of each fragment's latest round, at the parameter dtype, shaped like the
+      parameters. Between a round and its merge (``overlap_steps`` later) it already
+      holds the new Θ the learner is about to merge.
+    master: the F32 master of each leaf, shaped like the parameters; ``optax.MaskedNode``
+      where Θ itself is the master (F32 leaves without ``commit_precision``).
+    momentum: the outer momentum ``u``, F32, shaped like the parameters.
+    pending: per fragment, what its next merge does (0 nothing, 1 align with mixing,
+      2 reset to the anchor after a skipped round), int32 of shape ``(P,)``.
+    tokens: per fragment, tokens trained since the learner's last delta of it, F32
+      of shape ``(P,)``.
+    stats: ``DiLoCoStatistics`` of the latest round.
+  """
+
+  inner_state: Any
+  count: jax.Array
+  anchor: Any
+  master: Any
+  momentum: Any
+  pending: jax.Array
+  tokens: jax.Array
+  stats: DiLoCoStatistics
