@@ -18,6 +18,7 @@ from gmjax.core.schedule import RoundSchedule as RoundSchedule
 from gmjax.core.schema import ParameterSpec as ParameterSpec
 from gmjax.core.schema import Schema as Schema
 from gmjax.core.stats import cosine as cosine
+from gmjax import mail as mail
 from gmjax.transform.diloco import diloco as diloco
 from gmjax.transform.state import DiLoCoState as DiLoCoState
 from gmjax.transform.state import DiLoCoStatistics as DiLoCoStatistics
@@ -41,9 +42,10 @@ __all__ = (
     "Schema",
     "cosine",
     "decode",
-    "diloco",
     "dequantize",
+    "diloco",
     "encode",
     "layout",
+    "mail",
     "quantize",
 )

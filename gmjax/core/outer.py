@@ -97,6 +97,15 @@ def publish(
   return rebuild(theta, update, specs, commit_precision), update
 
 
+def pseudo_gradient(anchor: Tree, theta: Tree) -> Tree:
+  """``Δ = anchor − θ`` in F32, leaf by leaf: the delta a learner publishes."""
+  return jax.tree.map(
+      lambda a, t: jnp.asarray(a).astype(jnp.float32) - jnp.asarray(t).astype(jnp.float32),
+      anchor,
+      theta,
+  )
+
+
 def align(theta: Tree, anchor: Tree, mixing: float) -> Tree:
   """``mixing·θ + (1 − mixing)·Θ`` in F32, returned at θ's dtype; ``Θ`` itself at 0."""
   if mixing == 0:

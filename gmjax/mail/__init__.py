@@ -1,0 +1,39 @@
+"""``gmjax.mail``: learners that train apart and meet through storage.
+
+A run is a prefix on object storage (a local directory by default, ``memory://``, or
+``gs://`` through gcsfs). Learners publish their deltas there, one of them closes each
+round (aggregate, outer step, durable commit) and the others follow, taking over when the
+closer dies.
+"""
+
+from gmjax.mail.errors import AuthenticationError as AuthenticationError
+from gmjax.mail.errors import ContributionRejected as ContributionRejected
+from gmjax.mail.errors import CorruptRecord as CorruptRecord
+from gmjax.mail.errors import LearnerClosed as LearnerClosed
+from gmjax.mail.errors import RoundTimeout as RoundTimeout
+from gmjax.mail.errors import RunExists as RunExists
+from gmjax.mail.errors import RunNotFound as RunNotFound
+from gmjax.mail.learner import Learner as Learner
+from gmjax.mail.run import Run as Run
+from gmjax.mail.run import create as create
+from gmjax.mail.run import open as open  # pylint: disable=redefined-builtin
+from gmjax.mail.status import format_status as format_status
+from gmjax.mail.store import Store as Store
+from gmjax.mail.store import open_store as open_store
+
+__all__ = (
+    "AuthenticationError",
+    "ContributionRejected",
+    "CorruptRecord",
+    "Learner",
+    "LearnerClosed",
+    "RoundTimeout",
+    "Run",
+    "RunExists",
+    "RunNotFound",
+    "Store",
+    "create",
+    "format_status",
+    "open",
+    "open_store",
+)

@@ -1,0 +1,226 @@
+"""Closing rounds: collect and validate contributions, decide, aggregate, commit once.
+
+Every learner watches the rounds it contributed to. For each it lists
+``rounds/<r>/``, validates new contributions (``contributions.loads``) and decides:
+
+* **closable** when every learner live for the round (``heartbeats.Roster``) has a
+  contribution there (valid or rejected), or when ``quorum()`` valid ones are in and the
+  grace period (``Estimates.timeout(poll_interval)``, counted from when this observer first
+  saw the quorum) has passed;
+* the **designated closer** is ``sorted(live)[fragment mod len(live)]``: deterministic
+  from the round and the live set, and the same learner for every round of a fragment
+  while the live set holds, so it keeps the fragment's state in memory;
+* a **follower** closes the round itself once it has been closable for
+  ``Estimates.timeout(poll_interval)`` without a commit.
+
+Closing runs the core aggregator (weighted mean, outer step, publish), saves the new
+state with Orbax and the update file, and only then creates the commit record
+exclusively: whoever races, one commit per version exists; a loser deletes its files
+and adopts the winner's record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from typing import Any
+
+from gmjax.core.records import Contribution, FragmentState
+from gmjax.core.schedule import Estimates
+from gmjax.core.codec import layout as payload_layout
+from gmjax.mail import contributions
+from gmjax.mail import layout
+from gmjax.mail import states
+from gmjax.mail.errors import ContributionRejected
+from gmjax.mail.heartbeats import Roster
+from gmjax.mail.manifest import Manifest, utc_now
+from gmjax.mail.store import Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Watch:
+  """What one observer knows about one open round."""
+
+  round: int
+  fragment: int
+  version: int
+  found: dict[str, Contribution | ContributionRejected] = dataclasses.field(
+      default_factory=dict)
+  opened: float | None = None
+  opened_at: str | None = None
+  quorum_seen: float | None = None
+  closable_since: float | None = None
+
+  @property
+  def valid(self) -> list[Contribution]:
+    return [c for c in self.found.values() if isinstance(c, Contribution)]
+
+  @property
+  def rejected(self) -> list[ContributionRejected]:
+    return [c for c in self.found.values() if isinstance(c, ContributionRejected)]
+
+  @property
+  def contributors(self) -> set[str]:
+    return {c.learner for c in self.found.values()}
+
+
+class Closer:
+  """Closes rounds for one learner (``name``) of a run.
+
+  Attributes:
+    states: the newest full ``FragmentState`` this closer holds, by fragment.
+    estimates: the timing estimates of the newest round record seen.
+  """
+
+  def __init__(self, store: Store, manifest: Manifest, key: bytes | None, name: str,
+               poll_interval: float):
+    self.store = store
+    self.manifest = manifest
+    self.key = key
+    self.name = name
+    self.poll_interval = poll_interval
+    self.schedule = manifest.schedule
+    self.states: dict[int, FragmentState] = {}
+    self.estimates = Estimates()
+    self._estimates_round = -1
+    self._aggregators = {}
+    self._payload_schemas = {}
+    for fragment, names in enumerate(manifest.plan):
+      self._aggregators[fragment] = manifest.config.aggregator(manifest.schema, names)
+      self._payload_schemas[fragment] = payload_layout(
+          manifest.schema.subset(names), manifest.config.delta_precision)
+
+  def timeout(self) -> float:
+    return self.estimates.timeout(self.poll_interval)
+
+  def observe(self, record: dict[str, Any]) -> None:
+    """Carries the estimates of a newer round record forward."""
+    round_ = record.get("round")
+    if round_ is not None and round_ > self._estimates_round:
+      self._estimates_round = round_
+      self.estimates = Estimates.from_json(record.get("estimates"))
+
+  def watch(self, round_: int) -> Watch:
+    return Watch(round_, self.schedule.fragment_of(round_), self.schedule.version_after(round_))
+
+  def scan(self, watch: Watch, known: set[str]) -> None:
+    """Reads and validates contributions that appeared since the last scan."""
+    for entry in self.store.list(layout.round_dir(watch.round)):
+      if entry in watch.found or entry.endswith(".tmp"):
+        continue
+      try:
+        data = self.store.get(f"{layout.round_dir(watch.round)}/{entry}")
+      except (FileNotFoundError, IsADirectoryError):
+        continue
+      try:
+        found = contributions.loads(
+            data, file_name=entry, round_=watch.round, fragment=watch.fragment,
+            base_version=watch.version - 1,
+            payload_schema=self._payload_schemas[watch.fragment],
+            precision=self.manifest.config.delta_precision, known=known, key=self.key)
+      except ContributionRejected as rejected:
+        log.warning("round %d: %s", watch.round, rejected)
+        found = rejected
+      watch.found[entry] = found
+      if watch.opened is None:
+        watch.opened, watch.opened_at = time.monotonic(), utc_now()
+
+  def decide(self, watch: Watch, roster: Roster) -> bool:
+    """Whether this observer closes ``watch`` now (as designated closer or follower)."""
+    now = time.monotonic()
+    timeout = self.timeout()
+    live = roster.live_for(watch.round, timeout)
+    contributors = watch.contributors
+    if not contributors:
+      return False
+    if len(watch.valid) >= self.manifest.config.quorum() and watch.quorum_seen is None:
+      watch.quorum_seen = now
+    closable = live <= contributors or (
+        watch.quorum_seen is not None and now - watch.quorum_seen >= timeout)
+    if not closable:
+      watch.closable_since = None
+      return False
+    if watch.closable_since is None:
+      watch.closable_since = now
+    candidates = sorted(live | {self.name})
+    designated = candidates[watch.fragment % len(candidates)]
+    if designated == self.name:
+      return True
+    return now - watch.closable_since >= timeout
+
+  def base_state(self, fragment: int, version: int) -> FragmentState | None:
+    """The full state of ``version`` (from memory, or verified from storage); None if
+    that version is not committed yet."""
+    held = self.states.get(fragment)
+    if held is not None and held.version == version:
+      return held
+    try:
+      record = states.read_commit(self.store, fragment, version, self.key)
+    except FileNotFoundError:
+      return None
+    state = states.load_state(self.store, record)
+    self.states[fragment] = state
+    return state
+
+  def close(self, watch: Watch, roster: Roster) -> dict[str, Any] | None:
+    """Aggregates, saves and commits ``watch``; returns the round's commit record (this
+    closer's or a racing winner's), or None while the base version is not committed."""
+    started = time.monotonic()
+    state = self.base_state(watch.fragment, watch.version - 1)
+    if state is None:
+      return None
+    valid = sorted(watch.valid, key=lambda c: c.learner)
+    result = self._aggregators[watch.fragment].close_round(state, valid)
+    nonce = uuid.uuid4().hex[:12]
+    files = states.save_state(self.store, watch.fragment, result.state, nonce)
+    if result.update is not None:
+      files.update(states.save_update(self.store, watch.fragment, result.state.version,
+                                      nonce, result.update))
+    else:
+      files.update({"update": None, "update_sha256": None})
+    sync_seconds = time.monotonic() - started
+    quorum_seconds = None
+    if watch.opened is not None and watch.closable_since is not None:
+      quorum_seconds = max(0.0, watch.closable_since - watch.opened)
+    step_seconds = [c.step_seconds for c in valid if c.step_seconds > 0]
+    estimates = self.estimates.updated(
+        step=sum(step_seconds) / len(step_seconds) if step_seconds else None,
+        quorum=quorum_seconds, sync=sync_seconds)
+    record = {
+        "round": watch.round,
+        "fragment": watch.fragment,
+        "version": result.state.version,
+        "step": self.schedule.step_of(watch.round),
+        "participants": [p.to_json() for p in result.participants],
+        "rejected": [{"learner": r.learner, "reason": r.reason} for r in watch.rejected],
+        "final": sorted(c.learner for c in valid if c.final),
+        "outer_step": bool(valid),
+        "cosine": result.cosine,
+        "estimates": estimates.to_json(),
+        "live": sorted(roster.live_for(watch.round, self.timeout())),
+        "closer": self.name,
+        "state": files["state"],
+        "update": files["update"],
+        "sha256": {"state": files["state_sha256"], "update": files["update_sha256"]},
+        "state_files": files["state_files"],
+        "state_names": files["state_names"],
+        "theta_sha256": states.theta_digest(result.state.theta),
+        "opened_at": watch.opened_at,
+        "quorum_seconds": quorum_seconds,
+        "sync_seconds": sync_seconds,
+        "committed_at": utc_now(),
+    }
+    if not valid:
+      record["note"] = "no valid contribution: no outer step, the fragment is unchanged"
+    if states.write_commit(self.store, record, self.key):
+      self.states[watch.fragment] = result.state
+      self.observe(record)
+      log.info("round %d committed version %d of fragment %d by %s", watch.round,
+               record["version"], watch.fragment, self.name)
+      return record
+    states.remove_state(self.store, files)
+    return states.read_commit(self.store, watch.fragment, watch.version, self.key)

@@ -1,0 +1,42 @@
+"""Typed errors of the mail runtime; each subclasses the built-in it refines."""
+
+from __future__ import annotations
+
+
+class RunExists(FileExistsError):
+  """``create`` found a run at the URL with another schema, configuration or key."""
+
+
+class RunNotFound(FileNotFoundError):
+  """``open`` found no run (no ``manifest.json``) at the URL."""
+
+
+class ContributionRejected(ValueError):
+  """A contribution failed validation; ``reason`` is what the round record lists.
+
+  Attributes:
+    learner: the learner the contribution names (or its file name if unreadable).
+    reason: a short description of what was wrong.
+  """
+
+  def __init__(self, learner: str, reason: str):
+    super().__init__(f"contribution of {learner!r} rejected: {reason}")
+    self.learner = learner
+    self.reason = reason
+
+
+class AuthenticationError(PermissionError):
+  """The run's key is missing or wrong, or a signed record does not verify."""
+
+
+class CorruptRecord(ValueError):
+  """A stored record or state does not match the sha256 its commit recorded, or does
+  not parse."""
+
+
+class RoundTimeout(TimeoutError):
+  """A learner waited longer than its ``wait_timeout`` for a round to commit."""
+
+
+class LearnerClosed(RuntimeError):
+  """A learner was used after ``close`` or after its background work failed."""

@@ -1,0 +1,72 @@
+"""Where a run keeps each record (section 6 of the specification) and name rules.
+
+::
+
+  <run>/manifest.json
+  <run>/learners/<name>.json                       heartbeat
+  <run>/rounds/<r>/<name>.safetensors              contribution
+  <run>/fragments/<f>/<v>-<nonce>/                 Orbax checkpoint of FragmentState v
+  <run>/fragments/<f>/<v>-<nonce>.update.safetensors
+  <run>/fragments/<f>/<v>.commit.json              the round record: the commit
+"""
+
+from __future__ import annotations
+
+import re
+
+FORMAT = "gmjax/1"
+MANIFEST = "manifest.json"
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_COMMIT = re.compile(r"(0|[1-9][0-9]*)\.commit\.json")
+CONTRIBUTION_SUFFIX = ".safetensors"
+
+
+def check_name(name: object, *, argument: str = "name") -> str:
+  """Returns ``name`` if it is a valid learner name, else raises ValueError/TypeError."""
+  if not isinstance(name, str):
+    raise TypeError(f"{argument} must be a str, got {type(name).__name__}: {name!r}")
+  if not NAME_PATTERN.fullmatch(name):
+    raise ValueError(
+        f"{argument}={name!r} is not a valid learner name: use 1 to 64 characters from"
+        " letters, digits, '.', '_' and '-', starting with a letter or digit"
+        " (e.g. 'worker-3')."
+    )
+  return name
+
+
+def is_valid_name(name: str) -> bool:
+  return bool(NAME_PATTERN.fullmatch(name))
+
+
+def heartbeat(name: str) -> str:
+  return f"learners/{name}.json"
+
+
+def round_dir(round_: int) -> str:
+  return f"rounds/{round_}"
+
+
+def contribution(round_: int, name: str) -> str:
+  return f"rounds/{round_}/{name}{CONTRIBUTION_SUFFIX}"
+
+
+def fragment_dir(fragment: int) -> str:
+  return f"fragments/{fragment}"
+
+
+def state_dir(fragment: int, version: int, nonce: str) -> str:
+  return f"fragments/{fragment}/{version}-{nonce}"
+
+
+def update_file(fragment: int, version: int, nonce: str) -> str:
+  return f"fragments/{fragment}/{version}-{nonce}.update.safetensors"
+
+
+def commit(fragment: int, version: int) -> str:
+  return f"fragments/{fragment}/{version}.commit.json"
+
+
+def commit_version(entry: str) -> int | None:
+  """The version a ``<v>.commit.json`` entry names, or None for other entries."""
+  match = _COMMIT.fullmatch(entry)
+  return int(match.group(1)) if match else None

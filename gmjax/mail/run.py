@@ -1,0 +1,238 @@
+"""A run: its manifest and records on storage, ``create``/``open``, and what it reports.
+
+``create`` writes ``manifest.json`` exclusively, then version 0 of every fragment: the
+creator's parameters (``DiLoCo.initial_state``: Θ at the schema dtype, zero momentum, an
+F32 master where one is kept) saved with Orbax like any version and committed by an
+exclusive ``0.commit.json`` whose ``round`` is null. Creating again with the same schema,
+configuration, plan and key opens the existing run (its version 0 stands); anything else
+raises ``RunExists``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import uuid
+from typing import Any
+
+import jax
+
+from gmjax.core.diloco import DiLoCo
+from gmjax.core.schema import Schema
+from gmjax.mail import heartbeats
+from gmjax.mail import layout
+from gmjax.mail import signing
+from gmjax.mail import states
+from gmjax.mail.errors import RunExists, RunNotFound
+from gmjax.mail.manifest import Manifest, utc_now
+from gmjax.mail.store import Store, open_store
+
+
+class Run:
+  """A run on storage. Use ``gmjax.mail.create`` or ``gmjax.mail.open`` to get one.
+
+  Attributes:
+    url: where the run lives.
+    store: its storage.
+    manifest: schema, configuration, plan and auth.
+    key: the HMAC key (bytes) or None.
+  """
+
+  def __init__(self, url: str, store: Store, manifest: Manifest, key: bytes | None):
+    self.url = url
+    self.store = store
+    self.manifest = manifest
+    self.key = key
+
+  @property
+  def config(self) -> DiLoCo:
+    return self.manifest.config
+
+  @property
+  def schema(self) -> Schema:
+    return self.manifest.schema
+
+  @property
+  def plan(self) -> tuple[tuple[str, ...], ...]:
+    return self.manifest.plan
+
+  def join(self, name: str, *, poll_interval: float = 0.05,
+           wait_timeout: float | None = None):
+    """Joins the run as learner ``name``.
+
+    Args:
+      name: ``[A-Za-z0-9][A-Za-z0-9._-]{0,63}``, unique among the run's learners.
+      poll_interval: seconds between storage polls; also sets the run's timeout floor
+        (``30·poll_interval``).
+      wait_timeout: the longest a ``step`` waits for a commit before raising
+        ``RoundTimeout``; None is ``max(120 s, 10·timeout)``.
+
+    Returns:
+      A ``Learner``: call ``pull(params)`` first.
+
+    Raises:
+      ValueError/TypeError: a bad name or poll interval.
+    """
+    from gmjax.mail.learner import Learner  # pylint: disable=g-import-not-at-top
+
+    layout.check_name(name)
+    return Learner(self, name, poll_interval=poll_interval, wait_timeout=wait_timeout)
+
+  def newest_versions(self) -> dict[int, int]:
+    """The newest committed version of each fragment."""
+    newest = {}
+    for fragment in range(len(self.plan)):
+      versions = states.committed_versions(self.store, fragment)
+      if not versions:
+        raise RunNotFound(f"run {self.url!r} has no version 0 of fragment {fragment};"
+                          " it was not created completely: create it again.")
+      newest[fragment] = versions[-1]
+    return newest
+
+  def commit_step(self, fragment: int, version: int) -> int:
+    """The global step of the round that committed ``version`` (0 for version 0)."""
+    if version == 0:
+      return 0
+    return self.manifest.schedule.step_of((version - 1) * len(self.plan) + fragment)
+
+  def commit(self, fragment: int, version: int) -> dict[str, Any]:
+    """The verified commit record of ``version`` of ``fragment``."""
+    return states.read_commit(self.store, fragment, version, self.key)
+
+  def rounds(self) -> list[dict[str, Any]]:
+    """The committed rounds' records, ordered by round (version 0 is not a round)."""
+    records = []
+    for fragment in range(len(self.plan)):
+      for version in states.committed_versions(self.store, fragment):
+        if version > 0:
+          record = self.commit(fragment, version)
+          record.pop(signing.SIGNATURE, None)
+          records.append(record)
+    return sorted(records, key=lambda r: r["round"])
+
+  def learners(self) -> dict[str, dict[str, Any]]:
+    """Every learner's latest heartbeat, by name."""
+    return heartbeats.read_all(self.store)
+
+  def status(self) -> dict[str, Any]:
+    """A summary: fragments and their versions, rounds, estimates and learners."""
+    rounds = self.rounds()
+    estimates = rounds[-1]["estimates"] if rounds else {}
+    from gmjax.core.schedule import Estimates  # pylint: disable=g-import-not-at-top
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    learners = []
+    for name, record in sorted(self.learners().items()):
+      age = None
+      try:
+        age = (now - datetime.datetime.fromisoformat(record["last_seen"])).total_seconds()
+      except (KeyError, TypeError, ValueError):
+        pass  # a heartbeat without a readable time shows no age
+      learners.append({
+          "name": name, "status": record.get("status"), "step": record.get("step"),
+          "first_round": record.get("first_round"), "versions": record.get("versions"),
+          "loss": record.get("loss"), "last_seen": record.get("last_seen"),
+          "seconds_since_seen": None if age is None else round(age, 3),
+      })
+    schedule = self.manifest.schedule
+    return {
+        "run": self.url,
+        "format": layout.FORMAT,
+        "created_at": self.manifest.created_at,
+        "parameters": sum(p.size for p in self.schema.parameters),
+        "leaves": len(self.schema.parameters),
+        "fragments": len(self.plan),
+        "sync_every": schedule.sync_every,
+        "signed": self.manifest.auth is not None,
+        "versions": self.newest_versions(),
+        "rounds": len(rounds),
+        "latest_round": rounds[-1]["round"] if rounds else None,
+        "latest_step": rounds[-1]["step"] if rounds else 0,
+        "estimates": estimates,
+        "timeout_seconds": Estimates.from_json(estimates).timeout(0.0) or None,
+        "learners": learners,
+    }
+
+  def __repr__(self) -> str:
+    return f"Run({self.url!r}, fragments={len(self.plan)})"
+
+
+def _key(key):
+  return signing.as_key(key)
+
+
+def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = None,
+           storage_options: dict[str, Any] | None = None) -> Run:
+  """Creates a run at ``url`` whose version 0 is ``params``.
+
+  Args:
+    url: a directory, ``memory://name``, ``gs://bucket/prefix`` or another fsspec URL.
+    params: the initial parameters, a pytree of F32/F16/BF16 arrays.
+    config: a ``gmjax.DiLoCo``.
+    key: an HMAC-SHA256 key (bytes or str): contributions and commits are signed with it
+      and unsigned ones are rejected. Every learner opens the run with the same key.
+    storage_options: options for the fsspec filesystem.
+
+  Returns:
+    The run (the existing one if a run with the same configuration is there).
+
+  Raises:
+    RunExists: a run with another schema, configuration, plan or key is at ``url``.
+    TypeError: ``config`` is not a ``gmjax.DiLoCo``.
+  """
+  if not isinstance(config, DiLoCo):
+    raise TypeError(f"config must be a gmjax.DiLoCo, got {type(config).__name__}.")
+  key = _key(key)
+  store = open_store(url, storage_options=storage_options)
+  schema = Schema.from_tree(params)
+  manifest = Manifest.new(schema, config, key)
+  if not store.create(layout.MANIFEST, manifest.dumps()):
+    existing = _read_manifest(store, url)
+    differences = existing.same_run(manifest, key)
+    if differences:
+      raise RunExists(
+          f"a run with another {', '.join(differences)} exists at {url!r}; open it with"
+          " gmjax.mail.open(url) or create the new run at another URL.")
+    manifest = existing
+  flat = {n: jax.device_get(v) for n, v in schema.flatten(params).items()}
+  for fragment, names in enumerate(manifest.plan):
+    if states.committed_versions(store, fragment):
+      continue
+    state = config.initial_state(schema, names, flat)
+    files = states.save_state(store, fragment, state, uuid.uuid4().hex[:12])
+    record = {
+        "round": None, "fragment": fragment, "version": 0, "step": 0,
+        "participants": [], "rejected": [], "final": [], "outer_step": False,
+        "cosine": None, "estimates": {}, "live": [], "closer": "create",
+        "state": files["state"], "update": None,
+        "sha256": {"state": files["state_sha256"], "update": None},
+        "state_files": files["state_files"], "state_names": files["state_names"],
+        "theta_sha256": states.theta_digest(state.theta), "committed_at": utc_now(),
+    }
+    if not states.write_commit(store, record, key):
+      states.remove_state(store, files)
+  return Run(url, store, manifest, key)
+
+
+def open(url: str, *, key: bytes | str | None = None,  # pylint: disable=redefined-builtin
+         storage_options: dict[str, Any] | None = None) -> Run:
+  """Opens the run at ``url``.
+
+  Raises:
+    RunNotFound: there is no ``manifest.json`` at ``url``.
+    AuthenticationError: ``key`` is missing, wrong, or given for an unsigned run.
+  """
+  key = _key(key)
+  store = open_store(url, storage_options=storage_options)
+  manifest = _read_manifest(store, url)
+  manifest.check_key(key, url)
+  return Run(url, store, manifest, key)
+
+
+def _read_manifest(store: Store, url: str) -> Manifest:
+  try:
+    data = store.get(layout.MANIFEST)
+  except FileNotFoundError:
+    raise RunNotFound(
+        f"no run at {url!r} (no {layout.MANIFEST}); create one with"
+        " gmjax.mail.create(url, params, config).") from None
+  return Manifest.loads(data)

@@ -1,0 +1,83 @@
+"""HMAC-SHA256 signatures of contributions and commit records, for runs with a key.
+
+A run created with ``key=`` stores in its manifest a random salt and
+``HMAC(key, salt)``, so ``open`` can tell a wrong key from a right one without the key
+ever being stored. Learners sign each contribution over its metadata (canonical JSON,
+without the signature) and every entry's name, dtype, shape and bytes; closers sign
+commit records over their canonical JSON. Comparison is constant-time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from gmjax.core.schema import NUMPY_DTYPES
+
+SCHEME = "HMAC-SHA256"
+SIGNATURE = "signature"
+_CODE_OF = {dtype: code for code, dtype in NUMPY_DTYPES.items()}
+
+
+def as_key(key: bytes | str | None) -> bytes | None:
+  """The key as bytes (a str is UTF-8 encoded); None stays None."""
+  if key is None:
+    return None
+  if isinstance(key, str):
+    key = key.encode("utf-8")
+  if not isinstance(key, (bytes, bytearray)) or not key:
+    raise TypeError(f"key must be non-empty bytes or str, got {type(key).__name__}")
+  return bytes(key)
+
+
+def new_auth(key: bytes) -> dict[str, str]:
+  """The manifest's ``auth`` record for a run keyed with ``key``."""
+  salt = secrets.token_hex(16)
+  return {"scheme": SCHEME, "salt": salt, "check": _hmac(key, salt.encode())}
+
+
+def key_matches(auth: Mapping[str, Any], key: bytes) -> bool:
+  return hmac.compare_digest(str(auth.get("check", "")), _hmac(key, str(auth["salt"]).encode()))
+
+
+def sign_payload(key: bytes, entries: Mapping[str, Any], metadata: Mapping[str, str]) -> str:
+  return _hmac(key, _payload_message(entries, metadata))
+
+
+def payload_signature_ok(key: bytes, entries: Mapping[str, Any],
+                         metadata: Mapping[str, str]) -> bool:
+  unsigned = {k: v for k, v in metadata.items() if k != SIGNATURE}
+  given = metadata.get(SIGNATURE, "")
+  return hmac.compare_digest(given, _hmac(key, _payload_message(entries, unsigned)))
+
+
+def sign_record(key: bytes, record: Mapping[str, Any]) -> str:
+  return _hmac(key, _canonical({k: v for k, v in record.items() if k != SIGNATURE}))
+
+
+def record_signature_ok(key: bytes, record: Mapping[str, Any]) -> bool:
+  return hmac.compare_digest(str(record.get(SIGNATURE, "")), sign_record(key, record))
+
+
+def _hmac(key: bytes, message: bytes) -> str:
+  return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def _canonical(value: Any) -> bytes:
+  return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _payload_message(entries: Mapping[str, Any], metadata: Mapping[str, str]) -> bytes:
+  digest = hashlib.sha256(_canonical(dict(metadata)))
+  for name in sorted(entries):
+    array = np.ascontiguousarray(np.asarray(entries[name]))
+    header = _canonical([name, _CODE_OF.get(array.dtype, str(array.dtype)), list(array.shape)])
+    digest.update(len(header).to_bytes(8, "little") + header)
+    digest.update(array.tobytes())
+  return digest.digest()

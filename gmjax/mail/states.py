@@ -1,0 +1,205 @@
+"""Committed fragment states: Orbax checkpoints, update files and commit records.
+
+A ``FragmentState`` is saved with Orbax (``PyTreeCheckpointer``) as the tree
+``{"theta": {...}, "outer": {...}}`` of numpy arrays. Orbax keys are positions
+(``00000``, ``00001``, ...) because leaf names contain ``/`` and ``.``; the names they stand
+for are listed in the commit record (``state_names``). On a local store Orbax writes the
+checkpoint straight into ``<run>/fragments/<f>/<v>-<nonce>/``; on any other fsspec URL it
+writes into a local temporary directory whose files are then uploaded through the store.
+The commit record lists the sha256 of every file of the checkpoint (``state_files``) and
+of the update file, and nothing is restored or decoded before those digests match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from gmjax.core import payload
+from gmjax.core.records import FragmentState
+from gmjax.mail import layout
+from gmjax.mail import signing
+from gmjax.mail.errors import AuthenticationError, CorruptRecord
+from gmjax.mail.store import Store
+
+# Orbax's synchronous checkpointer is not documented as thread-safe; learners that share a
+# process (threads) take turns.
+_ORBAX_LOCK = threading.Lock()
+
+
+def _checkpointer():
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  return ocp.PyTreeCheckpointer()
+
+
+def sha256(data: bytes) -> str:
+  return hashlib.sha256(data).hexdigest()
+
+
+def theta_digest(theta: Mapping[str, Any]) -> str:
+  """sha256 over Θ's names, dtypes, shapes and bytes: checks a rebuilt Θ is bit-identical."""
+  digest = hashlib.sha256()
+  for name in sorted(theta):
+    array = np.ascontiguousarray(np.asarray(theta[name]))
+    digest.update(json.dumps([name, str(array.dtype), list(array.shape)]).encode())
+    digest.update(array.tobytes())
+  return digest.hexdigest()
+
+
+def _tree(state: FragmentState) -> tuple[dict[str, Any], dict[str, list[str]]]:
+  names = {"theta": sorted(state.theta), "outer": sorted(state.outer)}
+  tree = {
+      part: {f"{i:05d}": np.asarray(values[n]) for i, n in enumerate(names[part])}
+      for part, values in (("theta", state.theta), ("outer", state.outer))
+  }
+  return tree, names
+
+
+def _file_digests(directory: str) -> dict[str, str]:
+  digests = {}
+  for root, _, files in os.walk(directory):
+    for name in files:
+      path = os.path.join(root, name)
+      with open(path, "rb") as f:
+        digests[os.path.relpath(path, directory).replace(os.sep, "/")] = sha256(f.read())
+  return dict(sorted(digests.items()))
+
+
+def _fsync_tree(directory: str) -> None:
+  for root, _, files in os.walk(directory):
+    for name in files:
+      with open(os.path.join(root, name), "rb") as f:
+        os.fsync(f.fileno())
+
+
+def save_state(store: Store, fragment: int, state: FragmentState, nonce: str
+               ) -> dict[str, Any]:
+  """Saves ``state`` durably with Orbax; returns the commit record's fields for it."""
+  rel = layout.state_dir(fragment, state.version, nonce)
+  tree, names = _tree(state)
+  if store.local_root is not None:
+    target = os.path.join(store.local_root, *rel.split("/"))
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    with _ORBAX_LOCK:
+      _checkpointer().save(target, tree)
+    _fsync_tree(target)
+    files = _file_digests(target)
+  else:
+    with tempfile.TemporaryDirectory(prefix="gmjax-state-") as scratch:
+      target = os.path.join(scratch, "state")
+      with _ORBAX_LOCK:
+        _checkpointer().save(target, tree)
+      files = _file_digests(target)
+      for relfile in files:
+        with open(os.path.join(target, *relfile.split("/")), "rb") as f:
+          store.put(f"{rel}/{relfile}", f.read())
+  return {
+      "state": rel,
+      "state_files": files,
+      "state_names": names,
+      "state_sha256": sha256(json.dumps(files, sort_keys=True).encode()),
+  }
+
+
+def load_state(store: Store, record: Mapping[str, Any]) -> FragmentState:
+  """The state a commit record names, after checking every file against its sha256.
+
+  Raises:
+    CorruptRecord: a file is missing or its sha256 differs from the record's.
+  """
+  rel, files = record["state"], record["state_files"]
+  if sha256(json.dumps(files, sort_keys=True).encode()) != (record.get("sha256") or {}).get("state"):
+    raise CorruptRecord(f"commit of {rel}: state_files do not match state_sha256")
+  with tempfile.TemporaryDirectory(prefix="gmjax-state-") as scratch:
+    target = os.path.join(scratch, "state")
+    for relfile, digest in files.items():
+      try:
+        data = store.get(f"{rel}/{relfile}")
+      except FileNotFoundError as error:
+        raise CorruptRecord(f"state file {rel}/{relfile} named by a commit is missing") from error
+      if sha256(data) != digest:
+        raise CorruptRecord(f"state file {rel}/{relfile} does not match its sha256")
+      path = os.path.join(target, *relfile.split("/"))
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      with open(path, "wb") as f:
+        f.write(data)
+    with _ORBAX_LOCK:
+      tree = _checkpointer().restore(target)
+  names = record["state_names"]
+  parts = {}
+  for part in ("theta", "outer"):
+    values = tree.get(part, {}) or {}
+    if len(values) != len(names[part]):
+      raise CorruptRecord(f"state {rel}: {part} holds {len(values)} arrays, the record names"
+                          f" {len(names[part])}")
+    parts[part] = {n: np.asarray(values[f"{i:05d}"]) for i, n in enumerate(names[part])}
+  return FragmentState(int(record["version"]), parts["theta"], parts["outer"])
+
+
+def save_update(store: Store, fragment: int, version: int, nonce: str,
+                update: Mapping[str, Any]) -> dict[str, Any]:
+  rel = layout.update_file(fragment, version, nonce)
+  data = payload.dumps(update, {"fragment": fragment, "version": version})
+  store.put(rel, data)
+  return {"update": rel, "update_sha256": sha256(data)}
+
+
+def load_update(store: Store, record: Mapping[str, Any]) -> dict[str, np.ndarray]:
+  rel = record["update"]
+  data = store.get(rel)
+  if sha256(data) != (record.get("sha256") or {}).get("update"):
+    raise CorruptRecord(f"update file {rel} does not match its sha256")
+  entries, _ = payload.loads(data)
+  return entries
+
+
+def write_commit(store: Store, record: dict[str, Any], key: bytes | None) -> bool:
+  """Creates the commit record exclusively; True if this call made the commit."""
+  if key is not None:
+    record = {**record, signing.SIGNATURE: signing.sign_record(key, record)}
+  path = layout.commit(record["fragment"], record["version"])
+  return store.create(path, json.dumps(record, indent=1).encode())
+
+
+def read_commit(store: Store, fragment: int, version: int, key: bytes | None
+                ) -> dict[str, Any]:
+  """The commit record of ``version`` of ``fragment``; FileNotFoundError if uncommitted.
+
+  Raises:
+    CorruptRecord: it does not parse. AuthenticationError: its signature is wrong.
+  """
+  path = layout.commit(fragment, version)
+  data = store.get(path)
+  try:
+    record = json.loads(data)
+  except ValueError as error:
+    raise CorruptRecord(f"{path} is not JSON: {error}") from error
+  if not isinstance(record, dict) or record.get("version") != version or record.get(
+      "fragment") != fragment:
+    raise CorruptRecord(f"{path} does not describe version {version} of fragment {fragment}")
+  if key is not None and not signing.record_signature_ok(key, record):
+    raise AuthenticationError(f"{path} is not signed with the run's key")
+  return record
+
+
+def committed_versions(store: Store, fragment: int) -> list[int]:
+  versions = (layout.commit_version(e) for e in store.list(layout.fragment_dir(fragment)))
+  return sorted(v for v in versions if v is not None)
+
+
+def remove_state(store: Store, fragment_record: Mapping[str, Any]) -> None:
+  """Deletes the files of a state and update that lost the commit race."""
+  for field in ("state", "update"):
+    rel = fragment_record.get(field)
+    if rel:
+      store.delete(rel)
+
+

@@ -1,0 +1,75 @@
+"""``gmjax status RUN``: a run's rounds and learners as plain-text tables."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+  cells = [[str(h) for h in headers]] + [["-" if c is None else str(c) for c in r] for r in rows]
+  widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+  lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+  lines.insert(1, "  ".join("-" * w for w in widths))
+  return lines
+
+
+def _seconds(value: Any) -> str | None:
+  return None if value is None else f"{float(value):.2f}"
+
+
+def format_status(run, *, last: int | None = 50) -> str:
+  """The run's summary, its rounds (the ``last`` ones; None for all) and its learners.
+
+  Args:
+    run: a ``gmjax.mail.Run`` (``gmjax.mail.open(url)``).
+    last: how many of the newest rounds to list.
+
+  Returns:
+    Text: a header, a rounds table (round, fragment, version, step, participants with
+    their weights, rejected, cosine, quorum and sync seconds, closer, commit time) and a
+    learners table (status, step, versions, loss, seconds since the last heartbeat).
+  """
+  status = run.status()
+  rounds = run.rounds()
+  shown = rounds if last is None else rounds[-last:]
+  lines = [
+      f"run {status['run']}: {status['parameters']:,} parameters in {status['leaves']}"
+      f" leaves, {status['fragments']} fragment(s), sync every {status['sync_every']}"
+      f" steps{', signed' if status['signed'] else ''}",
+      f"rounds committed: {status['rounds']} (latest step {status['latest_step']}),"
+      f" versions {status['versions']}",
+      "",
+  ]
+  rows = []
+  for r in shown:
+    participants = " ".join(f"{p['learner']}:{p['weight']:.3f}" for p in r["participants"])
+    rejected = " ".join(f"{x['learner']}({x['reason'][:40]})" for x in r.get("rejected", []))
+    rows.append([
+        r["round"], r["fragment"], r["version"], r["step"], len(r["participants"]),
+        participants or "(none: no outer step)", rejected or None,
+        None if r.get("cosine") is None else f"{r['cosine']:.4f}",
+        _seconds(r.get("quorum_seconds")), _seconds(r.get("sync_seconds")),
+        r.get("closer"), r.get("committed_at"),
+    ])
+  if rows:
+    if len(shown) < len(rounds):
+      lines.append(f"(the last {len(shown)} of {len(rounds)} rounds)")
+    lines += _table(["round", "frag", "ver", "step", "n", "weights", "rejected", "cosine",
+                     "quorum_s", "sync_s", "closer", "committed_at"], rows)
+  else:
+    lines.append("no rounds committed yet")
+  lines.append("")
+  learner_rows = [
+      [l["name"], l["status"], l["step"], l["first_round"],
+       " ".join(f"{f}:{v}" for f, v in sorted((l.get("versions") or {}).items())) or None,
+       None if l.get("loss") is None else f"{l['loss']:.4f}",
+       _seconds(l["seconds_since_seen"])]
+      for l in status["learners"]
+  ]
+  if learner_rows:
+    lines += _table(["learner", "status", "step", "first_round", "versions", "loss",
+                     "seen_s_ago"], learner_rows)
+  else:
+    lines.append("no learners have joined")
+  return "\n".join(lines)

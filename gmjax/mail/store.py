@@ -1,0 +1,329 @@
+"""Object storage for a run: a local directory, ``memory://`` or any fsspec URL.
+
+A ``Store`` offers the few operations the mail protocol needs, each atomic: ``put``
+(the object appears complete or not at all), ``create`` (exclusive: exactly one of any
+number of racing writers succeeds), ``get``, ``list`` and ``delete``. Transient errors
+(connection resets, timeouts, HTTP 429/5xx) are retried with exponential backoff and
+jitter until the store's ``retry_seconds`` run out.
+
+Exclusive create, by backend:
+
+* local directory: write a temporary file beside the target, ``fsync`` it, then
+  ``os.link`` it to the final name, which fails if the name exists; the name never
+  shows a partial file.
+* ``gs://`` (gcsfs): one upload request with ``ifGenerationMatch=0``.
+* ``memory://``: a lock around check-and-write (the memory filesystem lives in one
+  process).
+* other fsspec URLs: the filesystem's ``mode="create"`` upload.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import fsspec
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_MEMORY_LOCK = threading.Lock()
+_TRANSIENT_ERRNOS = frozenset(
+    {errno.EAGAIN, errno.EBUSY, errno.EINTR, errno.ETIMEDOUT, errno.ECONNRESET,
+     errno.ECONNABORTED, errno.ECONNREFUSED, errno.EPIPE}
+)
+_TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
+
+
+def is_transient(error: BaseException) -> bool:
+  """Whether a storage error is worth retrying (a timeout, reset or HTTP 429/5xx)."""
+  if isinstance(error, (FileNotFoundError, FileExistsError, PermissionError,
+                        IsADirectoryError, NotADirectoryError)):
+    return False
+  if isinstance(error, (ConnectionError, TimeoutError, InterruptedError)):
+    return True
+  if isinstance(error, OSError) and error.errno in _TRANSIENT_ERRNOS:
+    return True
+  code = getattr(error, "code", None)
+  if isinstance(code, int) and code in _TRANSIENT_HTTP:
+    return True
+  # aiohttp and requests errors (gcsfs) without importing either.
+  return type(error).__name__ in {
+      "ClientConnectionError", "ClientOSError", "ServerDisconnectedError",
+      "ServerTimeoutError", "ClientPayloadError", "ConnectionError", "ReadTimeout",
+  }
+
+
+class Store:
+  """Atomic object storage under one root URL.
+
+  Paths are ``/``-separated and relative to the root (``rounds/3/a.safetensors``).
+
+  Attributes:
+    url: the root, as given.
+    retry_seconds: how long transient errors are retried before they propagate.
+  """
+
+  def __init__(self, url: str, *, retry_seconds: float = 30.0):
+    self.url = url
+    self.retry_seconds = float(retry_seconds)
+
+  # Implemented per backend.
+
+  def _put(self, path: str, data: bytes) -> None:
+    raise NotImplementedError
+
+  def _create(self, path: str, data: bytes) -> None:
+    """Writes ``data`` at ``path`` if nothing is there; raises FileExistsError if it is."""
+    raise NotImplementedError
+
+  def _get(self, path: str) -> bytes:
+    raise NotImplementedError
+
+  def _list(self, prefix: str) -> list[str]:
+    raise NotImplementedError
+
+  def _delete(self, path: str) -> None:
+    raise NotImplementedError
+
+  @property
+  def local_root(self) -> str | None:
+    """The directory of a local store (Orbax writes there directly), else None."""
+    return None
+
+  # The retried public operations.
+
+  def _retry(self, what: str, path: str, call: Callable[[], T]) -> T:
+    deadline = time.monotonic() + self.retry_seconds
+    delay = 0.02
+    while True:
+      try:
+        return call()
+      except Exception as error:  # pylint: disable=broad-except
+        if not is_transient(error) or time.monotonic() + delay > deadline:
+          raise
+        log.warning("transient storage error on %s %s/%s, retrying in %.2fs: %r",
+                    what, self.url, path, delay, error)
+        time.sleep(delay * (0.5 + random.random()))
+        delay = min(delay * 2, 2.0)
+
+  def put(self, path: str, data: bytes) -> None:
+    """Writes ``data`` at ``path``, replacing what was there, atomically."""
+    self._retry("put", path, lambda: self._put(path, bytes(data)))
+
+  def create(self, path: str, data: bytes) -> bool:
+    """Writes ``data`` at ``path`` only if nothing is there.
+
+    A retried request whose first attempt did land finds its own bytes there; that
+    counts as created.
+
+    Returns:
+      True if this call created the object, False if another writer had.
+    """
+    data = bytes(data)
+    try:
+      self._retry("create", path, lambda: self._create(path, data))
+      return True
+    except FileExistsError:
+      try:
+        return self.get(path) == data
+      except FileNotFoundError:
+        # Exists, then vanished: only a delete by hand does that; report the loss.
+        return False
+
+  def get(self, path: str) -> bytes:
+    """The bytes at ``path``; FileNotFoundError if there are none."""
+    return self._retry("get", path, lambda: self._get(path))
+
+  def exists(self, path: str) -> bool:
+    try:
+      self.get(path)
+    except FileNotFoundError:
+      return False
+    return True
+
+  def list(self, prefix: str) -> list[str]:
+    """Names (not paths) of the entries directly under ``prefix``, sorted; [] if none."""
+    return self._retry("list", prefix, lambda: sorted(self._list(prefix.strip("/"))))
+
+  def delete(self, path: str) -> None:
+    """Removes the object at ``path`` (or the tree under it); no error if absent."""
+    self._retry("delete", path, lambda: self._delete(path.strip("/")))
+
+  def __repr__(self) -> str:
+    return f"{type(self).__name__}({self.url!r})"
+
+
+class LocalStore(Store):
+  """A directory on a local (or network-mounted, POSIX) filesystem."""
+
+  def __init__(self, url: str, **kwargs: Any):
+    super().__init__(url, **kwargs)
+    root = url[len("file://"):] if url.startswith("file://") else url
+    self.root = os.path.abspath(os.path.expanduser(root))
+
+  @property
+  def local_root(self) -> str:
+    return self.root
+
+  def _path(self, path: str) -> str:
+    return os.path.join(self.root, *path.strip("/").split("/"))
+
+  def _temporary(self, target: str, data: bytes) -> str:
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    temporary = f"{target}.{uuid.uuid4().hex}.tmp"
+    with open(temporary, "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    return temporary
+
+  def _sync_dir(self, directory: str) -> None:
+    try:
+      fd = os.open(directory, os.O_RDONLY)
+    except OSError as error:
+      log.debug("cannot open %s to fsync it: %r", directory, error)
+      return
+    try:
+      os.fsync(fd)
+    except OSError as error:  # some filesystems refuse fsync on a directory
+      log.debug("fsync of directory %s failed: %r", directory, error)
+    finally:
+      os.close(fd)
+
+  def _put(self, path: str, data: bytes) -> None:
+    target = self._path(path)
+    temporary = self._temporary(target, data)
+    try:
+      os.replace(temporary, target)
+    except BaseException:
+      _unlink_quietly(temporary)
+      raise
+    self._sync_dir(os.path.dirname(target))
+
+  def _create(self, path: str, data: bytes) -> None:
+    target = self._path(path)
+    temporary = self._temporary(target, data)
+    try:
+      os.link(temporary, target)
+    finally:
+      _unlink_quietly(temporary)
+    self._sync_dir(os.path.dirname(target))
+
+  def _get(self, path: str) -> bytes:
+    target = self._path(path)
+    if os.path.isdir(target):
+      raise FileNotFoundError(target)
+    with open(target, "rb") as f:
+      return f.read()
+
+  def _list(self, prefix: str) -> list[str]:
+    try:
+      names = os.listdir(self._path(prefix))
+    except (FileNotFoundError, NotADirectoryError):
+      return []
+    return [n for n in names if not n.endswith(".tmp")]
+
+  def _delete(self, path: str) -> None:
+    import shutil  # pylint: disable=g-import-not-at-top
+
+    target = self._path(path)
+    if os.path.isdir(target):
+      shutil.rmtree(target, ignore_errors=True)
+    else:
+      _unlink_quietly(target)
+
+
+class FsspecStore(Store):
+  """Any fsspec filesystem: ``memory://``, ``gs://`` (gcsfs) and others."""
+
+  def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None,
+               **kwargs: Any):
+    super().__init__(url, **kwargs)
+    options = dict(storage_options or {})
+    protocol = url.split("://", 1)[0]
+    if protocol in ("gs", "gcs"):
+      options.setdefault("use_listings_cache", False)
+      if os.environ.get("STORAGE_EMULATOR_HOST"):
+        options.setdefault("token", "anon")
+    self.fs, root = fsspec.core.url_to_fs(url, **options)
+    self.root = root.rstrip("/")
+    self.protocol = protocol
+    self._memory = protocol == "memory"
+
+  def _path(self, path: str) -> str:
+    path = path.strip("/")
+    return f"{self.root}/{path}" if path else self.root
+
+  def _put(self, path: str, data: bytes) -> None:
+    self.fs.pipe_file(self._path(path), data)
+
+  def _create(self, path: str, data: bytes) -> None:
+    target = self._path(path)
+    if self._memory:
+      with _MEMORY_LOCK:
+        if self.fs.exists(target):
+          raise FileExistsError(target)
+        self.fs.pipe_file(target, data)
+      return
+    self.fs.pipe_file(target, data, mode="create")
+
+  def _get(self, path: str) -> bytes:
+    return self.fs.cat_file(self._path(path))
+
+  def _list(self, prefix: str) -> list[str]:
+    target = self._path(prefix)
+    self.fs.invalidate_cache(target)
+    try:
+      entries = self.fs.ls(target, detail=False)
+    except (FileNotFoundError, NotADirectoryError):
+      return []
+    names = []
+    for entry in entries:
+      name = str(entry).rstrip("/").rsplit("/", 1)[-1]
+      if name and str(entry).rstrip("/") != target.rstrip("/"):
+        names.append(name)
+    return sorted(set(names))
+
+  def _delete(self, path: str) -> None:
+    target = self._path(path)
+    try:
+      self.fs.rm(target, recursive=True)
+    except FileNotFoundError:
+      pass
+    self.fs.invalidate_cache(target)
+
+
+def open_store(url: str, *, retry_seconds: float = 30.0,
+               storage_options: dict[str, Any] | None = None) -> Store:
+  """The store for ``url``: a local directory (a path or ``file://``) or an fsspec URL.
+
+  Args:
+    url: ``/path/to/run``, ``file:///path``, ``memory://run``, ``gs://bucket/run``, ...
+    retry_seconds: how long transient errors are retried.
+    storage_options: passed to the fsspec filesystem (e.g. ``{"token": ...}`` for gcsfs).
+
+  Raises:
+    TypeError: ``url`` is not a string.
+  """
+  if not isinstance(url, (str, os.PathLike)):
+    raise TypeError(f"url must be a path or URL string, got {type(url).__name__}: {url!r}")
+  url = os.fspath(url)
+  if "://" not in url or url.startswith("file://"):
+    return LocalStore(url, retry_seconds=retry_seconds)
+  return FsspecStore(url, retry_seconds=retry_seconds, storage_options=storage_options)
+
+
+def _unlink_quietly(path: str) -> None:
+  try:
+    os.unlink(path)
+  except FileNotFoundError:
+    pass  # already gone: nothing to clean up
