@@ -1,0 +1,99 @@
+"""Shared set-up of the ``gmjax.diloco`` tests: a few learners on quadratic losses."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import gmjax
+import transform_reference as reference
+
+SHAPES = {"a": (8,), "b": (4, 3), "c": (40,)}
+# The plan of SHAPES by bytes, written out: fragments sorted by their first name.
+PLANS = {1: [("a", "b", "c")], 3: [("a",), ("b",), ("c",)]}
+
+
+def make_setup(learners=3, fragments=3, steps=13, tokens=False, seed=0, **settings):
+  rng = np.random.default_rng(seed)
+  draw = lambda scale: {n: (scale * rng.standard_normal(s)).astype(np.float32)
+                        for n, s in SHAPES.items()}
+  setup = reference.Setup(
+      theta0=[draw(1.0) for _ in range(learners)],
+      targets=[draw(2.0) for _ in range(learners)],
+      curvature=[0.5 + 0.25 * m for m in range(learners)],
+      plan=PLANS[fragments],
+      tokens=(rng.integers(1, 9, size=(steps, learners)).astype(np.float32)
+              if tokens else None),
+      **settings,
+  )
+  return setup
+
+
+def config_of(setup) -> gmjax.DiLoCo:
+  return gmjax.DiLoCo(
+      sync_every=setup.sync_every,
+      fragments=len(setup.plan),
+      outer_learning_rate=setup.outer_lr,
+      outer_momentum=setup.outer_momentum,
+      nesterov=setup.nesterov,
+      delta_precision=setup.delta_precision,
+      commit_precision=setup.commit_precision,
+      mixing=setup.mixing,
+      overlap_steps=setup.overlap,
+  )
+
+
+def stacked(setup, what="theta0", dtype=jnp.float32):
+  trees = getattr(setup, what)
+  return {n: jnp.stack([jnp.asarray(t[n], dtype) for t in trees]) for n in SHAPES}
+
+
+def grads_of(params, targets, curvature):
+  """The reference's gradient ``c·(θ − target)`` in the parameters' dtype."""
+  return jax.tree.map(
+      lambda p, t: (jnp.asarray(curvature, jnp.float32) * (p - t)).astype(p.dtype),
+      params, targets,
+  )
+
+
+def learner_step(optimizer, with_tokens=True):
+  """One learner's step: gradient, ``optimizer.update`` (tokens or none), apply."""
+
+  def step(params, state, targets, curvature, tokens):
+    grads = grads_of(params, targets, curvature)
+    extra = {"tokens": tokens} if with_tokens else {}
+    updates, state = optimizer.update(grads, state, params, **extra)
+    return optax.apply_updates(params, updates), state
+
+  return step
+
+
+def tokens_at(setup, t):
+  learners = len(setup.curvature)
+  if setup.tokens is None:
+    return jnp.ones(learners, jnp.float32)
+  return jnp.asarray(setup.tokens[t], jnp.float32)
+
+
+def run_vmap(setup, steps, dtype=jnp.float32):
+  """Runs ``setup`` with ``M`` learners under ``jax.vmap``; returns params, state, step."""
+  optimizer = gmjax.diloco(optax.sgd(setup.lr), config_of(setup), axis_name="learner")
+  params = stacked(setup, dtype=dtype)
+  targets = stacked(setup, "targets", dtype)
+  curvature = jnp.asarray(setup.curvature, jnp.float32)
+  state = jax.vmap(optimizer.init)(params)
+  step = jax.jit(jax.vmap(learner_step(optimizer, setup.tokens is not None),
+                          axis_name="learner"))
+  for t in range(steps):
+    params, state = step(params, state, targets, curvature, tokens_at(setup, t))
+  return params, state, step
+
+
+def assert_tree_close(actual, expected, rtol=1e-5, atol=1e-6, what=""):
+  for name in expected:
+    np.testing.assert_allclose(
+        np.asarray(actual[name], np.float32), np.asarray(expected[name], np.float32),
+        rtol=rtol, atol=atol, err_msg=f"{what} leaf {name}",
+    )

@@ -1,0 +1,155 @@
+"""A plain-numpy DiLoCo / Streaming DiLoCo loop that the in-mesh transformation must match.
+
+Written from the algorithm's definition alone (no gmjax code): M learners run SGD on
+quadratic losses; every fragment syncs on the staggered schedule, the deltas travel
+through a numpy model of the wire codec, the outer Nesterov/momentum SGD runs on an F32
+master, and the merge (mixing the learner's current fragment with the new anchor) lands
+``overlap`` steps after the sync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+
+F32 = np.float32
+_QMAX = {"F8_E4M3": 448.0, "F4": 6.0, "I4": 7.0}
+_CASTS = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+
+
+def wire(x: np.ndarray, precision, dtype=np.float32) -> np.ndarray:
+  """What an F32 array reads as after travelling at ``precision`` (None: ``dtype``)."""
+  x = np.asarray(x, F32)
+  if precision is None:
+    return x.astype(dtype).astype(F32)
+  if precision in _CASTS:
+    return x.astype(_CASTS[precision]).astype(F32)
+  flat = x.reshape(-1)
+  n = flat.size
+  blocks = np.zeros(-(-n // 32) * 32, F32)
+  blocks[:n] = flat
+  blocks = blocks.reshape(-1, 32)
+  scale = (np.max(np.abs(blocks), axis=1) / F32(_QMAX[precision])).astype(F32)
+  safe = np.where(scale > 0, scale, F32(1))
+  scaled = np.where(scale[:, None] > 0, blocks / safe[:, None], F32(0)).astype(F32)
+  qmax = _QMAX[precision]
+  if precision == "F8_E4M3":
+    codes = np.clip(scaled, -qmax, qmax).astype(ml_dtypes.float8_e4m3fn).astype(F32)
+  elif precision == "F4":
+    codes = np.clip(scaled, -qmax, qmax).astype(ml_dtypes.float4_e2m1fn).astype(F32)
+  else:
+    codes = np.clip(np.round(scaled), -qmax, qmax).astype(F32)
+  return (codes * scale[:, None]).astype(F32).reshape(-1)[:n].reshape(x.shape)
+
+
+def step_of(r: int, sync_every: int, fragments: int) -> int:
+  cycle, position = divmod(r, fragments)
+  return cycle * sync_every + (position + 1) * sync_every // fragments
+
+
+@dataclasses.dataclass
+class Setup:
+  """Learners, losses and the algorithm's settings."""
+
+  theta0: list            # per learner: dict name -> array (learner 0's is used)
+  targets: list           # per learner: dict name -> array
+  curvature: list         # per learner: float
+  plan: list              # fragments: tuples of names
+  sync_every: int = 4
+  lr: float = 0.1
+  outer_lr: float = 0.7
+  outer_momentum: float = 0.9
+  nesterov: bool = True
+  delta_precision: object = None
+  commit_precision: object = None
+  mixing: float = 0.0
+  overlap: int = 0
+  tokens: object = None    # None, or array [steps, M]
+  dtype: object = np.float32
+
+
+def gradient(setup: Setup, m: int, theta: dict) -> dict:
+  """Gradient of ``0.5·c_m·Σ‖θ − target_m‖²``."""
+  c = F32(setup.curvature[m])
+  return {n: (c * (theta[n] - setup.targets[m][n])).astype(theta[n].dtype) for n in theta}
+
+
+def run(setup: Setup, steps: int) -> dict:
+  """Trains ``steps`` steps; returns each learner's θ, the anchor, master, momentum, log."""
+  learners = len(setup.theta0)
+  dtype = setup.dtype
+  start = {n: np.asarray(v, dtype) for n, v in setup.theta0[0].items()}
+  theta = [{n: v.copy() for n, v in start.items()} for _ in range(learners)]
+  anchor = {n: v.copy() for n, v in start.items()}
+  master = {n: v.astype(F32) for n, v in start.items()}
+  momentum = {n: np.zeros(v.shape, F32) for n, v in start.items()}
+  counted = np.zeros((learners, len(setup.plan)), np.float64)
+  fragments = len(setup.plan)
+  syncs = {step_of(r, setup.sync_every, fragments): r % fragments
+           for r in range(steps * fragments // setup.sync_every + fragments + 1)}
+  merges: dict[int, list] = {}
+  log = []
+  own = [{n: np.asarray(v, dtype) for n, v in t0.items()} for t0 in setup.theta0]
+  for t in range(1, steps + 1):
+    for m in range(learners):
+      # The first gradients were taken at each learner's own start; the update then
+      # applies them to learner 0's parameters, which every learner adopts.
+      g = gradient(setup, m, own[m] if t == 1 else theta[m])
+      theta[m] = {n: (theta[m][n] - F32(setup.lr) * g[n]).astype(dtype) for n in theta[m]}
+      counted[m] += 1.0 if setup.tokens is None else setup.tokens[t - 1][m]
+    if t in syncs:
+      f = syncs[t]
+      names = setup.plan[f]
+      deltas = [
+          {n: wire(anchor[n].astype(F32) - theta[m][n].astype(F32), setup.delta_precision,
+                   dtype) for n in names}
+          for m in range(learners)
+      ]
+      total = counted[:, f].sum()
+      weights = counted[:, f] / total if total > 0 else np.full(learners, 1.0 / learners)
+      g = {n: np.zeros(anchor[n].shape, F32) for n in names}
+      for m in range(learners):
+        for n in names:
+          g[n] = (g[n] + F32(weights[m]) * deltas[m][n]).astype(F32)
+      finite = all(np.all(np.isfinite(g[n])) for n in names)
+      if finite:
+        mu, eta = F32(setup.outer_momentum), F32(setup.outer_lr)
+        for n in names:
+          momentum[n] = (mu * momentum[n] + g[n]).astype(F32)
+          step = g[n] + mu * momentum[n] if setup.nesterov else momentum[n]
+          master[n] = (master[n] - eta * step).astype(F32)
+          if setup.commit_precision is None:
+            anchor[n] = master[n].astype(dtype)
+          else:
+            change = wire(master[n] - anchor[n].astype(F32), setup.commit_precision)
+            anchor[n] = (anchor[n].astype(F32) + change).astype(dtype)
+      counted[:, f] = 0
+      merges.setdefault(t + setup.overlap, []).append((f, finite))
+      log.append(dict(step=t, fragment=f, finite=finite,
+                      delta_norm=float(np.sqrt(sum(np.sum(g[n].astype(np.float64) ** 2)
+                                                   for n in names))),
+                      cosine=_cosine(deltas, names)))
+    for f, finite in merges.pop(t, []):
+      for m in range(learners):
+        for n in setup.plan[f]:
+          if finite:
+            mixed = (F32(setup.mixing) * theta[m][n].astype(F32)
+                     + F32(1 - setup.mixing) * anchor[n].astype(F32))
+            theta[m][n] = mixed.astype(dtype)
+          else:
+            theta[m][n] = anchor[n].copy()
+  return dict(theta=theta, anchor=anchor, master=master, momentum=momentum, log=log)
+
+
+def _cosine(deltas, names):
+  vectors = [np.concatenate([d[n].reshape(-1) for n in names]).astype(np.float64)
+             for d in deltas]
+  values = []
+  for i in range(len(vectors)):
+    for j in range(i + 1, len(vectors)):
+      ni, nj = np.linalg.norm(vectors[i]), np.linalg.norm(vectors[j])
+      if ni > 0 and nj > 0:
+        values.append(vectors[i] @ vectors[j] / (ni * nj))
+  return float(np.mean(values)) if values else float("nan")
