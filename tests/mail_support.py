@@ -1,0 +1,103 @@
+"""Shared pieces of the mail tests: a tiny model, inner steps in numpy, learner threads."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+POLL = 0.02
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mail_worker.py")
+
+
+def params0():
+  return {
+      "a": np.linspace(-1.0, 1.0, 12, dtype=np.float32).reshape(4, 3),
+      "b": np.ones((5,), np.float32),
+      "c": np.full((2, 2), 0.5, np.float32),
+  }
+
+
+def target(index: int) -> dict[str, np.ndarray]:
+  rng = np.random.default_rng(100 + index)
+  return {k: rng.normal(size=v.shape).astype(np.float32) for k, v in params0().items()}
+
+
+def inner(params, goal, lr=0.1):
+  """One plain SGD step on ``0.5·|p − goal|²``, in float32 numpy."""
+  return {k: (np.asarray(v, np.float32) - np.float32(lr) * (np.asarray(v, np.float32) - goal[k]))
+          .astype(np.float32) for k, v in params.items()}
+
+
+def train(run, name, index, steps, *, tokens=None, out=None, poll=POLL, close=True,
+          started=None, wait_timeout=60.0):
+  """A learner's training loop: pull, ``steps`` inner steps, close; the result in ``out``."""
+  learner = run.join(name, poll_interval=poll, wait_timeout=wait_timeout)
+  params = learner.pull(params0())
+  if started is not None:
+    started.set()
+  goal = target(index)
+  for _ in range(steps):
+    params = inner(params, goal)
+    params = learner.step(params, tokens=tokens)
+  if close:
+    params = learner.close(params)
+  if out is not None:
+    out[name] = params
+  return learner, params
+
+
+class Threads:
+  """Runs callables in threads and re-raises the first failure on ``join``."""
+
+  def __init__(self):
+    self.threads, self.errors = [], []
+
+  def start(self, fn, *args, **kwargs):
+    def body():
+      try:
+        fn(*args, **kwargs)
+      except BaseException as error:  # pylint: disable=broad-except
+        self.errors.append(error)
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    self.threads.append(thread)
+
+  def join(self, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    for thread in self.threads:
+      thread.join(max(0.0, deadline - time.monotonic()))
+    if self.errors:
+      raise self.errors[0]
+    alive = [t for t in self.threads if t.is_alive()]
+    if alive:
+      raise TimeoutError(f"{len(alive)} learner thread(s) still running after {timeout}s")
+
+
+def spawn(url, name, index, steps, *, mode="normal", poll=POLL, step_sleep=0.0):
+  """A learner in its own process (``mail_worker.py``)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  return subprocess.Popen(
+      [sys.executable, WORKER, url, name, str(index), str(steps), mode, str(poll),
+       str(step_sleep)],
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+
+
+def kill(process):
+  if process.poll() is None:
+    process.send_signal(signal.SIGKILL)
+  process.wait(timeout=30)
+
+
+def wait_for(condition, timeout, what):
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if condition():
+      return
+    time.sleep(0.02)
+  raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
