@@ -46,12 +46,78 @@ def packed_size(size: int) -> int:
   return -(-size // 2)
 
 
+_ABS_BITS = 0x7FFFFFFF
+# The |x| from which a cast to each dtype gives infinity (round to nearest even): F16's
+# largest finite value is 65504, BF16's 0x7F7F; halfway to the next power of two rounds up.
+_CAST_LIMIT = {
+    "F32": np.float32(np.inf),
+    "F16": np.float32(65520.0),
+    "BF16": np.frombuffer(np.uint32(0x7F7F8000).tobytes(), np.float32)[0],
+}
+# Magnitudes where an e2m1 code steps up, with whether the tie itself steps (to an even
+# code): 0.25→0, 0.75→1.0, 1.25→1.0, 1.75→2.0, 2.5→2.0, 3.5→4.0, 5.0→4.0.
+_F4_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
+             (3.5, True), (5.0, False))
+
+
 def _blocks(x: jax.Array) -> jax.Array:
   flat = jnp.ravel(x).astype(jnp.float32)
   pad = num_blocks(flat.size) * BLOCK - flat.size
   if pad:
     flat = jnp.pad(flat, (0, pad))
   return flat.reshape(-1, BLOCK)
+
+
+def _abs_bits_max(values: jax.Array, axis=None) -> jax.Array:
+  """The largest ``|x|`` as its int32 bit pattern.
+
+  For non-negative floats the bit patterns order like the values, with Inf above every
+  finite value and NaN above Inf, so an integer max finds the absmax and flags non-finite
+  values in one vectorizable pass (a float max must also propagate NaN, which XLA's CPU
+  backend compiles to much slower code).
+  """
+  bits = lax.bitcast_convert_type(values.astype(jnp.float32), jnp.int32) & _ABS_BITS
+  return jnp.max(bits, axis=axis)
+
+
+def _all_below(value: jax.Array, limit: np.float32) -> jax.Array:
+  """Whether every ``|x| < limit`` (False for NaN)."""
+  below = jnp.abs(value.astype(jnp.float32)) < limit
+  if below.size % BLOCK == 0 and below.size:
+    # Short rows first: XLA's CPU backend reduces them much faster than one long row.
+    return jnp.all(jnp.all(below.reshape(-1, BLOCK), axis=1))
+  return jnp.all(below)
+
+
+def _f4_nibbles(scaled: jax.Array) -> jax.Array:
+  """e2m1 codes (int32 nibbles) of ``scaled``, rounded to nearest even, saturating at 6."""
+  magnitude = jnp.abs(scaled)
+  code = jnp.zeros(scaled.shape, jnp.int32)
+  for step, tie_up in _F4_STEPS:
+    code = code + (magnitude >= step if tie_up else magnitude > step).astype(jnp.int32)
+  negative = lax.bitcast_convert_type(scaled, jnp.int32) < 0
+  return code | jnp.where(negative, 8, 0)
+
+
+def _f4_values(nibbles: jax.Array) -> jax.Array:
+  """F32 values of e2m1 nibbles (int32 in 0..15)."""
+  exponent = (nibbles >> 1) & 3
+  mantissa = nibbles & 1
+  normal = lax.bitcast_convert_type((exponent + 126) << 23 | mantissa << 22, jnp.float32)
+  magnitude = jnp.where(exponent == 0, mantissa.astype(jnp.float32) * 0.5, normal)
+  return jnp.where(nibbles & 8 != 0, -magnitude, magnitude)
+
+
+def _pack_nibbles(nibbles: jax.Array) -> jax.Array:
+  """Packs int32 nibbles (even count) two per byte: element ``2i`` in the low nibble."""
+  pairs = nibbles.reshape(-1, 2)
+  return ((pairs[:, 0] & 0xF) | ((pairs[:, 1] & 0xF) << 4)).astype(jnp.uint8)
+
+
+def _unpack_nibbles(packed: jax.Array) -> jax.Array:
+  """int32 nibbles of packed bytes, low nibble first."""
+  packed = packed.astype(jnp.int32)
+  return jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(-1)
 
 
 def quantize(x: jax.Array, precision: str) -> tuple[jax.Array, jax.Array]:
@@ -64,29 +130,33 @@ def quantize(x: jax.Array, precision: str) -> tuple[jax.Array, jax.Array]:
   Returns:
     ``(codes, scales)``: F8 codes as ``float8_e4m3fn`` of ``x``'s shape; F4/I4 codes packed
     two per byte as ``uint8`` of shape ``(ceil(n/2),)``; scales F32 of shape
-    ``(ceil(n/32),)``. NaN/Inf propagate to the block's scale (``encode`` refuses them).
+    ``(ceil(n/32),)``. NaN/Inf make the block's scale non-finite (``encode`` refuses them).
   """
   if precision not in QUANTIZED:
     raise ValueError(f"quantize: precision={precision!r} is not one of {list(QUANTIZED)}.")
   blocks = _blocks(x)
   qmax = QMAX[precision]
-  scales = jnp.max(jnp.abs(blocks), axis=1) / jnp.float32(qmax)
-  nonzero = scales > 0
-  scaled = jnp.where(
-      nonzero[:, None], blocks / jnp.where(nonzero, scales, 1.0)[:, None], 0.0
-  )
+  absmax = lax.bitcast_convert_type(_abs_bits_max(blocks, axis=1), jnp.float32)
+  # XLA rewrites a division by a broadcast value into a multiplication by its reciprocal,
+  # which rounds twice and moves some quotients by an ulp. Each divisor below depends on
+  # the value it divides, so it is no broadcast and the division stays exact; the values
+  # it takes where it differs (1 for zeros) give the same quotient.
+  scales = absmax / jnp.where(absmax != 0, jnp.float32(qmax), jnp.float32(1))
+  scale = scales[:, None]
+  divisor = jnp.where(blocks != 0, scale, jnp.float32(1))
+  # A zero block, or one whose scale underflows to zero, has all-zero codes.
+  scaled = jnp.where(scale > 0, blocks / divisor, jnp.float32(0))
   size = math.prod(x.shape)
   if precision == "F8_E4M3":
     # float8_e4m3fn has no infinity and does not saturate: 465 would become NaN.
     codes = jnp.clip(scaled, -qmax, qmax).astype(jnp.float8_e4m3fn)
     return codes.reshape(-1)[:size].reshape(x.shape), scales
   if precision == "F4":
-    codes = jnp.clip(scaled, -qmax, qmax).astype(jnp.float4_e2m1fn)
+    nibbles = _f4_nibbles(scaled)
   else:
-    codes = jnp.clip(jnp.round(scaled), -qmax, qmax).astype(jnp.int4)
-  # Blocks are 32 long, so the padded codes pair up; element 2i lands in the low nibble.
-  packed = lax.bitcast_convert_type(codes.reshape(-1, 2), jnp.uint8)
-  return packed[: packed_size(size)], scales
+    nibbles = jnp.clip(jnp.round(scaled), -qmax, qmax).astype(jnp.int32)
+  # Blocks are 32 long, so the padded codes pair up.
+  return _pack_nibbles(nibbles)[: packed_size(size)], scales
 
 
 def dequantize(
@@ -111,9 +181,14 @@ def dequantize(
     pad = blocks * BLOCK // 2 - packed.size
     if pad:
       packed = jnp.pad(packed, (0, pad))
-    kind = jnp.float4_e2m1fn if precision == "F4" else jnp.int4
-    values = lax.bitcast_convert_type(packed, kind).reshape(-1).astype(jnp.float32)
+    nibbles = _unpack_nibbles(packed)
+    if precision == "F4":
+      values = _f4_values(nibbles)
+    else:
+      values = ((nibbles << 28) >> 28).astype(jnp.float32)  # sign-extend two's complement
   values = values.reshape(blocks, BLOCK) * jnp.asarray(scales, jnp.float32)[:, None]
+  if blocks * BLOCK == size:
+    return values.reshape(shape)
   return values.reshape(-1)[:size].reshape(shape)
 
 
@@ -148,16 +223,21 @@ def _encode_values(values, dtypes, precision):
       entries[name], entries[scale_name(name)] = codes, scales
       finite[name] = jnp.all(jnp.isfinite(scales))
     else:
-      target = _JNP[precision if precision is not None else dtypes[name]]
-      encoded = jnp.asarray(value).astype(target)
-      entries[name] = encoded
-      finite[name] = jnp.all(jnp.isfinite(encoded))
+      code = precision if precision is not None else dtypes[name]
+      value = jnp.asarray(value)
+      entries[name] = value.astype(_JNP[code])
+      # Judged on the input, so the check reads what the cast reads: a value the cast
+      # turns into an infinity is as bad as one that already was.
+      finite[name] = _all_below(value, _CAST_LIMIT[code])
   return entries, finite
 
 
-@functools.partial(jax.jit, static_argnames=("dtypes", "precision"))
-def _encode_jit(values, dtypes, precision):
-  return _encode_values(values, dict(dtypes), precision)
+@functools.partial(jax.jit, static_argnames=("dtypes", "precision", "unchanged"))
+def _encode_jit(values, dtypes, precision, unchanged=()):
+  entries, finite = _encode_values(values, dict(dtypes), precision)
+  # A value already in its payload dtype is its own entry: returning it from here would
+  # only copy it.
+  return {n: e for n, e in entries.items() if n not in unchanged}, finite
 
 
 def encode_flat(
@@ -180,7 +260,14 @@ def encode_flat(
     dtypes = tuple(sorted((n, schema[n].dtype) for n in values))
   else:
     dtypes = tuple(sorted((n, dtype_code(v.dtype, what=f"leaf {n!r}")) for n, v in values.items()))
-  entries, finite = _encode_jit(values, dtypes, precision)
+  unchanged = ()
+  if precision not in QUANTIZED:
+    unchanged = tuple(
+        name for name, code in dtypes
+        if values[name].dtype == _JNP[precision or code]
+    )
+  entries, finite = _encode_jit(values, dtypes, precision, unchanged)
+  entries.update({name: values[name] for name in unchanged})
   if check_finite:
     finite = jax.device_get(finite)
     bad = sorted(name for name, ok in finite.items() if not ok)
@@ -222,7 +309,19 @@ def decode_flat(
   missing = [n for n in wanted if n not in entries]
   if missing:
     raise KeyError(f"payload lacks entries {missing}")
-  return _decode_jit({n: entries[n] for n in wanted}, schema.parameters, precision)
+  if precision in QUANTIZED:
+    return _decode_jit({n: entries[n] for n in wanted}, schema.parameters, precision)
+  # An F32 entry of the right shape already is its value; decoding would only copy it.
+  unchanged = {
+      spec.name: entries[spec.name] for spec in schema.parameters
+      if isinstance(entries[spec.name], jax.Array)
+      and entries[spec.name].dtype == jnp.float32
+      and tuple(entries[spec.name].shape) == spec.shape
+  }
+  rest = tuple(spec for spec in schema.parameters if spec.name not in unchanged)
+  values = _decode_jit({s.name: entries[s.name] for s in rest}, rest, precision) if rest else {}
+  return {spec.name: (unchanged.get(spec.name) if spec.name in unchanged else values[spec.name])
+          for spec in schema.parameters}
 
 
 def encode(tree: Any, precision: Precision) -> dict[str, jax.Array]:

@@ -1,0 +1,286 @@
+"""The codec against a numpy + ml_dtypes reference: exact bytes, error bounds, refusals."""
+
+import math
+
+import hypothesis
+import hypothesis.extra.numpy as hnp
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import gmjax
+from gmjax.core import codec
+
+QMAX = {"F8_E4M3": 448.0, "F4": 6.0, "I4": 7.0}
+F4_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+
+
+def reference_quantize(x, precision):
+  """Codes and scales per SPEC section 4, in numpy: (code bytes as uint8, scales)."""
+  qmax = np.float32(QMAX[precision])
+  flat = np.ravel(np.asarray(x, np.float32))
+  n = flat.size
+  blocks = np.zeros(-(-n // 32) * 32, np.float32)
+  blocks[:n] = flat
+  blocks = blocks.reshape(-1, 32)
+  scales = (np.max(np.abs(blocks), axis=1) / qmax).astype(np.float32)
+  with np.errstate(divide="ignore", invalid="ignore"):
+    scaled = np.where(scales[:, None] > 0, blocks / scales[:, None], np.float32(0))
+  scaled = np.clip(scaled.astype(np.float32), -qmax, qmax)
+  if precision == "F8_E4M3":
+    codes = scaled.astype(ml_dtypes.float8_e4m3fn).reshape(-1)[:n]
+    return codes.view(np.uint8).reshape(np.shape(x)), scales
+  if precision == "F4":
+    # ml_dtypes stores one float4 per byte; reading it as uint8 keeps the high nibble's
+    # garbage for negative values, so mask it.
+    nibbles = scaled.astype(ml_dtypes.float4_e2m1fn).reshape(-1).view(np.uint8) & 0x0F
+  else:
+    nibbles = np.rint(scaled).astype(np.int8).reshape(-1).view(np.uint8) & 0x0F
+  packed = (nibbles[0::2] | (nibbles[1::2] << 4)).astype(np.uint8)
+  return packed[: -(-n // 2)], scales
+
+
+def reference_dequantize(code_bytes, scales, shape, precision):
+  n = math.prod(shape)
+  if precision == "F8_E4M3":
+    values = code_bytes.reshape(-1).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  else:
+    nibbles = np.empty(code_bytes.size * 2, np.uint8)
+    nibbles[0::2] = code_bytes & 0x0F
+    nibbles[1::2] = code_bytes >> 4
+    if precision == "F4":
+      values = nibbles.view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    else:
+      values = ((nibbles.astype(np.int8) << 4) >> 4).astype(np.float32)
+  values = values[:n]
+  block_scales = np.repeat(scales, 32)[:n]
+  return (values * block_scales).astype(np.float32).reshape(shape)
+
+
+def code_bytes(codes):
+  codes = np.asarray(codes)
+  return codes.view(np.uint8) if codes.dtype == ml_dtypes.float8_e4m3fn else codes
+
+
+def check_against_reference(x, precision):
+  x = np.asarray(x, np.float32)
+  codes, scales = gmjax.quantize(jnp.asarray(x), precision)
+  want_codes, want_scales = reference_quantize(x, precision)
+  if precision == "F8_E4M3":
+    assert codes.dtype == jnp.float8_e4m3fn and codes.shape == x.shape
+  else:
+    assert codes.dtype == jnp.uint8 and codes.shape == (-(-x.size // 2),)
+  assert scales.dtype == jnp.float32 and scales.shape == (-(-x.size // 32),)
+  np.testing.assert_array_equal(code_bytes(codes), want_codes)
+  np.testing.assert_array_equal(np.asarray(scales).view(np.uint32), want_scales.view(np.uint32))
+  back = gmjax.dequantize(codes, scales, x.shape, precision)
+  assert back.dtype == jnp.float32 and back.shape == x.shape
+  want = reference_dequantize(want_codes, want_scales, x.shape, precision)
+  np.testing.assert_array_equal(np.asarray(back), want)
+
+
+PRECISIONS = ("F8_E4M3", "F4", "I4")
+SHAPES = [(1,), (31,), (32,), (33,), (65,), (3, 5), (4, 8, 3), (2, 3, 5, 7), ()]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_quantize_matches_reference(precision, shape):
+  rng = np.random.default_rng(hash((precision, shape)) % 2**32)
+  x = rng.standard_normal(shape).astype(np.float32) * rng.choice([1e-3, 1.0, 50.0])
+  check_against_reference(x, precision)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_special_blocks(precision):
+  x = np.zeros(32 * 8 + 5, np.float32)
+  x[32:64] = -0.0  # a zero block of negative zeros: still scale 0 and zero codes
+  x[64:96] = np.float32(3e38) * np.sign(np.arange(32) - 15.5)  # huge magnitudes
+  x[96:128] = np.linspace(-1e-30, 1e-30, 32)  # tiny, scales stay normal floats
+  x[128:160] = [0.5, -1.0] * 16  # exact grid points and halfway cases
+  x[160:192] = np.arange(32) / 31.0 * 7.5 - 3.75
+  x[192:224] = 448.0 * np.linspace(-1, 1, 32)
+  x[224:256] = np.float32(1.0) / (np.arange(32) + 1)
+  x[256:] = [1.0, -2.0, 0.0, 5.0, -0.0]
+  check_against_reference(x, precision)
+  codes, scales = gmjax.quantize(jnp.asarray(x), precision)
+  assert float(scales[0]) == 0 and float(scales[1]) == 0
+  if precision == "F8_E4M3":
+    assert not np.any(code_bytes(codes)[:64])
+  else:
+    assert not np.any(np.asarray(codes)[:32])
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_every_code_roundtrips(precision):
+  """Each representable code times a scale encodes to itself."""
+  if precision == "F8_E4M3":
+    grid = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    grid = grid[np.isfinite(grid)]
+  elif precision == "F4":
+    grid = np.concatenate([F4_GRID, -F4_GRID])
+  else:
+    grid = np.arange(-7, 8, dtype=np.float32)
+  qmax = QMAX[precision]
+  for start in range(0, grid.size, 31):
+    block = np.zeros(32, np.float32)
+    block[0] = qmax  # fixes the scale at exactly 1
+    chunk = grid[start : start + 31]
+    block[1 : 1 + chunk.size] = chunk
+    check_against_reference(block, precision)
+    codes, scales = gmjax.quantize(jnp.asarray(block), precision)
+    assert float(scales[0]) == 1.0
+    np.testing.assert_array_equal(
+        np.asarray(gmjax.dequantize(codes, scales, block.shape, precision)), block
+    )
+
+
+def test_f8_does_not_overflow_to_nan():
+  # 465 / (465 / 448) can round above 448; the cast alone would make NaN.
+  for top in (465.0, 449.0, 1000.0, 3.0e38):
+    x = np.array([top, -top, top / 3], np.float32)
+    codes, scales = gmjax.quantize(jnp.asarray(x), "F8_E4M3")
+    assert np.all(np.isfinite(np.asarray(codes).astype(np.float32)))
+    check_against_reference(x, "F8_E4M3")
+
+
+def test_nibble_order():
+  x = np.zeros(32, np.float32)
+  x[0], x[1], x[2], x[3] = 7.0, -1.0, 2.0, 3.0
+  codes, _ = gmjax.quantize(jnp.asarray(x), "I4")
+  assert np.asarray(codes)[0] == 0x7 | (0xF << 4)  # -1 is 0xF in two's complement
+  assert np.asarray(codes)[1] == 0x2 | (0x3 << 4)
+  codes, _ = gmjax.quantize(jnp.asarray(x * 6 / 7), "F4")
+  assert np.asarray(codes)[0] & 0x0F == 0x7  # 6.0 is e2m1 0b0111
+
+
+def grid_step_bound(x, precision):
+  """Per element: the spacing of the block's code grid around x (times the scale)."""
+  flat = np.ravel(np.asarray(x, np.float32)).astype(np.float64)
+  n = flat.size
+  padded = np.zeros(-(-n // 32) * 32)
+  padded[:n] = flat
+  scale = np.repeat(np.max(np.abs(padded.reshape(-1, 32)), axis=1) / QMAX[precision], 32)[:n]
+  scaled = np.abs(np.divide(flat, scale, out=np.zeros_like(flat), where=scale > 0))
+  if precision == "I4":
+    step = np.ones_like(scaled)
+  elif precision == "F4":
+    step = np.where(scaled < 2, 0.5, np.where(scaled < 4, 1.0, 2.0))
+  else:
+    # e4m3: 3 mantissa bits; subnormal spacing 2**-9 below 2**-6.
+    exponent = np.floor(np.log2(np.maximum(scaled, 2.0**-6)))
+    step = 2.0 ** (exponent - 3)
+  # The codes round to nearest: at most half a step, plus float32 rounding of x/scale.
+  return (0.5 * step * (1 + 1e-6) + 1e-6) * scale
+
+
+finite_f32 = st.floats(
+    -float(np.float32(1e30)), float(np.float32(1e30)), allow_nan=False, allow_infinity=False,
+    allow_subnormal=False, width=32,
+)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@hypothesis.settings(max_examples=30, deadline=None)
+@hypothesis.given(data=st.data())
+def test_error_within_half_a_code_step(precision, data):
+  n = data.draw(st.sampled_from([1, 7, 31, 33, 96]))  # few shapes: few compilations
+  x = data.draw(hnp.arrays(np.float32, (n,), elements=finite_f32))
+  x = np.where(np.abs(x) < 1e-30, 0, x).astype(np.float32)  # keep every scale normal
+  codes, scales = gmjax.quantize(jnp.asarray(x), precision)
+  back = np.asarray(gmjax.dequantize(codes, scales, x.shape, precision), np.float64)
+  error = np.abs(back - x.astype(np.float64))
+  bound = grid_step_bound(x, precision)
+  assert np.all(error <= bound), (x[error > bound], error[error > bound], bound[error > bound])
+  np.testing.assert_array_equal(code_bytes(codes), reference_quantize(x, precision)[0])
+
+
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
+def test_cast_matches_numpy(dtype):
+  x = np.random.default_rng(0).standard_normal((7, 9)).astype(np.float32) * 100
+  entries = gmjax.encode({"w": jnp.asarray(x)}, dtype)
+  want = x.astype({"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}[dtype])
+  assert entries["w"].dtype == want.dtype
+  np.testing.assert_array_equal(np.asarray(entries["w"]), want)
+  back = gmjax.decode(entries, gmjax.Schema.from_tree({"w": x}), dtype)["w"]
+  np.testing.assert_array_equal(np.asarray(back), want.astype(np.float32))
+
+
+def test_encode_decode_tree_roundtrip():
+  tree = {"a": jnp.ones((3, 4)), "b": [jnp.arange(5.0).astype(jnp.bfloat16)]}
+  schema = gmjax.Schema.from_tree(tree)
+  for precision in (None, "F32", "F16", "BF16", *PRECISIONS):
+    entries = gmjax.encode(tree, precision)
+    layout = gmjax.layout(schema, precision)
+    assert sorted(entries) == sorted(layout.names)
+    for spec in layout:
+      assert tuple(entries[spec.name].shape) == spec.shape, (precision, spec)
+    back = gmjax.decode(entries, schema, precision)
+    assert jax.tree.structure(back) == jax.tree.structure(tree)
+    np.testing.assert_allclose(np.asarray(back["a"]), 1.0, rtol=0.2)
+  assert gmjax.encode(tree, None)["b/0"].dtype == jnp.bfloat16
+
+
+def test_layout_specs():
+  schema = gmjax.Schema.from_tree({"w": jnp.zeros((5, 13)), "v": jnp.zeros((), jnp.float16)})
+  assert gmjax.layout(schema, None) == schema
+  got = {s.name: (s.dtype, s.shape) for s in gmjax.layout(schema, "F4")}
+  assert got == {"v": ("U8", (1,)), "v.scale": ("F32", (1,)),
+                 "w": ("U8", (33,)), "w.scale": ("F32", (3,))}
+  got = {s.name: (s.dtype, s.shape) for s in gmjax.layout(schema, "F8_E4M3")}
+  assert got["w"] == ("F8_E4M3", (5, 13)) and got["v"] == ("F8_E4M3", ())
+  assert {s.dtype for s in gmjax.layout(schema, "BF16")} == {"BF16"}
+  with pytest.raises(ValueError, match="precision"):
+    gmjax.layout(schema, "F8")
+
+
+@pytest.mark.parametrize("precision", [None, "F32", "F16", "BF16", *PRECISIONS])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nonfinite_refused_naming_the_leaf(precision, bad):
+  x = np.ones((40,), np.float32)
+  x[35] = bad
+  tree = {"good": jnp.ones(3), "layer": {"kernel": jnp.asarray(x)}}
+  with pytest.raises(ValueError, match="layer/kernel"):
+    gmjax.encode(tree, precision)
+
+
+def test_cast_overflow_refused():
+  for value, dtype in [(65520.0, "F16"), (1e5, "F16"), (3.3961776e38, "BF16")]:
+    with pytest.raises(ValueError, match="'w'"):
+      gmjax.encode({"w": jnp.array([value], jnp.float32)}, dtype)
+  for value, dtype in [(65519.0, "F16"), (65504.0, "F16"), (3.38e38, "BF16")]:
+    entries = gmjax.encode({"w": jnp.array([value], jnp.float32)}, dtype)
+    assert np.isfinite(np.asarray(entries["w"]).astype(np.float32)).all()
+
+
+def test_unknown_precision():
+  with pytest.raises(ValueError, match="precision"):
+    gmjax.encode({"w": jnp.ones(3)}, "int8")
+  with pytest.raises(ValueError, match="precision"):
+    gmjax.quantize(jnp.ones(3), "F16")
+
+
+def test_quantize_jits_and_vmaps():
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((4, 64)), jnp.float32)
+  for precision in PRECISIONS:
+    codes, scales = jax.jit(gmjax.quantize, static_argnums=1)(x[0], precision)
+    vcodes, vscales = jax.vmap(lambda r, p=precision: gmjax.quantize(r, p))(x)
+    np.testing.assert_array_equal(code_bytes(vcodes[0]), code_bytes(codes))
+    np.testing.assert_array_equal(np.asarray(vscales[0]), np.asarray(scales))
+
+
+def test_no_recompile_on_second_call():
+  tree = {"w": jnp.ones((8, 8)), "b": jnp.zeros(8)}
+  schema = gmjax.Schema.from_tree(tree)
+  for precision in ("BF16", "F4"):
+    entries = gmjax.encode(tree, precision)
+    gmjax.decode(entries, schema, precision)
+    encodes, decodes = codec._encode_jit._cache_size(), codec._decode_jit._cache_size()
+    other = jax.tree.map(lambda v: v + 1, tree)
+    entries = gmjax.encode(other, precision)
+    gmjax.decode(entries, schema, precision)
+    assert codec._encode_jit._cache_size() == encodes
+    assert codec._decode_jit._cache_size() == decodes
