@@ -106,7 +106,9 @@ def loads(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
           f"entry {name!r}: shape {shape} of {info['dtype']} needs {size} bytes, its range"
           f" holds {offsets[1] - offsets[0]}"
       )
-    entries[name] = np.frombuffer(body[offsets[0] : offsets[1]], dtype=dtype).reshape(shape)
+    entries[name] = np.frombuffer(
+        body[offsets[0] : offsets[1]], dtype=dtype
+    ).reshape(tuple(shape))  # a tuple: reshape([]) would give (1,), not a scalar
     ranges.append(tuple(offsets))
   position = 0
   for start, end in sorted(ranges):

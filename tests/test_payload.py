@@ -1,0 +1,130 @@
+"""Payload files: safetensors bytes, their round trip, and rejection of malformed input."""
+
+import json
+import os
+import struct
+import tempfile
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors
+import safetensors.numpy
+
+import gmjax
+from gmjax.core import codec, payload
+
+
+def sample_entries():
+  tree = {"w": jnp.linspace(-1.0, 1.0, 70).reshape(7, 10), "b": jnp.ones(3)}
+  return gmjax.encode(tree, "F4"), gmjax.Schema.from_tree(tree)
+
+
+def test_roundtrip_all_dtypes():
+  entries = {
+      "f32": np.arange(6, dtype=np.float32).reshape(2, 3),
+      "f16": np.arange(4, dtype=np.float16),
+      "bf16": np.arange(5).astype(ml_dtypes.bfloat16),
+      "f8": np.linspace(-3, 3, 9).astype(ml_dtypes.float8_e4m3fn).reshape(3, 3),
+      "u8": np.arange(7, dtype=np.uint8),
+      "scalar": np.float32(2.5),
+      "empty": np.zeros((0, 4), np.float32),
+  }
+  metadata = {"learner": "a", "round": 3, "final": False}
+  data = payload.dumps(entries, metadata)
+  back, meta = payload.loads(data)
+  assert meta == {"learner": "a", "round": "3", "final": "False"}
+  assert sorted(back) == sorted(entries)
+  for name, value in entries.items():
+    value = np.asarray(value)
+    assert back[name].dtype == value.dtype and back[name].shape == value.shape
+    np.testing.assert_array_equal(back[name].view(np.uint8), value.view(np.uint8))
+
+
+def test_header_layout():
+  data = payload.dumps({"a": np.ones(3, np.float32), "b": np.zeros(2, np.uint8)}, {"k": "v"})
+  (length,) = struct.unpack("<Q", data[:8])
+  assert (8 + length) % 8 == 0
+  header = json.loads(data[8 : 8 + length])
+  assert header["__metadata__"] == {"k": "v"}
+  assert header["a"] == {"dtype": "F32", "shape": [3], "data_offsets": [0, 12]}
+  assert header["b"] == {"dtype": "U8", "shape": [2], "data_offsets": [12, 14]}
+  assert len(data) == 8 + length + 14
+
+
+def test_safetensors_reads_a_payload():
+  entries, schema = sample_entries()
+  host = codec.to_numpy(entries, gmjax.layout(schema, "F4"))
+  data = payload.dumps(host, {"precision": "F4", "block": 32})
+  with tempfile.TemporaryDirectory() as folder:
+    path = os.path.join(folder, "p.safetensors")
+    with open(path, "wb") as f:
+      f.write(data)
+    with safetensors.safe_open(path, framework="numpy") as f:
+      assert sorted(f.keys()) == sorted(host)
+      assert f.metadata() == {"precision": "F4", "block": "32"}
+      for name in f.keys():
+        np.testing.assert_array_equal(f.get_tensor(name), host[name])
+  assert host["w"].dtype == np.uint8 and host["w"].shape == (35,)
+  assert host["w.scale"].dtype == np.float32 and host["w.scale"].shape == (3,)
+  safetensors_bytes = safetensors.numpy.save({"x": np.arange(4, dtype=np.float32)}, {"m": "1"})
+  back, meta = payload.loads(safetensors_bytes)
+  np.testing.assert_array_equal(back["x"], np.arange(4, dtype=np.float32))
+  assert meta == {"m": "1"}
+
+
+def test_decode_from_loaded_payload():
+  entries, schema = sample_entries()
+  host = codec.to_numpy(entries, gmjax.layout(schema, "F4"))
+  back, _ = payload.loads(payload.dumps(host))
+  np.testing.assert_array_equal(
+      np.asarray(gmjax.decode(back, schema, "F4")["w"]),
+      np.asarray(gmjax.decode(entries, schema, "F4")["w"]),
+  )
+
+
+def with_header(header, body=b""):
+  text = json.dumps(header).encode()
+  return struct.pack("<Q", len(text)) + text + body
+
+
+GOOD = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"\x01\x02",
+        struct.pack("<Q", 100) + b"{}",  # header runs past the end
+        struct.pack("<Q", 4) + b"{nope",  # not JSON
+        struct.pack("<Q", 2) + b"\xff\xfe",  # not UTF-8
+        with_header([1, 2]),  # not an object
+        with_header(GOOD, b"\x00" * 4),  # truncated data
+        with_header(GOOD, b"\x00" * 12),  # bytes past the last entry
+        with_header({"a": {"dtype": "F64", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8),
+        with_header({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8),
+        with_header({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8),
+        with_header({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, b"\0" * 8),
+        with_header({"a": {"dtype": "F32", "shape": [2]}}, b"\0" * 8),
+        with_header(
+            {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+             "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}},
+            b"\0" * 12,
+        ),  # overlapping ranges
+        with_header(
+            {"a": {"dtype": "U8", "shape": [2], "data_offsets": [2, 4]}}, b"\0" * 4
+        ),  # a gap
+        with_header({"__metadata__": {"k": 1}}),
+    ],
+)
+def test_malformed_payloads_rejected(data):
+  with pytest.raises(payload.PayloadError):
+    payload.loads(data)
+  assert issubclass(payload.PayloadError, ValueError)
+
+
+def test_unsupported_dtype_not_written():
+  with pytest.raises(ValueError, match="'x'"):
+    payload.dumps({"x": np.zeros(2, np.float64)})
