@@ -35,7 +35,7 @@ def dumps(entries: Mapping[str, Any], metadata: Mapping[str, Any] | None = None)
     header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
   chunks, offset = [], 0
   for name in sorted(entries):
-    array = np.ascontiguousarray(np.asarray(entries[name]))
+    array = np.asarray(entries[name], order="C")  # ascontiguousarray would make scalars 1-d
     code = _CODE_OF.get(array.dtype)
     if code is None:
       raise ValueError(f"payload entry {name!r} has unsupported dtype {array.dtype}")
