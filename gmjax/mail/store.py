@@ -252,9 +252,18 @@ class FsspecStore(Store):
     protocol = url.split("://", 1)[0]
     if protocol in ("gs", "gcs"):
       options.setdefault("use_listings_cache", False)
+      options.setdefault("skip_instance_cache", True)
       if os.environ.get("STORAGE_EMULATOR_HOST"):
         options.setdefault("token", "anon")
-    self.fs, root = fsspec.core.url_to_fs(url, **options)
+    if protocol in ("gs", "gcs") and os.environ.get("STORAGE_EMULATOR_HOST"):
+      # An emulator serves the JSON API only; gcsfs's default class would first probe the
+      # gRPC control plane for the bucket type and wait out its timeout.
+      from gcsfs.core import GCSFileSystem  # pylint: disable=g-import-not-at-top
+
+      self.fs = GCSFileSystem(**options)
+      root = self.fs._strip_protocol(url)  # pylint: disable=protected-access
+    else:
+      self.fs, root = fsspec.core.url_to_fs(url, **options)
     self.root = root.rstrip("/")
     self.protocol = protocol
     self._memory = protocol == "memory"

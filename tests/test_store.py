@@ -1,0 +1,119 @@
+"""The store over a local directory and memory://: atomic puts, exclusive create, retries."""
+
+import os
+import threading
+
+import pytest
+
+from gmjax.mail import store as store_lib
+
+
+@pytest.fixture(params=["local", "memory"])
+def store(request, tmp_path):
+  if request.param == "local":
+    return store_lib.open_store(str(tmp_path / "run"))
+  return store_lib.open_store(f"memory://store-test-{os.getpid()}-{id(request)}")
+
+
+def test_put_get_list_delete(store):
+  store.put("a/b/one.json", b"1")
+  store.put("a/b/one.json", b"11")
+  store.put("a/two.bin", b"2")
+  assert store.get("a/b/one.json") == b"11"
+  assert store.list("a") == ["b", "two.bin"]
+  assert store.list("a/b") == ["one.json"]
+  assert store.list("nothing/here") == []
+  assert store.exists("a/two.bin") and not store.exists("a/three.bin")
+  with pytest.raises(FileNotFoundError):
+    store.get("a/missing")
+  store.delete("a/b")
+  assert store.list("a") == ["two.bin"]
+  store.delete("a/missing")  # absent: no error
+
+
+def test_create_is_exclusive(store):
+  assert store.create("x/commit.json", b"first")
+  assert not store.create("x/commit.json", b"second")
+  assert store.get("x/commit.json") == b"first"
+  # A retried create whose first attempt landed finds its own bytes: created.
+  assert store.create("x/commit.json", b"first")
+
+
+def test_create_race_has_one_winner(store):
+  barrier = threading.Barrier(8)
+  wins = []
+
+  def racer(i):
+    barrier.wait()
+    if store.create("race/0.commit.json", f"writer {i}".encode()):
+      wins.append(i)
+
+  threads = [threading.Thread(target=racer, args=(i,)) for i in range(8)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(30)
+  assert len(wins) == 1
+  assert store.get("race/0.commit.json") == f"writer {wins[0]}".encode()
+
+
+def test_local_names_appear_complete(tmp_path):
+  store = store_lib.open_store(str(tmp_path))
+  store.put("d/f.bin", b"x" * 1000)
+  assert store.create("d/g.bin", b"y" * 1000)
+  assert sorted(os.listdir(tmp_path / "d")) == ["f.bin", "g.bin"]  # no temporary left
+  assert store.local_root == str(tmp_path)
+
+
+class _Flaky(store_lib.LocalStore):
+  """Fails the first ``failures`` calls of each operation with a transient error."""
+
+  def __init__(self, url, failures, error):
+    super().__init__(url, retry_seconds=5.0)
+    self.failures, self.error, self.calls = failures, error, 0
+
+  def _get(self, path):
+    self.calls += 1
+    if self.calls <= self.failures:
+      raise self.error
+    return super()._get(path)
+
+
+def test_transient_errors_are_retried(tmp_path):
+  flaky = _Flaky(str(tmp_path), 3, ConnectionResetError("reset by peer"))
+  flaky.put("f", b"data")
+  assert flaky.get("f") == b"data"
+  assert flaky.calls == 4
+
+
+def test_permanent_errors_propagate(tmp_path):
+  flaky = _Flaky(str(tmp_path), 1, PermissionError("denied"))
+  flaky.put("f", b"data")
+  with pytest.raises(PermissionError):
+    flaky.get("f")
+  assert flaky.calls == 1
+
+
+def test_retries_are_bounded(tmp_path):
+  flaky = _Flaky(str(tmp_path), 10**9, TimeoutError("slow"))
+  flaky.retry_seconds = 0.3
+  with pytest.raises(TimeoutError):
+    flaky.get("f")
+
+
+def test_transient_classification():
+  assert store_lib.is_transient(ConnectionError())
+  assert store_lib.is_transient(TimeoutError())
+  assert not store_lib.is_transient(FileNotFoundError())
+  assert not store_lib.is_transient(FileExistsError())
+  assert not store_lib.is_transient(ValueError())
+
+  class HttpError(Exception):
+    code = 503
+
+  assert store_lib.is_transient(HttpError())
+
+
+def test_open_store_rejects_non_strings():
+  with pytest.raises(TypeError, match="url"):
+    store_lib.open_store(42)
