@@ -1,0 +1,102 @@
+"""The round schedule and the timing estimates (SPEC section 2)."""
+
+import hypothesis
+import hypothesis.strategies as st
+import pytest
+
+import gmjax
+
+
+@st.composite
+def schedules(draw):
+  h = draw(st.integers(1, 64))
+  p = draw(st.integers(1, h))
+  return gmjax.RoundSchedule(sync_every=h, fragments=p, in_flight=1)
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(schedules(), st.integers(0, 5))
+def test_every_fragment_once_per_cycle(schedule, cycle):
+  h, p = schedule.sync_every, schedule.fragments
+  rounds = range(cycle * p, (cycle + 1) * p)
+  assert sorted(schedule.fragment_of(r) for r in rounds) == list(range(p))
+  assert sum(schedule.gap(r) for r in rounds) == h
+  steps = [schedule.step_of(r) for r in rounds]
+  assert steps[-1] == (cycle + 1) * h and cycle * h < steps[0]
+  assert all(schedule.version_after(r) == cycle + 1 for r in rounds)
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(schedules())
+def test_step_of_formula_and_monotone(schedule):
+  h, p = schedule.sync_every, schedule.fragments
+  assert schedule.step_of(-1) == 0
+  previous = 0
+  for r in range(3 * p + 2):
+    assert schedule.step_of(r) == (r // p) * h + ((r % p) + 1) * h // p
+    assert schedule.step_of(r) > previous
+    assert schedule.gap(r) == schedule.step_of(r) - previous >= 1
+    previous = schedule.step_of(r)
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(schedules())
+def test_round_at_and_first_round_after(schedule):
+  sync_steps = {schedule.step_of(r): r for r in range(4 * schedule.fragments)}
+  for step in range(-2, 3 * schedule.sync_every + 1):
+    assert schedule.round_at(step) == sync_steps.get(step)
+    r = schedule.first_round_after(step)
+    assert schedule.step_of(r) > step
+    assert r == 0 or schedule.step_of(r - 1) <= step
+
+
+def test_seed_examples():
+  s = gmjax.RoundSchedule(sync_every=10, fragments=3, in_flight=2)
+  assert [s.step_of(r) for r in range(6)] == [3, 6, 10, 13, 16, 20]
+  assert [s.fragment_of(r) for r in range(4)] == [0, 1, 2, 0]
+  assert [s.version_after(r) for r in range(4)] == [1, 1, 1, 2]
+  assert [s.gap(r) for r in range(4)] == [3, 3, 4, 3]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(sync_every=0, fragments=1), dict(sync_every=2, fragments=3),
+     dict(sync_every=2, fragments=0), dict(sync_every=2, fragments=1, in_flight=0),
+     dict(sync_every=2, fragments=1, overlap_steps=-1), dict(sync_every=True, fragments=1)],
+)
+def test_invalid_schedules(kwargs):
+  with pytest.raises(ValueError):
+    gmjax.RoundSchedule(**kwargs)
+
+
+positive = st.one_of(st.none(), st.floats(0, 1e4, allow_nan=False))
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(st.lists(st.tuples(positive, positive, positive), max_size=6),
+                  st.floats(0.001, 10))
+def test_estimates_ema_and_timeout(observations, poll):
+  estimates = gmjax.Estimates()
+  expected = {"step": None, "quorum": None, "sync": None}
+  for step, quorum, sync in observations:
+    estimates = estimates.updated(step=step, quorum=quorum, sync=sync)
+    for key, new in (("step", step), ("quorum", quorum), ("sync", sync)):
+      old = expected[key]
+      if new is not None:
+        expected[key] = new if old is None else old + 0.1 * (new - old)
+  for key, value in expected.items():
+    got = getattr(estimates, key)
+    assert (got is None) == (value is None)
+    if value is not None:
+      assert got == pytest.approx(value, rel=1e-12, abs=1e-12)
+  known = sum(v for v in expected.values() if v is not None)
+  assert estimates.timeout(poll) == pytest.approx(max(30 * poll, 3 * known))
+  assert gmjax.Estimates.from_json(estimates.to_json()) == estimates
+
+
+def test_estimates_first_observation_taken_as_is():
+  e = gmjax.Estimates().updated(step=2.0)
+  assert e.step == 2.0 and e.quorum is None and e.sync is None
+  assert e.updated(step=4.0).step == pytest.approx(2.2)
+  assert gmjax.Estimates().timeout(0.5) == 15.0
+  assert e.timeout(0.01) == pytest.approx(6.0)
