@@ -1,0 +1,93 @@
+"""Schemas: names from pytree paths, dtypes, round trips and rejected names."""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import gmjax
+
+
+class Pair(NamedTuple):
+  left: jax.Array
+  right: jax.Array
+
+
+def test_names_sorted_and_joined():
+  tree = {"params": {"dense": {"kernel": jnp.zeros((2, 3)), "bias": jnp.zeros(3)}},
+          "layers": [jnp.zeros(1, jnp.bfloat16), (jnp.zeros(2, jnp.float16),)],
+          "pair": Pair(jnp.zeros(4), jnp.zeros(5))}
+  schema = gmjax.Schema.from_tree(tree)
+  assert schema.names == ("layers/0", "layers/1/0", "pair/left", "pair/right",
+                          "params/dense/bias", "params/dense/kernel")
+  assert schema["layers/0"].dtype == "BF16" and schema["layers/1/0"].dtype == "F16"
+  assert schema["params/dense/kernel"].shape == (2, 3)
+  assert schema.nbytes == 4 * (6 + 3 + 4 + 5) + 2 + 4
+  flat = schema.flatten(tree)
+  assert set(flat) == set(schema.names)
+  back = schema.unflatten(flat)
+  assert jax.tree.structure(back) == jax.tree.structure(tree)
+  assert isinstance(back["pair"], Pair)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
+    assert a is b
+
+
+class Block(nnx.Module):
+  def __init__(self, rngs):
+    self.dense = nnx.Linear(2, 3, rngs=rngs)
+    self.norm = nnx.LayerNorm(3, rngs=rngs)
+    self.layers = nnx.List([nnx.Linear(3, 3, rngs=rngs) for _ in range(2)])
+
+
+def test_nnx_state():
+  state = nnx.state(Block(nnx.Rngs(0)), nnx.Param)
+  schema = gmjax.Schema.from_tree(state)
+  assert schema.names == ("dense/bias", "dense/kernel", "layers/0/bias", "layers/0/kernel",
+                          "layers/1/bias", "layers/1/kernel", "norm/bias", "norm/scale")
+  flat = schema.flatten(state)
+  doubled = schema.unflatten({k: v * 2 for k, v in flat.items()})
+  np.testing.assert_array_equal(
+      np.asarray(schema.flatten(doubled)["dense/kernel"]), 2 * np.asarray(flat["dense/kernel"])
+  )
+  entries = gmjax.encode(state, "BF16")
+  back = gmjax.decode(entries, schema, "BF16")
+  assert jax.tree.structure(back) == jax.tree.structure(state)
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [{"w": jnp.zeros(2), "momentum.w": jnp.zeros(2)},
+     {"w": jnp.zeros(2), "master.w": jnp.zeros(2)},
+     {"w": jnp.zeros(2), "w.scale": jnp.zeros(2)},
+     {"a/b": jnp.zeros(2), "a": {"b": jnp.zeros(2)}}],
+)
+def test_colliding_names_rejected(tree):
+  with pytest.raises(ValueError, match="rename"):
+    gmjax.Schema.from_tree(tree)
+
+
+def test_dtypes():
+  with pytest.raises(ValueError, match="'count'"):
+    gmjax.Schema.from_tree({"count": jnp.zeros(2, jnp.int32)})
+  with pytest.raises(ValueError):
+    gmjax.Schema.from_tree({"x": np.zeros(2, np.int64)})
+  schema = gmjax.Schema.from_tree({"x": np.zeros(3, np.float64)})
+  assert schema["x"].dtype == "F32"
+  with pytest.raises(ValueError):
+    gmjax.Schema.from_tree({})
+
+
+def test_json_and_subset():
+  schema = gmjax.Schema.from_tree({"a": jnp.zeros((2, 2)), "b": jnp.zeros(3, jnp.bfloat16)})
+  again = gmjax.Schema.from_json(schema.to_json())
+  assert again == schema and again.treedef is None
+  assert schema.subset(["b"]).names == ("b",)
+  with pytest.raises(KeyError):
+    schema.subset(["zzz"])
+  with pytest.raises(ValueError):
+    schema.flatten({"a": jnp.zeros((2, 2))})
+  with pytest.raises(ValueError):
+    again.unflatten({})
