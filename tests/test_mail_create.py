@@ -1,0 +1,116 @@
+"""Creating and opening runs: exclusive manifest, version 0, typed errors, names, keys."""
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gmjax
+from gmjax import mail
+from gmjax.mail import states
+
+import mail_support as ms
+
+
+def test_create_stores_version_zero(tmp_path):
+  url = str(tmp_path / "run")
+  config = gmjax.DiLoCo(sync_every=4, fragments=2)
+  run = mail.create(url, ms.params0(), config)
+  manifest = json.loads(open(os.path.join(url, "manifest.json"), encoding="utf-8").read())
+  assert manifest["format"] == "gmjax/1" and manifest["auth"] is None
+  assert manifest["plan"] == [list(names) for names in run.plan]
+  assert run.rounds() == []
+  for fragment, names in enumerate(run.plan):
+    record = run.commit(fragment, 0)
+    assert record["round"] is None and record["version"] == 0
+    state = states.load_state(run.store, record)
+    for name in names:
+      np.testing.assert_array_equal(state.theta[name], ms.params0()[name])
+      np.testing.assert_array_equal(state.outer[f"momentum.{name}"], 0)
+  assert run.status()["versions"] == {0: 0, 1: 0}
+
+
+def test_create_twice(tmp_path):
+  url = str(tmp_path / "run")
+  config = gmjax.DiLoCo(sync_every=4)
+  mail.create(url, ms.params0(), config)
+  again = mail.create(url, ms.params0(), config)  # same configuration: the run itself
+  assert again.config == config
+  with pytest.raises(mail.RunExists, match="algorithm"):
+    mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=8))
+  with pytest.raises(mail.RunExists, match="schema"):
+    mail.create(url, {"other": np.zeros(3, np.float32)}, config)
+  with pytest.raises(mail.RunExists, match="key"):
+    mail.create(url, ms.params0(), config, key="secret")
+  with pytest.raises(FileExistsError):  # RunExists is a FileExistsError
+    mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+
+
+def test_open_missing_run(tmp_path):
+  with pytest.raises(mail.RunNotFound, match="no run"):
+    mail.open(str(tmp_path / "nothing"))
+  with pytest.raises(FileNotFoundError):
+    mail.open("memory://no-such-run")
+
+
+def test_keys(tmp_path):
+  url = str(tmp_path / "run")
+  mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=4), key=b"k1")
+  assert "k1" not in open(os.path.join(url, "manifest.json"), encoding="utf-8").read()
+  with pytest.raises(mail.AuthenticationError, match="pass its key"):
+    mail.open(url)
+  with pytest.raises(mail.AuthenticationError, match="not the key"):
+    mail.open(url, key="k2")
+  assert mail.open(url, key="k1").key == b"k1"
+  plain = str(tmp_path / "plain")
+  mail.create(plain, ms.params0(), gmjax.DiLoCo(sync_every=4))
+  with pytest.raises(PermissionError, match="without a key"):
+    mail.open(plain, key="k1")
+
+
+@pytest.mark.parametrize("name", ["", "-lead", ".hidden", "a/b", "a b", "x" * 65, "é"])
+def test_bad_learner_names(tmp_path, name):
+  run = mail.create(str(tmp_path / "run"), ms.params0(), gmjax.DiLoCo(sync_every=4))
+  with pytest.raises(ValueError, match="not a valid learner name"):
+    run.join(name)
+
+
+def test_learner_name_type_and_good_names(tmp_path):
+  run = mail.create(str(tmp_path / "run"), ms.params0(), gmjax.DiLoCo(sync_every=4))
+  with pytest.raises(TypeError, match="name must be a str"):
+    run.join(7)
+  for name in ["a", "Worker-3", "node_1.gpu-0", "9" * 64]:
+    learner = run.join(name, poll_interval=0.02)
+    learner.close(learner.pull(ms.params0()))
+
+
+def test_bad_arguments(tmp_path):
+  with pytest.raises(TypeError, match="gmjax.DiLoCo"):
+    mail.create(str(tmp_path / "r1"), ms.params0(), {"sync_every": 4})
+  run = mail.create(str(tmp_path / "r2"), ms.params0(), gmjax.DiLoCo(sync_every=4))
+  with pytest.raises(ValueError, match="poll_interval"):
+    run.join("a", poll_interval=0)
+  learner = run.join("b", poll_interval=0.02)
+  with pytest.raises(ValueError, match="pull"):
+    learner.step(ms.params0())
+  with pytest.raises(ValueError, match="schema"):
+    learner.pull({"a": np.zeros((4, 3), np.float32)})
+  learner.close(ms.params0())
+  with pytest.raises(mail.LearnerClosed):
+    learner.step(ms.params0())
+
+
+def test_memory_run_with_jax_arrays():
+  url = f"memory://create-test-{os.getpid()}"
+  params = {k: jnp.asarray(v) for k, v in ms.params0().items()}
+  run = mail.create(url, params, gmjax.DiLoCo(sync_every=2))
+  learner = mail.open(url).join("solo", poll_interval=0.02)
+  pulled = learner.pull(params)
+  assert all(isinstance(v, type(params["a"])) for v in pulled.values())
+  for _ in range(4):
+    pulled = learner.step({k: v * 0.5 for k, v in pulled.items()})
+  learner.close(pulled)
+  assert [r["round"] for r in run.rounds()] == [0, 1]
+  assert run.learners()["solo"]["status"] == "closed"
