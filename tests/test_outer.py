@@ -1,0 +1,158 @@
+"""close_round against a plain numpy outer step; the commit update rebuilds Θ exactly."""
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import gmjax
+from gmjax.core import outer
+from gmjax.core.codec import encode_flat, to_numpy
+from gmjax.core.schema import NUMPY_DTYPES, master_name, momentum_name
+
+LR, MU = 0.7, 0.9
+
+
+def make(dtype="F32", **config):
+  rng = np.random.default_rng(0)
+  tree = {"w": rng.standard_normal((4, 9)).astype(np.float32),
+          "b": rng.standard_normal(5).astype(np.float32)}
+  tree = {k: v.astype(NUMPY_DTYPES[dtype]) for k, v in tree.items()}
+  schema = gmjax.Schema.from_tree(tree)
+  algorithm = gmjax.DiLoCo(sync_every=4, **config)
+  state = algorithm.initial_state(schema, schema.names, tree)
+  return algorithm, schema, algorithm.aggregator(schema, schema.names), state
+
+
+def contribution(schema, name, delta, tokens, precision):
+  entries = to_numpy(encode_flat(delta, schema, precision),
+                     gmjax.layout(schema, precision))
+  return gmjax.Contribution(name, 4, 4, tokens, 0.1, False, entries)
+
+
+def numpy_step(master, momentum, gradient, nesterov):
+  momentum = MU * momentum + gradient
+  step = gradient + MU * momentum if nesterov else momentum
+  return master - LR * step, momentum
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("tokens", [(30, 10, 60), (0, 0, 0)])
+def test_close_round_matches_numpy(nesterov, tokens):
+  algorithm, schema, aggregator, state = make(nesterov=nesterov)
+  rng = np.random.default_rng(1)
+  master = {k: np.asarray(v, np.float32) for k, v in state.theta.items()}
+  momentum = {k: np.zeros_like(v) for k, v in master.items()}
+  for round_ in range(3):
+    deltas = [{k: rng.standard_normal(v.shape).astype(np.float32) for k, v in master.items()}
+              for _ in tokens]
+    names = ["c", "a", "b"]  # summed in sorted learner order
+    contributions = [contribution(schema, n, d, t, None)
+                     for n, d, t in zip(names, deltas, tokens)]
+    result = aggregator.close_round(state, contributions)
+    total = sum(tokens)
+    weights = {n: (t / total if total else 1 / len(tokens)) for n, t in zip(names, tokens)}
+    assert [p.learner for p in result.participants] == ["a", "b", "c"]
+    for p in result.participants:
+      assert p.weight == pytest.approx(weights[p.learner])
+    order = sorted(range(3), key=lambda i: names[i])
+    for k in master:
+      gradient = np.zeros_like(master[k])
+      for i in order:
+        gradient = gradient + np.float32(weights[names[i]]) * deltas[i][k]
+      master[k], momentum[k] = numpy_step(master[k], momentum[k], gradient, nesterov)
+      np.testing.assert_allclose(result.state.theta[k], master[k], rtol=1e-6, atol=1e-6)
+      np.testing.assert_allclose(result.state.outer[momentum_name(k)], momentum[k],
+                                 rtol=1e-6, atol=1e-6)
+      assert master_name(k) not in result.state.outer  # F32 Θ is the master
+    assert result.state.version == round_ + 1 and result.update is None
+    assert -1 <= result.cosine <= 1
+    state = result.state
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F16"])
+def test_low_precision_keeps_exact_master(dtype):
+  algorithm, schema, aggregator, state = make(dtype)
+  master = {k: np.asarray(state.outer[master_name(k)]) for k in schema.names}
+  for k in schema.names:
+    np.testing.assert_array_equal(master[k], state.theta[k].astype(np.float32))
+  momentum = {k: np.zeros_like(v) for k, v in master.items()}
+  rng = np.random.default_rng(2)
+  for _ in range(3):
+    delta = {k: (rng.standard_normal(v.shape) * 1e-3).astype(np.float32)
+             for k, v in master.items()}
+    result = aggregator.close_round(state, [contribution(schema, "a", delta, 1, "F32")])
+    for k in schema.names:
+      master[k], momentum[k] = numpy_step(master[k], momentum[k], delta[k], True)
+      np.testing.assert_allclose(result.state.outer[master_name(k)], master[k], rtol=1e-6)
+      assert result.state.theta[k].dtype == NUMPY_DTYPES[dtype]
+      np.testing.assert_array_equal(
+          result.state.theta[k], result.state.outer[master_name(k)].astype(NUMPY_DTYPES[dtype])
+      )
+    state = result.state
+
+
+@pytest.mark.parametrize("dtype", ["F32", "BF16"])
+@pytest.mark.parametrize("commit", ["BF16", "F8_E4M3", "I4"])
+def test_commit_update_rebuilds_theta_bit_identically(dtype, commit):
+  algorithm, schema, aggregator, state = make(dtype, commit_precision=commit,
+                                              delta_precision="F8_E4M3")
+  learner_theta = dict(state.theta)
+  rng = np.random.default_rng(3)
+  master = {k: np.asarray(state.outer[master_name(k)]) for k in schema.names}
+  momentum = {k: np.zeros_like(v) for k, v in master.items()}
+  for _ in range(12):
+    deltas = [{k: (rng.standard_normal(v.shape) * 1e-2).astype(np.float32)
+               for k, v in master.items()} for _ in range(2)]
+    contributions = [contribution(schema, n, d, 5, "F8_E4M3") for n, d in zip("ab", deltas)]
+    result = aggregator.close_round(state, contributions)
+    assert sorted(result.update) == sorted(gmjax.layout(schema, commit).names)
+    rebuilt = outer.rebuild_jit(
+        {k: jnp.asarray(v) for k, v in learner_theta.items()},
+        {k: jnp.asarray(v) for k, v in result.update.items()},
+        schema.parameters, commit)
+    for k in schema.names:
+      got = np.asarray(rebuilt[k])
+      assert got.dtype == result.state.theta[k].dtype
+      assert got.tobytes() == result.state.theta[k].tobytes()
+    learner_theta = {k: np.asarray(v) for k, v in rebuilt.items()}
+    # The master follows the decoded deltas exactly, whatever the update's error.
+    for k in schema.names:
+      decoded = [np.asarray(gmjax.decode(c.tensors, schema, "F8_E4M3")[k]) for c in contributions]
+      gradient = np.float32(0.5) * decoded[0] + np.float32(0.5) * decoded[1]
+      master[k], momentum[k] = numpy_step(master[k], momentum[k], gradient, True)
+      np.testing.assert_allclose(result.state.outer[master_name(k)], master[k],
+                                 rtol=1e-5, atol=1e-6)
+    state = result.state
+  # Error of Θ stays within one update's quantization of the master; it does not grow.
+  for k in schema.names:
+    gap = np.abs(state.theta[k].astype(np.float32) - master[k])
+    scale = np.abs(master[k] - 0).max()
+    assert gap.max() <= 0.2 * scale + 1e-2, (k, gap.max())
+
+
+def test_no_contributions_keeps_state():
+  algorithm, schema, aggregator, state = make(commit_precision="F4")
+  result = aggregator.close_round(state, [])
+  assert result.state.version == 1 and result.participants == () and result.cosine is None
+  for k in schema.names:
+    np.testing.assert_array_equal(result.state.theta[k], state.theta[k])
+    assert not np.any(result.update[k]) and not np.any(result.update[k + ".scale"])
+
+
+def test_duplicate_learner_rejected():
+  algorithm, schema, aggregator, state = make()
+  delta = {k: np.zeros(s.shape, np.float32) for k, s in zip(schema.names, schema)}
+  c = contribution(schema, "a", delta, 1, None)
+  with pytest.raises(ValueError):
+    aggregator.close_round(state, [c, c])
+
+
+def test_align():
+  theta = {"w": jnp.array([1.0, 2.0], jnp.bfloat16)}
+  anchor = {"w": jnp.array([3.0, 4.0], jnp.float32)}
+  assert outer.align(theta, anchor, 0.0)["w"].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(outer.align(theta, anchor, 0.0)["w"], np.float32),
+                                [3.0, 4.0])
+  np.testing.assert_allclose(np.asarray(outer.align(theta, anchor, 0.5)["w"], np.float32),
+                             [2.0, 3.0])
