@@ -162,6 +162,8 @@ def diloco(
   Between merges the returned updates are exactly the inner optimizer's; on a merge
   they are ``θ_new − params`` at the updates' dtype, so with 16-bit parameters
   ``params + updates`` matches Θ up to one rounding, which the next delta absorbs.
+  Updates are additive, so the reset after a skipped round repairs finite parameters
+  only: a learner whose parameters already hold NaN/Inf should take ``state.anchor``.
 
   Bytes each learner sends per sync, for ``n`` parameters of the fragment (ring
   collectives): F32 deltas use one ``psum`` of the weighted deltas and their unit
