@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gmjax.core import outer
-from gmjax.core.codec import check_precision, decode_values
+from gmjax.core.codec import check_precision, decode_values, encode_flat
 from gmjax.core.records import (
     Contribution,
     FragmentState,
@@ -28,7 +28,7 @@ from gmjax.core.records import (
     RoundResult,
 )
 from gmjax.core.schedule import RoundSchedule
-from gmjax.core.schema import ParameterSpec, Schema, master_name, momentum_name
+from gmjax.core.schema import NUMPY_DTYPES, ParameterSpec, Schema, master_name, momentum_name
 from gmjax.core.stats import cosine_from_gram, gram
 
 
@@ -207,8 +207,6 @@ class DiLoCo:
 
 
 def _numpy_dtype(spec: ParameterSpec):
-  from gmjax.core.schema import NUMPY_DTYPES  # pylint: disable=g-import-not-at-top
-
   return NUMPY_DTYPES[spec.dtype]
 
 
@@ -264,8 +262,6 @@ class DiLoCoAggregator:
       update = None
       if self.config.commit_precision is not None:
         zeros = {s.name: np.zeros(s.shape, np.float32) for s in specs}
-        from gmjax.core.codec import encode_flat  # pylint: disable=g-import-not-at-top
-
         update = _host(encode_flat(zeros, self.schema, self.config.commit_precision))
       return RoundResult(
           FragmentState(state.version + 1, dict(state.theta), dict(state.outer)), (), None, update
