@@ -10,7 +10,7 @@ import mail_support as ms
 
 def test_status_tables(tmp_path):
   url = str(tmp_path / "run")
-  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=4, fragments=2))
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=4, fragments=2, quorum_size=2))
   out = {}
   threads = ms.Threads()
   for m in range(2):

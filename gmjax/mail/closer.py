@@ -40,6 +40,9 @@ from gmjax.mail.store import Store
 
 log = logging.getLogger(__name__)
 
+HEARTBEAT_POLLS = 5  # a learner rewrites its heartbeat every 5 poll intervals
+MIN_LIVENESS_SECONDS = 2.0
+
 
 @dataclasses.dataclass
 class Watch:
@@ -97,6 +100,15 @@ class Closer:
   def timeout(self) -> float:
     return self.estimates.timeout(self.poll_interval)
 
+  def liveness_timeout(self) -> float:
+    """How long a heartbeat may stay unchanged before its learner is presumed dead.
+
+    The run's timeout, but never less than ten heartbeat intervals nor 2 s: a busy
+    process can delay its heartbeat thread, and dropping a live learner from the live
+    set would close rounds without it.
+    """
+    return max(self.timeout(), 10 * HEARTBEAT_POLLS * self.poll_interval, MIN_LIVENESS_SECONDS)
+
   def observe(self, record: dict[str, Any]) -> None:
     """Carries the estimates of a newer round record forward."""
     round_ = record.get("round")
@@ -133,7 +145,7 @@ class Closer:
     """Whether this observer closes ``watch`` now (as designated closer or follower)."""
     now = time.monotonic()
     timeout = self.timeout()
-    live = roster.live_for(watch.round, timeout)
+    live = roster.live_for(watch.round, self.liveness_timeout())
     contributors = watch.contributors
     if not contributors:
       return False
@@ -201,7 +213,7 @@ class Closer:
         "outer_step": bool(valid),
         "cosine": result.cosine,
         "estimates": estimates.to_json(),
-        "live": sorted(roster.live_for(watch.round, self.timeout())),
+        "live": sorted(roster.live_for(watch.round, self.liveness_timeout())),
         "closer": self.name,
         "state": files["state"],
         "update": files["update"],

@@ -38,7 +38,7 @@ from gmjax.mail import contributions
 from gmjax.mail import heartbeats
 from gmjax.mail import layout
 from gmjax.mail import states
-from gmjax.mail.closer import Closer, Watch
+from gmjax.mail.closer import HEARTBEAT_POLLS, Closer, Watch
 from gmjax.mail.errors import CorruptRecord, LearnerClosed, RoundTimeout
 from gmjax.mail.heartbeats import Roster
 from gmjax.mail.manifest import utc_now
@@ -314,7 +314,7 @@ class Learner:
       self.store.put(layout.heartbeat(self.name), data)
 
   def _beat_loop(self) -> None:
-    interval = self.poll_interval * 5
+    interval = self.poll_interval * HEARTBEAT_POLLS
     while not self._worker.stopping.wait(interval):
       try:
         self._beat(step=self.step_count)
@@ -384,7 +384,7 @@ class Learner:
     total = self.config.global_batch()
     if total is None:
       return None
-    live = max(1, self._worker.roster.live_count(self.closer.timeout()))
+    live = max(1, self._worker.roster.live_count(self.closer.liveness_timeout()))
     return max(1, total // live)
 
   @property

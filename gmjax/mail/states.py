@@ -118,6 +118,20 @@ def load_state(store: Store, record: Mapping[str, Any]) -> FragmentState:
   rel, files = record["state"], record["state_files"]
   if sha256(json.dumps(files, sort_keys=True).encode()) != (record.get("sha256") or {}).get("state"):
     raise CorruptRecord(f"commit of {rel}: state_files do not match state_sha256")
+  if store.local_root is not None:
+    # Verified in place; a file changed after the check would need a writer with access
+    # to the run's directory, which is trusted like the store itself.
+    target = os.path.join(store.local_root, *rel.split("/"))
+    for relfile, digest in files.items():
+      try:
+        data = store.get(f"{rel}/{relfile}")
+      except FileNotFoundError as error:
+        raise CorruptRecord(f"state file {rel}/{relfile} named by a commit is missing") from error
+      if sha256(data) != digest:
+        raise CorruptRecord(f"state file {rel}/{relfile} does not match its sha256")
+    with _ORBAX_LOCK:
+      tree = _checkpointer().restore(target)
+    return _state_from_tree(tree, record)
   with tempfile.TemporaryDirectory(prefix="gmjax-state-") as scratch:
     target = os.path.join(scratch, "state")
     for relfile, digest in files.items():
@@ -133,6 +147,11 @@ def load_state(store: Store, record: Mapping[str, Any]) -> FragmentState:
         f.write(data)
     with _ORBAX_LOCK:
       tree = _checkpointer().restore(target)
+  return _state_from_tree(tree, record)
+
+
+def _state_from_tree(tree: Mapping[str, Any], record: Mapping[str, Any]) -> FragmentState:
+  rel = record["state"]
   names = record["state_names"]
   parts = {}
   for part in ("theta", "outer"):
