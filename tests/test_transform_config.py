@@ -2,6 +2,8 @@
 
 import dataclasses
 
+import jax
+
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -50,3 +52,12 @@ def test_initial_state():
   assert state.pending.shape == (2,) and state.tokens.shape == (2,)
   assert int(state.stats.rounds) == 0 and int(state.stats.fragment) == -1
   assert np.isnan(state.stats.cosine)
+
+
+def test_state_shares_no_buffer_with_params():
+  config = gmjax.DiLoCo(sync_every=4, commit_precision="I4")
+  params = {"w": jnp.ones((3, 2)), "h": jnp.ones(4, jnp.bfloat16)}
+  state = gmjax.diloco(optax.sgd(0.1), config).init(params)
+  pointers = lambda tree: {x.unsafe_buffer_pointer() for x in jax.tree.leaves(tree)}
+  assert not pointers(params) & pointers((state.anchor, state.master))
+  assert not pointers(state.anchor) & pointers(state.master)

@@ -92,15 +92,19 @@ class _Layout:
     """The F32 master of Θ where one is kept, ``optax.MaskedNode`` elsewhere."""
     flat = self.flatten(theta)
     return self.unflatten({
-        n: jnp.asarray(v, jnp.float32) if self.keep[n] else optax.MaskedNode()
+        n: jnp.array(v, jnp.float32, copy=True) if self.keep[n] else optax.MaskedNode()
         for n, v in flat.items()
     })
 
   def cast(self, tree: Any) -> Any:
-    """``tree`` at the schema dtypes (float64 input becomes F32)."""
+    """A copy of ``tree`` at the schema dtypes (float64 input becomes F32).
+
+    A copy, so that the state never shares a buffer with the parameters (both can be
+    donated to a jitted step).
+    """
     flat = self.flatten(tree)
     return self.unflatten(
-        {n: jnp.asarray(v).astype(_JNP[self.schema[n].dtype]) for n, v in flat.items()}
+        {n: jnp.array(v, _JNP[self.schema[n].dtype], copy=True) for n, v in flat.items()}
     )
 
 
@@ -140,8 +144,9 @@ def diloco(
   ``config.schedule(len(config.plan(Schema.from_tree(params))))``. With ``M`` learners
   on ``axis_name``:
 
-  1. First update: every learner takes learner 0's parameters (one broadcast), and
-     they become the anchor Θ and the F32 master.
+  1. First update: the inner step runs on each learner's own parameters (where its
+     gradients were taken) and is then applied to learner 0's parameters, which every
+     learner adopts (one broadcast) and which become the anchor Θ and the F32 master.
   2. Each update: ``θ ← θ + inner_update``; tokens (1 per step when not given) are
      counted per fragment.
   3. At ``t = step_of(r)``, for fragment ``f = r mod P``: ``Δ_m = anchor_f − θ_m,f`` at
@@ -225,29 +230,34 @@ def diloco(
             f" {step_tokens.shape}; pass e.g. the number of tokens in this learner's batch."
         )
     first = state.count == 0
-    aligned, anchor, master = lax.cond(
-        first, _start(layout, axis_name), lambda p, a, m: (p, a, m),
-        params, state.anchor, state.master,
-    )
+    # The inner step takes each learner's own parameters, where its gradients were
+    # taken; on the first step the result is moved onto learner 0's start (in ``rare``),
+    # so the common step carries no alignment at all.
     inner_updates, inner_state = inner.update(
-        updates, state.inner_state, aligned, **extra_args
+        updates, state.inner_state, params, **extra_args
     )
     t = optax.safe_int32_increment(state.count)
     table = jnp.asarray(layout.table)
     sync_index = table[t % sync_every]
     merge_index = jnp.where(t > tau, table[(t - tau) % sync_every], 0)
-    outer_state = (anchor, master, state.momentum, state.pending,
+    outer_state = (state.anchor, state.master, state.momentum, state.pending,
                    state.tokens + step_tokens, state.stats)
 
-    def common(inner_updates, aligned, params, outer_state):
-      del aligned, params
+    def common(inner_updates, params, outer_state):
+      del params
       return inner_updates, outer_state
 
-    def rare(inner_updates, aligned, params, outer_state):
+    def rare(inner_updates, params, outer_state):
       outer_state_in = outer_state
-      theta = optax.apply_updates(aligned, inner_updates)
+      anchor, master, *rest = outer_state
+      start, anchor, master = lax.cond(
+          first, _start(layout, axis_name), lambda p, a, m: (p, a, m),
+          params, anchor, master,
+      )
+      theta = optax.apply_updates(start, inner_updates)
       theta, outer_state = _round(
-          layout, config, axis_name, theta, outer_state, sync_index, merge_index
+          layout, config, axis_name, theta, (anchor, master, *rest), sync_index,
+          merge_index,
       )
       changed = merge_index > 0
       if axis_name is not None:
@@ -262,7 +272,7 @@ def diloco(
 
     rare_step = first | (sync_index > 0) | (merge_index > 0)
     new_updates, outer_state = lax.cond(
-        rare_step, rare, common, inner_updates, aligned, params, outer_state
+        rare_step, rare, common, inner_updates, params, outer_state
     )
     anchor, master, momentum, pending, token_counts, stats = outer_state
     return new_updates, DiLoCoState(
