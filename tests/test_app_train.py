@@ -43,8 +43,9 @@ def test_train_writes_metrics_plots_and_a_run(tmp_path):
       capture_output=True, text=True, timeout=280, check=False)
   assert result.returncode == 0, result.stdout + result.stderr
   summary = json.loads((out / "summary.json").read_text())
-  # 8 steps, H=4, P=2: rounds at steps 2, 4, 6, 8.
-  assert summary["rounds"] == 4
+  # 8 steps, H=4, P=2: rounds at steps 2, 4, 6, 8, then closing flushes fragment 0's
+  # last two steps into round 4.
+  assert summary["rounds"] == 5
   assert set(summary["final_val_loss"]) == {"learner-0", "learner-1", "baseline"}
   assert all(v is not None and 0 < v < 10 for v in summary["final_val_loss"].values())
   for name in ("loss.png", "bytes.png", "cosine.png"):
@@ -53,7 +54,8 @@ def test_train_writes_metrics_plots_and_a_run(tmp_path):
   steps = [r for r in records if r.get("event") == "step" and r["learner"] == "learner-0"]
   assert [r["step"] for r in steps] == list(range(1, 9))
   rounds = [r for r in records if r.get("event") == "round"]
-  assert [r["fragment"] for r in rounds] == [0, 1, 0, 1]
+  assert [r["fragment"] for r in rounds] == [0, 1, 0, 1, 0]
+  assert [r["step"] for r in rounds] == [2, 4, 6, 8, 10]
   assert all(len(r["participants"]) == 2 for r in rounds)
 
   status = subprocess.run([sys.executable, "-m", "gmjax.app.cli", "status", str(out / "run")],
