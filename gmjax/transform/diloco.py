@@ -250,23 +250,19 @@ def diloco(
     def rare(inner_updates, params, outer_state):
       outer_state_in = outer_state
       anchor, master, *rest = outer_state
-      start, anchor, master = lax.cond(
-          first, _start(layout, axis_name), lambda p, a, m: (p, a, m),
-          params, anchor, master,
-      )
-      theta = optax.apply_updates(start, inner_updates)
-      theta, outer_state = _round(
-          layout, config, axis_name, theta, (anchor, master, *rest), sync_index,
-          merge_index,
-      )
-      changed = merge_index > 0
-      if axis_name is not None:
-        changed = changed | first
-      new_updates = jax.tree.map(
-          lambda n, p, u: jnp.where(
-              changed, (n.astype(jnp.float32) - p.astype(jnp.float32)).astype(u.dtype), u
-          ),
-          theta, params, inner_updates,
+      if axis_name is None:
+        start = params
+        anchor, master = lax.cond(
+            first, _start(layout, None), lambda p, a, m: (a, m), params, anchor, master
+        )
+      else:
+        start, anchor, master = lax.cond(
+            first, _start(layout, axis_name), lambda p, a, m: (p, a, m),
+            params, anchor, master,
+        )
+      new_updates, outer_state = _round(
+          layout, config, axis_name, (start, params, inner_updates),
+          (anchor, master, *rest), first, sync_index, merge_index,
       )
       return _vary_like((new_updates, outer_state), (inner_updates, outer_state_in))
 
@@ -284,27 +280,43 @@ def diloco(
 
 
 def _start(layout: _Layout, axis_name: Any):
-  """The first update: learner 0's parameters everywhere, as anchor and master."""
+  """The first update: learner 0's parameters everywhere, as anchor and master.
+
+  With ``axis_name=None`` the learner's own parameters are the start, and only the
+  anchor and the master are returned.
+  """
 
   def start(params, anchor, master):
-    shared = params
-    if axis_name is not None:
-      source = lax.axis_index(axis_name) == 0
-      # A masked sum is a broadcast from learner 0 that is exact in any dtype.
-      shared = jax.tree.map(
-          lambda p: lax.psum(jnp.where(source, p, jnp.zeros_like(p)), axis_name), params
-      )
+    if axis_name is None:
+      theta = layout.cast(params)
+      return theta, layout.master_of(theta)
+    source = lax.axis_index(axis_name) == 0
+    # A masked sum is a broadcast from learner 0 that is exact in any dtype.
+    shared = jax.tree.map(
+        lambda p: lax.psum(jnp.where(source, p, jnp.zeros_like(p)), axis_name), params
+    )
     theta = layout.cast(shared)
     return _vary_like((shared, theta, layout.master_of(theta)), (params, anchor, master))
 
   return start
 
 
-def _round(layout, config, axis_name, theta, outer_state, sync_index, merge_index):
-  """The sync of the fragment ``sync_index − 1`` and the merge of ``merge_index − 1``."""
+def _round(layout, config, axis_name, inputs, outer_state, first, sync_index, merge_index):
+  """The sync of the fragment ``sync_index − 1`` and the merge of ``merge_index − 1``.
+
+  ``inputs`` is ``(start, params, inner_updates)``; the learner's ``θ = start +
+  inner_updates`` is formed leaf by leaf inside each branch, from buffers that exist
+  already, so no branch operand is a new parameter-sized array. Returns the updates and
+  the new outer state.
+  """
   anchor, master, momentum, pending, tokens, stats = outer_state
-  flat_theta = layout.flatten(theta)
+  flat_start, flat_params, flat_updates = (layout.flatten(x) for x in inputs)
   flat = (layout.flatten(anchor), layout.flatten(master), layout.flatten(momentum))
+
+  def theta_of(n):
+    """``θ`` of leaf ``n``, at the parameter dtype, as ``optax.apply_updates`` forms it."""
+    start = flat_start[n]
+    return (start + flat_updates[n]).astype(start.dtype)
 
   def no_sync(flat, pending, tokens, stats):
     return flat, pending, tokens, stats
@@ -316,8 +328,7 @@ def _round(layout, config, axis_name, theta, outer_state, sync_index, merge_inde
       state = (pending, tokens, stats)
       anchor, master, momentum = (dict(x) for x in flat)
       delta = {
-          n: anchor[n].astype(jnp.float32) - flat_theta[n].astype(jnp.float32)
-          for n in names
+          n: anchor[n].astype(jnp.float32) - theta_of(n).astype(jnp.float32) for n in names
       }
       gradient, cosine = collective.aggregate(
           delta, tokens[fragment], specs, config.delta_precision, axis_name
@@ -360,28 +371,42 @@ def _round(layout, config, axis_name, theta, outer_state, sync_index, merge_inde
   flat, pending, tokens, stats = lax.switch(sync_index, branches, flat, pending, tokens, stats)
   flat_anchor = flat[0]
 
-  def no_merge(flat_theta, pending):
-    return flat_theta, pending
+  def difference(n, theta):
+    """The update that takes the parameters to ``theta``, at the updates' dtype."""
+    u = flat_updates[n]
+    return (theta.astype(jnp.float32) - flat_params[n].astype(jnp.float32)).astype(u.dtype)
+
+  def no_merge(flat_anchor, pending):
+    if axis_name is None:
+      return dict(flat_updates), pending
+    # The first update moves every learner onto learner 0's start.
+    updates = {
+        n: jnp.where(first, difference(n, theta_of(n)), u) for n, u in flat_updates.items()
+    }
+    return _vary_like((updates, pending), (flat_updates, pending))
 
   def merge_of(fragment, names):
-    def merge(flat_theta, pending):
-      flat_theta = dict(flat_theta)
+    def merge(flat_anchor, pending):
       code = pending[fragment]
-      current = {n: flat_theta[n] for n in names}
+      current = {n: theta_of(n) for n in names}
       target = {n: flat_anchor[n] for n in names}
       mixed = outer.align(current, target, config.mixing)
       reset = outer.align(current, target, 0.0)
-      for n in names:
-        flat_theta[n] = jnp.where(
-            code == MERGE, mixed[n], jnp.where(code == RESET, reset[n], current[n])
-        )
+      updates = {}
+      for n in layout.names:
+        theta = theta_of(n)
+        if n in current:
+          theta = jnp.where(
+              code == MERGE, mixed[n], jnp.where(code == RESET, reset[n], current[n])
+          )
+        updates[n] = difference(n, theta)
       return _vary_like(
-          (flat_theta, pending.at[fragment].set(NOTHING)), (flat_theta, pending)
+          (updates, pending.at[fragment].set(NOTHING)), (flat_updates, pending)
       )
 
     return merge
 
   branches = [no_merge] + [merge_of(f, names) for f, names in enumerate(layout.plan)]
-  flat_theta, pending = lax.switch(merge_index, branches, flat_theta, pending)
+  flat_updates_out, pending = lax.switch(merge_index, branches, flat_anchor, pending)
   anchor, master, momentum = (layout.unflatten(x) for x in flat)
-  return layout.unflatten(flat_theta), (anchor, master, momentum, pending, tokens, stats)
+  return layout.unflatten(flat_updates_out), (anchor, master, momentum, pending, tokens, stats)
