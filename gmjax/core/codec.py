@@ -99,6 +99,28 @@ def _f4_nibbles(scaled: jax.Array) -> jax.Array:
   return code | jnp.where(negative, 8, 0)
 
 
+def _f8_e4m3(scaled: jax.Array) -> jax.Array:
+  """``scaled`` (F32, ``|scaled| <= 448`` or NaN) as ``float8_e4m3fn``, rounded to nearest even.
+
+  Integer arithmetic on the F32 bit patterns: XLA's CPU backend converts F32 to F8 with
+  scalar code, several times slower than this vectorized form. Same bytes as the convert.
+  """
+  bits = lax.bitcast_convert_type(scaled, jnp.int32)
+  magnitude = bits & _ABS_BITS
+  # Normal codes (|x| >= 2^-6): keep 3 of the 23 mantissa bits, rounding to nearest even
+  # (a carry out of the mantissa steps the exponent, as it should), then rebias 127 -> 7.
+  normal = ((magnitude + 0x7FFFF + ((magnitude >> 20) & 1)) >> 20) - ((127 - 7) << 3)
+  # Subnormal codes are multiples of 2^-9: adding 2^14 (whose ulp is 2^-9) rounds |x| to
+  # one, to nearest even, and leaves the multiple in the low mantissa bits; 2^-6 itself
+  # comes out as 8, the smallest normal code.
+  absolute = lax.bitcast_convert_type(magnitude, jnp.float32)
+  subnormal = lax.bitcast_convert_type(absolute + jnp.float32(2.0**14), jnp.int32) - 0x46800000
+  code = jnp.where(magnitude < 0x3C800000, subnormal, normal)  # 0x3C800000 is 2^-6
+  code = jnp.where(magnitude > 0x7F800000, 0x7F, code)  # NaN stays NaN
+  code = code | ((bits >> 24) & 0x80)
+  return lax.bitcast_convert_type(code.astype(jnp.uint8), jnp.float8_e4m3fn)
+
+
 def _f4_values(nibbles: jax.Array) -> jax.Array:
   """F32 values of e2m1 nibbles (int32 in 0..15)."""
   exponent = (nibbles >> 1) & 3
@@ -149,7 +171,7 @@ def quantize(x: jax.Array, precision: str) -> tuple[jax.Array, jax.Array]:
   size = math.prod(x.shape)
   if precision == "F8_E4M3":
     # float8_e4m3fn has no infinity and does not saturate: 465 would become NaN.
-    codes = jnp.clip(scaled, -qmax, qmax).astype(jnp.float8_e4m3fn)
+    codes = _f8_e4m3(jnp.clip(scaled, -qmax, qmax))
     return codes.reshape(-1)[:size].reshape(x.shape), scales
   if precision == "F4":
     nibbles = _f4_nibbles(scaled)

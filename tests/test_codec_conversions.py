@@ -1,0 +1,29 @@
+"""The codec's integer-arithmetic conversions against ml_dtypes, value by value."""
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from gmjax.core import codec
+
+
+def neighbourhood(values):
+  """``values``, the midpoints between neighbours, and the floats either side of each."""
+  values = np.unique(values.astype(np.float32))
+  mids = ((values[1:].astype(np.float64) + values[:-1]) / 2).astype(np.float32)
+  points = np.concatenate([values, mids])
+  return np.unique(np.concatenate([
+      points, np.nextafter(points, np.float32(-np.inf)), np.nextafter(points, np.float32(np.inf))
+  ]))
+
+
+def test_f8_e4m3_matches_ml_dtypes():
+  grid = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  x = neighbourhood(grid[np.isfinite(grid)])
+  x = np.concatenate([x[np.abs(x) <= 448], [0.0, -0.0, 1e-30, -1e-30, 2.0**-10, 2.0**-9]])
+  x = x.astype(np.float32)
+  got = np.asarray(codec._f8_e4m3(jnp.asarray(x))).view(np.uint8)
+  want = x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+  np.testing.assert_array_equal(got, want)
+  nan = np.asarray(codec._f8_e4m3(jnp.asarray([np.nan], jnp.float32))).astype(np.float32)
+  assert np.isnan(nan).all()
