@@ -131,9 +131,18 @@ def _f4_values(nibbles: jax.Array) -> jax.Array:
 
 
 def _pack_nibbles(nibbles: jax.Array) -> jax.Array:
-  """Packs int32 nibbles (even count) two per byte: element ``2i`` in the low nibble."""
-  pairs = nibbles.reshape(-1, 2)
-  return ((pairs[:, 0] & 0xF) | ((pairs[:, 1] & 0xF) << 4)).astype(jnp.uint8)
+  """Packs int32 nibbles (a multiple of 4) two per byte: element ``2i`` in the low nibble.
+
+  Four nibbles, one per byte, read as a little-endian uint32 ``n0 | n1<<8 | n2<<16 |
+  n3<<24`` fold into the two bytes ``n0 | n1<<4``, ``n2 | n3<<4`` with two shifts. XLA's
+  CPU backend vectorizes this; picking even and odd elements with strided slices it does
+  not.
+  """
+  quads = (nibbles & 0xF).astype(jnp.uint8).reshape(-1, 4)
+  word = lax.bitcast_convert_type(quads, jnp.uint32)
+  word = (word | (word >> 4)) & 0x00FF00FF
+  word = (word | (word >> 8)) & 0xFFFF
+  return lax.bitcast_convert_type(word.astype(jnp.uint16), jnp.uint8).reshape(-1)
 
 
 def _unpack_nibbles(packed: jax.Array) -> jax.Array:
