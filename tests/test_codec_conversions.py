@@ -27,3 +27,19 @@ def test_f8_e4m3_matches_ml_dtypes():
   np.testing.assert_array_equal(got, want)
   nan = np.asarray(codec._f8_e4m3(jnp.asarray([np.nan], jnp.float32))).astype(np.float32)
   assert np.isnan(nan).all()
+
+
+def test_f8_e4m3_values_match_ml_dtypes():
+  codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+  got = np.asarray(codec._f8_e4m3_values(jnp.asarray(codes)))
+  want = codes.astype(np.float32)
+  finite = np.isfinite(want)
+  np.testing.assert_array_equal(got[finite].view(np.uint32), want[finite].view(np.uint32))
+  assert np.array_equal(np.isnan(got), ~finite)
+
+
+def test_nibbles_pack_and_unpack():
+  nibbles = np.random.default_rng(0).integers(0, 16, 4096).astype(np.int32)
+  packed = np.asarray(codec._pack_nibbles(jnp.asarray(nibbles)))
+  np.testing.assert_array_equal(packed, (nibbles[0::2] | (nibbles[1::2] << 4)).astype(np.uint8))
+  np.testing.assert_array_equal(np.asarray(codec._unpack_nibbles(jnp.asarray(packed))), nibbles)

@@ -121,6 +121,18 @@ def _f8_e4m3(scaled: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(code.astype(jnp.uint8), jnp.float8_e4m3fn)
 
 
+def _f8_e4m3_values(codes: jax.Array) -> jax.Array:
+  """F32 values of ``float8_e4m3fn`` codes, by integer arithmetic (vectorizes)."""
+  byte = lax.bitcast_convert_type(codes, jnp.uint8).astype(jnp.int32)
+  magnitude = byte & 0x7F
+  # Normal codes: exponent rebiased 7 -> 127, mantissa moved to the top of F32's.
+  normal = lax.bitcast_convert_type((magnitude << 20) + ((127 - 7) << 23), jnp.float32)
+  subnormal = magnitude.astype(jnp.float32) * jnp.float32(2.0**-9)
+  value = jnp.where(magnitude < 8, subnormal, normal)
+  value = jnp.where(magnitude == 0x7F, jnp.float32(np.nan), value)
+  return jnp.where(byte >= 0x80, -value, value)
+
+
 def _f4_values(nibbles: jax.Array) -> jax.Array:
   """F32 values of e2m1 nibbles (int32 in 0..15)."""
   exponent = (nibbles >> 1) & 3
@@ -146,9 +158,15 @@ def _pack_nibbles(nibbles: jax.Array) -> jax.Array:
 
 
 def _unpack_nibbles(packed: jax.Array) -> jax.Array:
-  """int32 nibbles of packed bytes, low nibble first."""
-  packed = packed.astype(jnp.int32)
-  return jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(-1)
+  """int32 nibbles of packed bytes (an even count), low nibble first.
+
+  The inverse of ``_pack_nibbles``: two bytes spread into four, one nibble each, within a
+  uint32, read back as bytes.
+  """
+  pairs = lax.bitcast_convert_type(packed.reshape(-1, 2), jnp.uint16).astype(jnp.uint32)
+  word = (pairs | (pairs << 8)) & 0x00FF00FF
+  word = (word | (word << 4)) & 0x0F0F0F0F
+  return lax.bitcast_convert_type(word, jnp.uint8).reshape(-1).astype(jnp.int32)
 
 
 def quantize(x: jax.Array, precision: str) -> tuple[jax.Array, jax.Array]:
@@ -203,7 +221,7 @@ def dequantize(
   blocks = num_blocks(size)
   codes = jnp.asarray(codes)
   if precision == "F8_E4M3":
-    values = jnp.ravel(codes).astype(jnp.float32)
+    values = _f8_e4m3_values(jnp.ravel(codes).astype(jnp.float8_e4m3fn))
     pad = blocks * BLOCK - size
     if pad:
       values = jnp.pad(values, (0, pad))
