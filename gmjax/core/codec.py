@@ -143,30 +143,35 @@ def _f4_values(nibbles: jax.Array) -> jax.Array:
 
 
 def _pack_nibbles(nibbles: jax.Array) -> jax.Array:
-  """Packs int32 nibbles (a multiple of 4) two per byte: element ``2i`` in the low nibble.
+  """Packs int32 nibbles two per byte along the last axis (a multiple of 4 long): element
+  ``2i`` in the low nibble.
 
   Four nibbles, one per byte, read as a little-endian uint32 ``n0 | n1<<8 | n2<<16 |
   n3<<24`` fold into the two bytes ``n0 | n1<<4``, ``n2 | n3<<4`` with two shifts. XLA's
   CPU backend vectorizes this; picking even and odd elements with strided slices it does
-  not.
+  not. Keeping the block axis (rather than flattening) spares the fused loop an index
+  division per element.
   """
-  quads = (nibbles & 0xF).astype(jnp.uint8).reshape(-1, 4)
+  quads = (nibbles & 0xF).astype(jnp.uint8).reshape(*nibbles.shape[:-1], -1, 4)
   word = lax.bitcast_convert_type(quads, jnp.uint32)
   word = (word | (word >> 4)) & 0x00FF00FF
   word = (word | (word >> 8)) & 0xFFFF
-  return lax.bitcast_convert_type(word.astype(jnp.uint16), jnp.uint8).reshape(-1)
+  packed = lax.bitcast_convert_type(word.astype(jnp.uint16), jnp.uint8)
+  return packed.reshape(*nibbles.shape[:-1], -1)
 
 
 def _unpack_nibbles(packed: jax.Array) -> jax.Array:
-  """int32 nibbles of packed bytes (an even count), low nibble first.
+  """int32 nibbles of packed bytes along the last axis (even length), low nibble first.
 
   The inverse of ``_pack_nibbles``: two bytes spread into four, one nibble each, within a
   uint32, read back as bytes.
   """
-  pairs = lax.bitcast_convert_type(packed.reshape(-1, 2), jnp.uint16).astype(jnp.uint32)
+  pairs = packed.reshape(*packed.shape[:-1], -1, 2)
+  pairs = lax.bitcast_convert_type(pairs, jnp.uint16).astype(jnp.uint32)
   word = (pairs | (pairs << 8)) & 0x00FF00FF
   word = (word | (word << 4)) & 0x0F0F0F0F
-  return lax.bitcast_convert_type(word, jnp.uint8).reshape(-1).astype(jnp.int32)
+  nibbles = lax.bitcast_convert_type(word, jnp.uint8).astype(jnp.int32)
+  return nibbles.reshape(*packed.shape[:-1], -1)
 
 
 def quantize(x: jax.Array, precision: str) -> tuple[jax.Array, jax.Array]:
@@ -205,7 +210,7 @@ def quantize(x: jax.Array, precision: str) -> tuple[jax.Array, jax.Array]:
   else:
     nibbles = jnp.clip(jnp.round(scaled), -qmax, qmax).astype(jnp.int32)
   # Blocks are 32 long, so the padded codes pair up.
-  return _pack_nibbles(nibbles)[: packed_size(size)], scales
+  return _pack_nibbles(nibbles).reshape(-1)[: packed_size(size)], scales
 
 
 def dequantize(
@@ -230,7 +235,7 @@ def dequantize(
     pad = blocks * BLOCK // 2 - packed.size
     if pad:
       packed = jnp.pad(packed, (0, pad))
-    nibbles = _unpack_nibbles(packed)
+    nibbles = _unpack_nibbles(packed.reshape(blocks, BLOCK // 2))
     if precision == "F4":
       values = _f4_values(nibbles)
     else:
