@@ -46,12 +46,15 @@ def main() -> None:
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--poll", type=float, default=0.01)
   parser.add_argument("--delta-precision", default=None)
+  parser.add_argument("--commit-precision", default=None,
+                      help="e.g. F8_E4M3: commits carry the update at this precision")
   parser.add_argument("--dir", default=None, help="run directory (default: a temporary one)")
   args = parser.parse_args()
 
   params = model(args.params)
   config = gmjax.DiLoCo(sync_every=args.sync_every, quorum_size=args.learners,
-                        delta_precision=args.delta_precision)
+                        delta_precision=args.delta_precision,
+                        commit_precision=args.commit_precision)
   root = args.dir or tempfile.mkdtemp(prefix="gmjax-bench-")
   url = f"{root}/run"
   mail.create(url, params, config)
@@ -112,6 +115,7 @@ def main() -> None:
       "learners": args.learners,
       "sync_every": args.sync_every,
       "delta_precision": args.delta_precision,
+      "commit_precision": args.commit_precision,
       "rounds": rows,
       "median_publish_to_applied_s": round(statistics.median(steady), 4),
       "median_closer_sync_s": round(statistics.median(r["closer_sync_s"] for r in rows[1:] or rows), 4),

@@ -1,10 +1,12 @@
 """The store over a local directory and memory://: atomic puts, exclusive create, retries."""
 
+import hashlib
 import os
 import threading
 
 import pytest
 
+from gmjax import mail
 from gmjax.mail import store as store_lib
 
 
@@ -117,3 +119,30 @@ def test_transient_classification():
 def test_open_store_rejects_non_strings():
   with pytest.raises(TypeError, match="url"):
     store_lib.open_store(42)
+
+
+def test_retry_budget_bounds_retries_with_a_typed_error(tmp_path):
+  flaky = _Flaky(str(tmp_path), 10**9, ConnectionResetError("reset by peer"))
+  budgets = []
+
+  def budget():
+    budgets.append(0.2)
+    return 0.2
+
+  bounded = flaky.with_retry_budget(budget)
+  assert bounded.retry_budget() == 0.2 and flaky.retry_budget() == 5.0  # a view, not a change
+  with pytest.raises(mail.StorageUnavailable, match=r"get .*still failed after \d+ attempt") as e:
+    bounded.get("f")
+  assert isinstance(e.value, TimeoutError)
+  assert isinstance(e.value.__cause__, ConnectionResetError)
+  assert bounded.calls > 1 and len(budgets) >= 2  # retried, under the budget read per call
+
+
+def test_get_verified_hashes_what_it_reads(store):
+  data = os.urandom(3 * (4 << 20) + 5)  # several read chunks
+  store.put("blob.bin", data)
+  assert store.get_verified("blob.bin", hashlib.sha256(data).hexdigest()) == data
+  with pytest.raises(mail.CorruptRecord):
+    store.get_verified("blob.bin", hashlib.sha256(b"other").hexdigest())
+  with pytest.raises(FileNotFoundError):
+    store.get_verified("missing.bin", "0" * 64)

@@ -13,6 +13,7 @@ from gmjax.mail.errors import LearnerClosed as LearnerClosed
 from gmjax.mail.errors import RoundTimeout as RoundTimeout
 from gmjax.mail.errors import RunExists as RunExists
 from gmjax.mail.errors import RunNotFound as RunNotFound
+from gmjax.mail.errors import StorageUnavailable as StorageUnavailable
 from gmjax.mail.learner import Learner as Learner
 from gmjax.mail.run import Run as Run
 from gmjax.mail.run import create as create
@@ -31,6 +32,7 @@ __all__ = (
     "Run",
     "RunExists",
     "RunNotFound",
+    "StorageUnavailable",
     "Store",
     "create",
     "format_status",

@@ -1,7 +1,10 @@
 """Closing rounds: collect and validate contributions, decide, aggregate, commit once.
 
 Every learner watches the rounds it contributed to. For each it lists
-``rounds/<r>/``, validates new contributions (``contributions.loads``) and decides:
+``rounds/<r>/`` and decides as below. The designated closer reads and validates each new
+contribution (``contributions.loads``) as it appears; a follower only notes the names it
+lists, counting each as a contribution that may be valid, and reads and validates them
+when it is about to take over (and then decides again on what it validated):
 
 * **closable** when every learner live for the round (``heartbeats.Roster``) has a
   contribution there (valid or rejected), or when ``quorum()`` valid ones are in and the
@@ -53,6 +56,7 @@ class Watch:
   version: int
   found: dict[str, Contribution | ContributionRejected] = dataclasses.field(
       default_factory=dict)
+  listed: set[str] = dataclasses.field(default_factory=set)  # seen, not yet validated
   opened: float | None = None
   opened_at: str | None = None
   quorum_seen: float | None = None
@@ -68,7 +72,9 @@ class Watch:
 
   @property
   def contributors(self) -> set[str]:
-    return {c.learner for c in self.found.values()}
+    """Learners with a contribution here, valid, rejected or not yet validated."""
+    return {c.learner for c in self.found.values()} | {
+        contributions.learner_of(entry) for entry in self.listed}
 
 
 class Closer:
@@ -119,11 +125,24 @@ class Closer:
   def watch(self, round_: int) -> Watch:
     return Watch(round_, self.schedule.fragment_of(round_), self.schedule.version_after(round_))
 
-  def scan(self, watch: Watch, known: set[str]) -> None:
-    """Reads and validates contributions that appeared since the last scan."""
-    for entry in self.store.list(layout.round_dir(watch.round)):
-      if entry in watch.found or entry.endswith(".tmp"):
-        continue
+  def scan(self, watch: Watch, known: set[str], *, validate: bool = True) -> None:
+    """Notes contributions that appeared since the last scan.
+
+    Args:
+      watch: the round.
+      known: learner names with a heartbeat (a contribution from anyone else is rejected).
+      validate: read and validate every contribution not validated yet; with False only
+        list them (``watch.listed``), as a follower does.
+    """
+    entries = [e for e in self.store.list(layout.round_dir(watch.round))
+               if e not in watch.found and not e.endswith(".tmp")]
+    if entries and watch.opened is None:
+      watch.opened, watch.opened_at = time.monotonic(), utc_now()
+    if not validate:
+      watch.listed.update(entries)
+      return
+    for entry in entries:
+      watch.listed.discard(entry)
       try:
         data = self.store.get(f"{layout.round_dir(watch.round)}/{entry}")
       except (FileNotFoundError, IsADirectoryError):
@@ -138,8 +157,12 @@ class Closer:
         log.warning("round %d: %s", watch.round, rejected)
         found = rejected
       watch.found[entry] = found
-      if watch.opened is None:
-        watch.opened, watch.opened_at = time.monotonic(), utc_now()
+
+  def designated(self, watch: Watch, roster: Roster) -> bool:
+    """Whether this observer is the designated closer of ``watch`` for the live set now."""
+    live = roster.live_for(watch.round, self.liveness_timeout())
+    candidates = sorted(live | {self.name})
+    return candidates[watch.fragment % len(candidates)] == self.name
 
   def decide(self, watch: Watch, roster: Roster) -> bool:
     """Whether this observer closes ``watch`` now (as designated closer or follower)."""
@@ -149,7 +172,11 @@ class Closer:
     contributors = watch.contributors
     if not contributors:
       return False
-    if len(watch.valid) >= self.manifest.config.quorum() and watch.quorum_seen is None:
+    # Listed contributions may turn out invalid once validated, taking the quorum back.
+    possible = len(watch.valid) + len(watch.listed)
+    if possible < self.manifest.config.quorum():
+      watch.quorum_seen = None
+    elif watch.quorum_seen is None:
       watch.quorum_seen = now
     closable = live <= contributors or (
         watch.quorum_seen is not None and now - watch.quorum_seen >= timeout)
@@ -180,7 +207,10 @@ class Closer:
 
   def close(self, watch: Watch, roster: Roster) -> dict[str, Any] | None:
     """Aggregates, saves and commits ``watch``; returns the round's commit record (this
-    closer's or a racing winner's), or None while the base version is not committed."""
+    closer's or a racing winner's), or None while the base version is not committed.
+
+    Only validated contributions are aggregated: scan with ``validate=True`` first.
+    """
     started = time.monotonic()
     state = self.base_state(watch.fragment, watch.version - 1)
     if state is None:
@@ -190,10 +220,14 @@ class Closer:
     nonce = uuid.uuid4().hex[:12]
     files = states.save_state(self.store, watch.fragment, result.state, nonce)
     if result.update is not None:
+      # Learners rebuild Θ from the update; only joins read Θ, from the checkpoint.
       files.update(states.save_update(self.store, watch.fragment, result.state.version,
                                       nonce, result.update))
+      files["theta"] = None
     else:
       files.update({"update": None, "update_sha256": None})
+      files.update(states.save_theta(self.store, watch.fragment, result.state.version,
+                                     nonce, result.state.theta))
     sync_seconds = time.monotonic() - started
     quorum_seconds = None
     if watch.opened is not None and watch.closable_since is not None:
@@ -217,6 +251,7 @@ class Closer:
         "closer": self.name,
         "state": files["state"],
         "update": files["update"],
+        "theta": files["theta"],
         "sha256": {"state": files["state_sha256"], "update": files["update_sha256"]},
         "state_files": files["state_files"],
         "state_names": files["state_names"],

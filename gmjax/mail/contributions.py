@@ -48,6 +48,13 @@ def dumps(entries: Mapping[str, Any], *, learner: str, round_: int, fragment: in
   return payload.dumps(entries, metadata)
 
 
+def learner_of(file_name: str) -> str:
+  """The learner a contribution's file name stands for, as ``loads`` reports it."""
+  if file_name.endswith(layout.CONTRIBUTION_SUFFIX):
+    return file_name[: -len(layout.CONTRIBUTION_SUFFIX)]
+  return file_name
+
+
 def _int(metadata: Mapping[str, str], field: str, learner: str, minimum: int = 0) -> int:
   text = metadata.get(field)
   try:
@@ -74,7 +81,7 @@ def loads(data: bytes, *, file_name: str, round_: int, fragment: int, base_versi
   """
   if not file_name.endswith(layout.CONTRIBUTION_SUFFIX):
     raise ContributionRejected(file_name, "not a .safetensors contribution")
-  learner = file_name[: -len(layout.CONTRIBUTION_SUFFIX)]
+  learner = learner_of(file_name)
   if not layout.is_valid_name(learner):
     raise ContributionRejected(learner, "learner name does not match"
                                f" {layout.NAME_PATTERN.pattern}")
@@ -123,7 +130,7 @@ def loads(data: bytes, *, file_name: str, round_: int, fragment: int, base_versi
     if tuple(array.shape) != spec.shape:
       raise ContributionRejected(learner, f"entry {name!r} has shape {tuple(array.shape)},"
                                  f" expected {spec.shape}")
-    if spec.dtype in _FLOAT_CODES and not np.all(np.isfinite(array.astype(np.float32))):
+    if spec.dtype in _FLOAT_CODES and not np.isfinite(array.astype(np.float32, copy=False)).all():
       raise ContributionRejected(learner, f"entry {name!r} holds NaN or Inf")
   return Contribution(
       learner=learner,

@@ -34,6 +34,11 @@ class CorruptRecord(ValueError):
   not parse."""
 
 
+class StorageUnavailable(TimeoutError):
+  """A storage call kept failing with transient errors until its retry budget (for a
+  learner, the run's timeout) ran out; the last error is its ``__cause__``."""
+
+
 class RoundTimeout(TimeoutError):
   """A learner waited longer than its ``wait_timeout`` for a round to commit."""
 

@@ -6,6 +6,7 @@
   <run>/learners/<name>.json                       heartbeat
   <run>/rounds/<r>/<name>.safetensors              contribution
   <run>/fragments/<f>/<v>-<nonce>/                 Orbax checkpoint of FragmentState v
+  <run>/fragments/<f>/<v>-<nonce>/theta.safetensors    its Θ alone, for learners
   <run>/fragments/<f>/<v>-<nonce>.update.safetensors
   <run>/fragments/<f>/<v>.commit.json              the round record: the commit
 """
@@ -60,6 +61,12 @@ def state_dir(fragment: int, version: int, nonce: str) -> str:
 
 def update_file(fragment: int, version: int, nonce: str) -> str:
   return f"fragments/{fragment}/{version}-{nonce}.update.safetensors"
+
+
+def theta_file(fragment: int, version: int, nonce: str) -> str:
+  """Θ of a saved state, beside Orbax's files in the state's directory (not among the
+  checkpoint's ``state_files``): one entry per saved state, removed with it."""
+  return f"{state_dir(fragment, version, nonce)}/theta.safetensors"
 
 
 def commit(fragment: int, version: int) -> str:

@@ -39,7 +39,7 @@ from gmjax.mail import heartbeats
 from gmjax.mail import layout
 from gmjax.mail import states
 from gmjax.mail.closer import HEARTBEAT_POLLS, Closer, Watch
-from gmjax.mail.errors import CorruptRecord, LearnerClosed, RoundTimeout
+from gmjax.mail.errors import LearnerClosed, RoundTimeout
 from gmjax.mail.heartbeats import Roster
 from gmjax.mail.manifest import utc_now
 
@@ -164,8 +164,17 @@ class _Worker:
         if self._committed(watch.fragment, watch.version):
           del self.watches[round_]
           continue
-        self.closer.scan(watch, self.known)
+        # Only the designated closer reads every contribution as it lands; a follower
+        # lists them, and reads them only when it takes over.
+        self.closer.scan(watch, self.known,
+                         validate=self.closer.designated(watch, self.roster))
         if self.closer.decide(watch, self.roster):
+          # Decide again on the freshest view before closing: a learner that joined since
+          # the last refresh is live and awaited, and listed contributions get validated.
+          self.roster.refresh()
+          self.closer.scan(watch, self.known)
+          if not self.closer.decide(watch, self.roster):
+            continue
           record = self.closer.close(watch, self.roster)
           if record is not None:
             del self.watches[round_]
@@ -200,6 +209,9 @@ class _Worker:
       self.condition.notify_all()
 
   def _fetch(self, record: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Θ of the version ``record`` commits, by the cheapest verified route: held in
+    memory (this learner closed the round), rebuilt from the update file and the previous
+    Θ, or read from the commit's Θ file. The outer state is never read here."""
     fragment, version = record["fragment"], record["version"]
     held = self.thetas.get(fragment)
     if held is not None and held[0] == version:
@@ -218,14 +230,9 @@ class _Worker:
         theta = rebuilt
       else:
         log.warning("rebuilt Θ of fragment %d version %d differs from the closer's;"
-                    " loading the saved state instead", fragment, version)
+                    " reading the committed Θ instead", fragment, version)
     if theta is None:
-      state = states.load_state(self.store, record)
-      if states.theta_digest(state.theta) != record.get("theta_sha256"):
-        raise CorruptRecord(f"state of fragment {fragment} version {version} does not"
-                            " match the commit's theta_sha256")
-      self.closer.states[fragment] = state
-      theta = dict(state.theta)
+      theta = states.load_theta(self.store, record)
     self.thetas[fragment] = (version, theta)
     return theta
 
@@ -241,7 +248,10 @@ class _Worker:
         base_version=job["base_version"], local_step=job["local_step"],
         steps=job["steps"], tokens=job["tokens"], step_seconds=job["step_seconds"],
         final=job["final"], precision=precision, key=learner.key)
-    learner.store.put(layout.contribution(job["round"], learner.name), data)
+    # Not synced to disk: a contribution matters only until its round commits (the
+    # commit's state is synced), and a machine crash that loses or truncates it loses
+    # only this learner's uncommitted steps (a truncated one is rejected).
+    learner.store.put(layout.contribution(job["round"], learner.name), data, durable=False)
     with self.lock:
       self.watches.setdefault(job["round"], self.closer.watch(job["round"]))
 
@@ -264,7 +274,8 @@ class Learner:
       raise ValueError(f"wait_timeout must be None or positive seconds, got {wait_timeout!r}.")
     self.run = run
     self.name = layout.check_name(name)
-    self.store = run.store
+    # Transient storage errors are retried for at most the run's current timeout.
+    self.store = run.store.with_retry_budget(lambda: self.closer.timeout())
     self.manifest = run.manifest
     self.key = run.key
     self.poll_interval = float(poll_interval)
@@ -311,7 +322,10 @@ class Learner:
       import json  # pylint: disable=g-import-not-at-top
 
       data = json.dumps(self._heartbeat).encode()
-      self.store.put(layout.heartbeat(self.name), data)
+      # A periodic beat (the step count alone) is superseded within a few polls and
+      # stale after a machine crash anyway: no fsync, which would also flush the large
+      # files being written alongside. Beats that say more (joined, closing, closed) are.
+      self.store.put(layout.heartbeat(self.name), data, durable=bool(fields.keys() - {"step"}))
 
   def _beat_loop(self) -> None:
     interval = self.poll_interval * HEARTBEAT_POLLS

@@ -198,12 +198,14 @@ def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = N
     if states.committed_versions(store, fragment):
       continue
     state = config.initial_state(schema, names, flat)
-    files = states.save_state(store, fragment, state, uuid.uuid4().hex[:12])
+    nonce = uuid.uuid4().hex[:12]
+    files = states.save_state(store, fragment, state, nonce)
+    files.update(states.save_theta(store, fragment, 0, nonce, state.theta))
     record = {
         "round": None, "fragment": fragment, "version": 0, "step": 0,
         "participants": [], "rejected": [], "final": [], "outer_step": False,
         "cosine": None, "estimates": {}, "live": [], "closer": "create",
-        "state": files["state"], "update": None,
+        "state": files["state"], "update": None, "theta": files["theta"],
         "sha256": {"state": files["state_sha256"], "update": None},
         "state_files": files["state_files"], "state_names": files["state_names"],
         "theta_sha256": states.theta_digest(state.theta), "committed_at": utc_now(),

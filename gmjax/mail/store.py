@@ -4,7 +4,11 @@ A ``Store`` offers the few operations the mail protocol needs, each atomic: ``pu
 (the object appears complete or not at all), ``create`` (exclusive: exactly one of any
 number of racing writers succeeds), ``get``, ``list`` and ``delete``. Transient errors
 (connection resets, timeouts, HTTP 429/5xx) are retried with exponential backoff and
-jitter until the store's ``retry_seconds`` run out.
+jitter for at most the store's retry budget, then ``StorageUnavailable`` is raised. A
+learner's store takes its budget from the run's current timeout
+(``Estimates.timeout(poll_interval)``, see ``with_retry_budget``): past it the run has
+moved on (the round closed without this call, or another learner took over), so longer
+retries buy nothing. A store used outside a learner keeps ``retry_seconds``.
 
 Exclusive create, by backend:
 
@@ -19,7 +23,9 @@ Exclusive create, by backend:
 
 from __future__ import annotations
 
+import copy
 import errno
+import hashlib
 import logging
 import os
 import random
@@ -31,6 +37,8 @@ from typing import Any, TypeVar
 
 import fsspec
 
+from gmjax.mail.errors import CorruptRecord, StorageUnavailable
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -41,6 +49,7 @@ _TRANSIENT_ERRNOS = frozenset(
      errno.ECONNABORTED, errno.ECONNREFUSED, errno.EPIPE}
 )
 _TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
+_CHUNK = 4 << 20  # read and hash in 4 MiB pieces: each is hashed while still in cache
 
 
 def is_transient(error: BaseException) -> bool:
@@ -69,16 +78,36 @@ class Store:
 
   Attributes:
     url: the root, as given.
-    retry_seconds: how long transient errors are retried before they propagate.
+    retry_seconds: how long transient errors are retried when no retry budget is set
+      (``with_retry_budget``).
   """
 
   def __init__(self, url: str, *, retry_seconds: float = 30.0):
     self.url = url
     self.retry_seconds = float(retry_seconds)
+    self._retry_budget: Callable[[], float] | None = None
+
+  def with_retry_budget(self, budget: Callable[[], float]) -> Store:
+    """This store (sharing its connection) with transient retries bounded by ``budget()``.
+
+    Args:
+      budget: called at the start of each operation; returns the seconds its retries may
+        take, e.g. a learner's ``Estimates.timeout(poll_interval)``, so the bound follows
+        the run's timings as they change.
+    """
+    bounded = copy.copy(self)
+    bounded._retry_budget = budget  # pylint: disable=protected-access
+    return bounded
+
+  def retry_budget(self) -> float:
+    """Seconds an operation may spend retrying transient errors, from now."""
+    if self._retry_budget is None:
+      return self.retry_seconds
+    return float(self._retry_budget())
 
   # Implemented per backend.
 
-  def _put(self, path: str, data: bytes) -> None:
+  def _put(self, path: str, data: bytes, durable: bool = True) -> None:
     raise NotImplementedError
 
   def _create(self, path: str, data: bytes) -> None:
@@ -87,6 +116,14 @@ class Store:
 
   def _get(self, path: str) -> bytes:
     raise NotImplementedError
+
+  def _get_hashed(self, path: str, digest: Any) -> bytes:
+    """``_get``, feeding the bytes to ``digest`` (a hashlib object) as they come."""
+    data = self._get(path)
+    view = memoryview(data)
+    for start in range(0, len(view), _CHUNK):
+      digest.update(view[start:start + _CHUNK])
+    return data
 
   def _list(self, prefix: str) -> list[str]:
     raise NotImplementedError
@@ -102,22 +139,39 @@ class Store:
   # The retried public operations.
 
   def _retry(self, what: str, path: str, call: Callable[[], T]) -> T:
-    deadline = time.monotonic() + self.retry_seconds
-    delay = 0.02
+    budget = self.retry_budget()
+    started = time.monotonic()
+    delay, attempts = 0.02, 0
     while True:
       try:
         return call()
       except Exception as error:  # pylint: disable=broad-except
-        if not is_transient(error) or time.monotonic() + delay > deadline:
+        attempts += 1
+        if not is_transient(error):
           raise
+        if time.monotonic() + delay > started + budget:
+          raise StorageUnavailable(
+              f"{what} {self.url}/{path.strip('/')} still failed after {attempts}"
+              f" attempt(s) over {time.monotonic() - started:.2f}s, the retry budget of"
+              f" {budget:.2f}s (the run's timeout for a learner); last error: {error!r}."
+              " Check the storage's availability or raise the poll interval.") from error
         log.warning("transient storage error on %s %s/%s, retrying in %.2fs: %r",
                     what, self.url, path, delay, error)
         time.sleep(delay * (0.5 + random.random()))
         delay = min(delay * 2, 2.0)
 
-  def put(self, path: str, data: bytes) -> None:
-    """Writes ``data`` at ``path``, replacing what was there, atomically."""
-    self._retry("put", path, lambda: self._put(path, bytes(data)))
+  def put(self, path: str, data: bytes, *, durable: bool = True) -> None:
+    """Writes ``data`` at ``path``, replacing what was there, atomically.
+
+    Args:
+      path: where.
+      data: the bytes.
+      durable: False lets a local store skip its fsyncs, for a copy that can be rebuilt
+        from durable records: a machine crash may then lose or truncate it (readers must
+        verify it), though no reader ever sees it partly written. Object stores are
+        durable either way.
+    """
+    self._retry("put", path, lambda: self._put(path, bytes(data), durable))
 
   def create(self, path: str, data: bytes) -> bool:
     """Writes ``data`` at ``path`` only if nothing is there.
@@ -142,6 +196,23 @@ class Store:
   def get(self, path: str) -> bytes:
     """The bytes at ``path``; FileNotFoundError if there are none."""
     return self._retry("get", path, lambda: self._get(path))
+
+  def get_verified(self, path: str, sha256: str) -> bytes:
+    """The bytes at ``path``, hashed as they are read and checked against ``sha256``.
+
+    Raises:
+      FileNotFoundError: nothing is at ``path``.
+      CorruptRecord: the bytes' sha256 is not ``sha256``.
+    """
+    def read() -> tuple[bytes, str]:
+      digest = hashlib.sha256()
+      data = self._get_hashed(path, digest)
+      return data, digest.hexdigest()
+
+    data, actual = self._retry("get", path, read)
+    if actual != sha256:
+      raise CorruptRecord(f"{path} does not match the sha256 its commit records")
+    return data
 
   def exists(self, path: str) -> bool:
     try:
@@ -177,13 +248,14 @@ class LocalStore(Store):
   def _path(self, path: str) -> str:
     return os.path.join(self.root, *path.strip("/").split("/"))
 
-  def _temporary(self, target: str, data: bytes) -> str:
+  def _temporary(self, target: str, data: bytes, durable: bool = True) -> str:
     os.makedirs(os.path.dirname(target), exist_ok=True)
     temporary = f"{target}.{uuid.uuid4().hex}.tmp"
     with open(temporary, "wb") as f:
       f.write(data)
-      f.flush()
-      os.fsync(f.fileno())
+      if durable:
+        f.flush()
+        os.fsync(f.fileno())
     return temporary
 
   def _sync_dir(self, directory: str) -> None:
@@ -199,15 +271,16 @@ class LocalStore(Store):
     finally:
       os.close(fd)
 
-  def _put(self, path: str, data: bytes) -> None:
+  def _put(self, path: str, data: bytes, durable: bool = True) -> None:
     target = self._path(path)
-    temporary = self._temporary(target, data)
+    temporary = self._temporary(target, data, durable)
     try:
       os.replace(temporary, target)
     except BaseException:
       _unlink_quietly(temporary)
       raise
-    self._sync_dir(os.path.dirname(target))
+    if durable:
+      self._sync_dir(os.path.dirname(target))
 
   def _create(self, path: str, data: bytes) -> None:
     target = self._path(path)
@@ -224,6 +297,17 @@ class LocalStore(Store):
       raise FileNotFoundError(target)
     with open(target, "rb") as f:
       return f.read()
+
+  def _get_hashed(self, path: str, digest: Any) -> bytes:
+    target = self._path(path)
+    if os.path.isdir(target):
+      raise FileNotFoundError(target)
+    chunks = []
+    with open(target, "rb") as f:
+      while chunk := f.read(_CHUNK):
+        digest.update(chunk)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
   def _list(self, prefix: str) -> list[str]:
     try:
@@ -272,7 +356,7 @@ class FsspecStore(Store):
     path = path.strip("/")
     return f"{self.root}/{path}" if path else self.root
 
-  def _put(self, path: str, data: bytes) -> None:
+  def _put(self, path: str, data: bytes, durable: bool = True) -> None:
     self.fs.pipe_file(self._path(path), data)
 
   def _create(self, path: str, data: bytes) -> None:
@@ -317,7 +401,8 @@ def open_store(url: str, *, retry_seconds: float = 30.0,
 
   Args:
     url: ``/path/to/run``, ``file:///path``, ``memory://run``, ``gs://bucket/run``, ...
-    retry_seconds: how long transient errors are retried.
+    retry_seconds: how long transient errors are retried while no retry budget is set
+      (a learner sets the run's timeout as its budget).
     storage_options: passed to the fsspec filesystem (e.g. ``{"token": ...}`` for gcsfs).
 
   Raises:

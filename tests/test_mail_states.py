@@ -1,0 +1,110 @@
+"""Committed states: Θ read alone and verified, followers that only list, retry budgets."""
+
+import numpy as np
+import pytest
+
+import gmjax
+from gmjax import mail
+from gmjax.mail import closer as closer_lib
+from gmjax.mail import contributions
+from gmjax.mail import heartbeats
+from gmjax.mail import layout
+from gmjax.mail import states
+
+import mail_support as ms
+
+
+def _run(tmp_path, **config):
+  return mail.create(str(tmp_path / "run"), ms.params0(), gmjax.DiLoCo(sync_every=2, **config))
+
+
+def test_theta_file_matches_the_checkpoint(tmp_path):
+  run = _run(tmp_path)
+  record = run.commit(0, 0)
+  assert record["theta"] == f"{record['state']}/theta.safetensors"
+  assert set(record["sha256"]) == {"state", "update"}
+  assert "theta.safetensors" not in record["state_files"]  # not one of Orbax's files
+  theta = states.load_theta(run.store, record)
+  state = states.load_state(run.store, record)
+  assert sorted(theta) == sorted(state.theta)
+  for name in theta:
+    np.testing.assert_array_equal(theta[name], state.theta[name])
+    assert theta[name].dtype == state.theta[name].dtype
+  assert states.theta_digest(theta) == record["theta_sha256"]
+
+
+def test_damaged_theta_file_sends_learners_to_the_checkpoint(tmp_path):
+  run = _run(tmp_path)
+  record = run.commit(0, 0)
+  data = bytearray(run.store.get(record["theta"]))
+  data[-1] ^= 1
+  run.store.put(record["theta"], bytes(data))
+  for damaged in (record, {k: v for k, v in record.items() if k != "theta"}):
+    theta = states.load_theta(run.store, damaged)
+    for name, value in ms.params0().items():
+      np.testing.assert_array_equal(theta[name], value)
+  run.store.delete(record["theta"])
+  theta = states.load_theta(run.store, record)
+  np.testing.assert_array_equal(theta["a"], ms.params0()["a"])
+  # The checkpoint is the state of record: damaged too, nothing is returned.
+  state_file = sorted(record["state_files"])[0]
+  run.store.put(f"{record['state']}/{state_file}", b"damaged")
+  with pytest.raises(mail.CorruptRecord, match="sha256"):
+    states.load_theta(run.store, record)
+
+
+def test_commit_precision_commits_carry_the_update_and_no_theta_file(tmp_path):
+  url = str(tmp_path / "run")
+  mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, commit_precision="F8_E4M3"))
+  out = {}
+  threads = ms.Threads()
+  for m in range(2):
+    threads.start(ms.train, mail.open(url), f"a{m}", m, 4, out=out)
+  threads.join(timeout=100)
+  run = mail.open(url)
+  records = [run.commit(0, v) for v in (1, 2)]
+  assert all(r["update"] and r["theta"] is None for r in records)
+  for name in out["a0"]:
+    np.testing.assert_array_equal(out["a0"][name], out["a1"][name])
+  # A learner that joins now reads Θ from the checkpoint, checked against the record.
+  newest = run.commit(0, max(run.newest_versions().values()))
+  theta = states.load_theta(run.store, newest)
+  assert states.theta_digest(theta) == newest["theta_sha256"]
+
+
+def test_follower_lists_and_validates_only_to_take_over(tmp_path):
+  run = _run(tmp_path, quorum_size=2)
+  names = run.plan[0]
+  for index, learner in enumerate(("l0", "l1")):
+    joined = run.join(learner, poll_interval=0.02)
+    joined.close(joined.pull(ms.params0()))
+    delta = {n: np.full(ms.params0()[n].shape, index + 1.0, np.float32) for n in names}
+    run.store.put(layout.contribution(0, learner), contributions.dumps(
+        delta, learner=learner, round_=0, fragment=0, base_version=0, local_step=2,
+        steps=2, tokens=2, step_seconds=0.01, final=False, precision=None, key=None))
+  run.store.put(layout.contribution(0, "l2"), b"not a payload")
+  closer = closer_lib.Closer(run.store, run.manifest, None, "follower", 0.02)
+  roster = heartbeats.Roster(run.store)
+  roster.refresh()
+  watch = closer.watch(0)
+  closer.scan(watch, roster.known, validate=False)
+  assert watch.found == {} and watch.contributors == {"l0", "l1", "l2"}
+  closer.scan(watch, roster.known)
+  assert watch.listed == set() and watch.contributors == {"l0", "l1", "l2"}
+  assert sorted(c.learner for c in watch.valid) == ["l0", "l1"]
+  assert [r.learner for r in watch.rejected] == ["l2"]
+  record = closer.close(watch, roster)
+  assert [p["learner"] for p in record["participants"]] == ["l0", "l1"]
+  assert record["rejected"][0]["learner"] == "l2"
+
+
+def test_learner_retries_are_bounded_by_the_run_timeout(tmp_path):
+  run = _run(tmp_path)
+  learner = run.join("l0", poll_interval=0.02)
+  try:
+    assert learner.store.retry_budget() == pytest.approx(learner.closer.timeout())
+    learner.closer.observe({"round": 3, "estimates": {"step": 1.0, "quorum": 0.5, "sync": 0.5}})
+    assert learner.store.retry_budget() == pytest.approx(6.0)  # 3·(step + quorum + sync)
+    assert run.store.retry_budget() == run.store.retry_seconds  # no learner: the default
+  finally:
+    learner.close(None)
