@@ -5,6 +5,9 @@ meet through storage end where ``gmjax.diloco`` learners on a mapped axis end (u
 float summation order).
 """
 
+import dataclasses
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,16 +52,20 @@ def by_mail(config, tmp_path):
   run = mail.create(str(tmp_path / "run"), ms.params0(), config)
   optimizer = optax.sgd(0.1)
   out = {}
+  # Every learner is live before anyone trains, so every round waits for all of them.
+  joined = threading.Barrier(LEARNERS, timeout=60)
 
   def learner_loop(name, index):
     learner = run.join(name, poll_interval=ms.POLL, wait_timeout=60.0)
     params = learner.pull(ms.params0())
     state = optimizer.init(params)
+    joined.wait()
     for _ in range(STEPS):
       updates, state = optimizer.update(sgd_grads(params, goals()[index]), state, params)
       params = {k: np.asarray(v) for k, v in optax.apply_updates(params, updates).items()}
       params = learner.step(params, tokens=TOKENS[index])
-    out[name] = params  # no close: a flush would add a round in-mesh mode never runs
+    out[name] = params
+    learner.close(params)  # flush_on_close=False: no final round that in-mesh never runs
 
   threads = ms.Threads()
   for m in range(LEARNERS):
@@ -79,6 +86,7 @@ def by_mail(config, tmp_path):
     ids=["diloco", "streaming-f8-mixing", "streaming-i4-bf16-commits"],
 )
 def test_mail_learners_end_where_in_mesh_learners_end(config, tmp_path):
+  config = dataclasses.replace(config, flush_on_close=False)
   mesh = in_mesh(config)
   mailed, rounds = by_mail(config, tmp_path)
   schedule = config.schedule(len(config.plan(gmjax.Schema.from_tree(ms.params0()))))
