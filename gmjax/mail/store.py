@@ -23,6 +23,7 @@ Exclusive create, by backend:
 
 from __future__ import annotations
 
+import abc
 import copy
 import errno
 import hashlib
@@ -71,7 +72,7 @@ def is_transient(error: BaseException) -> bool:
   }
 
 
-class Store:
+class Store(abc.ABC):
   """Atomic object storage under one root URL.
 
   Paths are ``/``-separated and relative to the root (``rounds/3/a.safetensors``).
@@ -107,15 +108,17 @@ class Store:
 
   # Implemented per backend.
 
+  @abc.abstractmethod
   def _put(self, path: str, data: bytes, durable: bool = True) -> None:
-    raise NotImplementedError
+    """Writes ``data`` at ``path``, replacing what is there, all at once."""
 
+  @abc.abstractmethod
   def _create(self, path: str, data: bytes) -> None:
     """Writes ``data`` at ``path`` if nothing is there; raises FileExistsError if it is."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def _get(self, path: str) -> bytes:
-    raise NotImplementedError
+    """The bytes at ``path``; FileNotFoundError if nothing is there."""
 
   def _get_hashed(self, path: str, digest: Any) -> bytes:
     """``_get``, feeding the bytes to ``digest`` (a hashlib object) as they come."""
@@ -125,11 +128,13 @@ class Store:
       digest.update(view[start:start + _CHUNK])
     return data
 
+  @abc.abstractmethod
   def _list(self, prefix: str) -> list[str]:
-    raise NotImplementedError
+    """The names directly under ``prefix``, sorted."""
 
+  @abc.abstractmethod
   def _delete(self, path: str) -> None:
-    raise NotImplementedError
+    """Removes ``path`` (a file or a folder); nothing if it is already gone."""
 
   @property
   def local_root(self) -> str | None:
@@ -272,6 +277,7 @@ class LocalStore(Store):
       os.close(fd)
 
   def _put(self, path: str, data: bytes, durable: bool = True) -> None:
+    """Writes ``data`` at ``path``, replacing what is there, all at once."""
     target = self._path(path)
     temporary = self._temporary(target, data, durable)
     try:
@@ -357,6 +363,7 @@ class FsspecStore(Store):
     return f"{self.root}/{path}" if path else self.root
 
   def _put(self, path: str, data: bytes, durable: bool = True) -> None:
+    """Writes ``data`` at ``path``, replacing what is there, all at once."""
     self.fs.pipe_file(self._path(path), data)
 
   def _create(self, path: str, data: bytes) -> None:
