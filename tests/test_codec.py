@@ -256,6 +256,29 @@ def test_cast_overflow_refused():
     assert np.isfinite(np.asarray(entries["w"]).astype(np.float32)).all()
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("precision", [None, "F32", "F16", "BF16"])
+def test_cast_check_on_whole_blocks(precision, dtype):
+  # Sizes that are multiples of 32 take the row-wise check; it must refuse exactly what
+  # the cast makes non-finite (numpy's cast is the reference).
+  target = {None: dtype, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+  values = [np.nan, np.inf, -np.inf, 1.0, -0.0, 65504.0, -65519.0, 65520.0, -65520.0,
+            3.38e38, 3.3961776e38, -3.3961776e38]
+  for value in values:
+    x = np.full((2, 64), 0.5, np.float32)
+    x[1, 37] = value
+    with np.errstate(over="ignore", invalid="ignore"):
+      x = x.astype(dtype)
+      ok = np.isfinite(x.astype(np.float32).astype(target[precision])).all()
+    tree = {"w": jnp.asarray(x)}
+    if ok:
+      entries = gmjax.encode(tree, precision)
+      assert np.isfinite(np.asarray(entries["w"]).astype(np.float32)).all()
+    else:
+      with pytest.raises(ValueError, match="'w'"):
+        gmjax.encode(tree, precision)
+
+
 def test_unknown_precision():
   with pytest.raises(ValueError, match="precision"):
     gmjax.encode({"w": jnp.ones(3)}, "int8")
