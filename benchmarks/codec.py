@@ -2,7 +2,8 @@
 
 Reported as ratios, measured in one run: to a numpy copy of the same arrays (np.copy of
 64 MiB), and to a numpy + ml_dtypes implementation of the same codec (written below).
-Each time is the median of several repetitions after a warm-up call (compilation), with
+Every variant and the copy run once per round, in an order shuffled each round, after a
+warm-up call each (compilation, first touch); each time is the median over the rounds, with
 ``block_until_ready`` on the results.
 
 Run: .venv/bin/python benchmarks/codec.py [--repeats N]
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import random
 import statistics
 import time
 
@@ -79,19 +81,38 @@ def numpy_decode(entries, shapes, precision):
   return out
 
 
-def median_seconds(fn, repeats):
-  fn()  # warm-up: compilation and first-touch
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
+def seconds(fn):
+  start = time.perf_counter()
+  fn()
+  return time.perf_counter() - start
+
+
+def interleaved_medians(fns, rounds, seed=0):
+  """Median seconds of each of ``fns`` (by name), each run once per round.
+
+  Every function is called once first (compilation, first touch). Running the variants
+  and the copy they are compared with in the same rounds exposes them to the same machine
+  state, so slow phases (other load, frequency changes) affect all of them alike. The
+  order is shuffled every round (seeded): a function's time depends on what ran just
+  before it (memory the previous one freed, caches), and a fixed order would favour or
+  penalize the same functions every round.
+  """
+  for fn in fns.values():
     fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  order = list(fns)
+  rng = random.Random(seed)
+  times = {name: [] for name in fns}
+  for _ in range(rounds):
+    rng.shuffle(order)
+    for name in order:
+      times[name].append(seconds(fns[name]))
+  return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument("--repeats", type=int, default=9)
+  parser.add_argument("--repeats", type=int, default=15,
+                      help="rounds of the gmjax variants and the copy (numpy codec: a third)")
   args = parser.parse_args()
   rng = np.random.default_rng(0)
   # 64 MiB of F32 in four leaves.
@@ -99,30 +120,37 @@ def main():
   tree = {name: jnp.asarray(value) for name, value in host.items()}
   schema = gmjax.Schema.from_tree(tree)
   shapes = {name: value.shape for name, value in host.items()}
-  copy = median_seconds(lambda: [np.copy(v) for v in host.values()], args.repeats)
   # For reference only: the same copy into buffers allocated (and faulted in) beforehand.
   targets = {name: np.empty_like(value) for name, value in host.items()}
-  copy_into = median_seconds(
-      lambda: [np.copyto(targets[n], v) for n, v in host.items()], args.repeats)
+  fns = {
+      "copy": lambda: [np.copy(v) for v in host.values()],
+      "copy_into": lambda: [np.copyto(targets[n], v) for n, v in host.items()],
+  }
+  np_fns = {"copy": fns["copy"]}
+  for precision in PRECISIONS:
+    entries = gmjax.encode(tree, precision)
+    host_entries = numpy_encode(host, precision)
+    fns[precision, "encode"] = (
+        lambda p=precision: jax.block_until_ready(gmjax.encode(tree, p)))
+    fns[precision, "decode"] = (
+        lambda p=precision, e=entries: jax.block_until_ready(gmjax.decode(e, schema, p)))
+    np_fns[precision, "encode"] = lambda p=precision: numpy_encode(host, p)
+    np_fns[precision, "decode"] = (
+        lambda p=precision, e=host_entries: numpy_decode(e, shapes, p))
+  t = interleaved_medians(fns, args.repeats)
+  t_np = interleaved_medians(np_fns, max(3, args.repeats // 3))
+  copy = t["copy"]
   print(f"jax {jax.__version__}, numpy {np.__version__}, {platform.machine()},"
         f" {os.cpu_count()} CPUs; numpy copy of 64 MiB: {copy * 1e3:.1f} ms"
-        f" (into preallocated buffers: {copy_into * 1e3:.1f} ms)")
+        f" (into preallocated buffers: {t['copy_into'] * 1e3:.1f} ms;"
+        f" in the numpy rounds: {t_np['copy'] * 1e3:.1f} ms)")
   print("| precision | encode / copy | decode / copy | numpy encode / gmjax | numpy decode / gmjax |")
   print("| --- | --- | --- | --- | --- |")
   for precision in PRECISIONS:
-    entries = gmjax.encode(tree, precision)
-    encode = median_seconds(
-        lambda p=precision: jax.block_until_ready(gmjax.encode(tree, p)), args.repeats)
-    decode = median_seconds(
-        lambda p=precision, e=entries: jax.block_until_ready(gmjax.decode(e, schema, p)),
-        args.repeats)
-    host_entries = numpy_encode(host, precision)
-    reps = max(3, args.repeats // 3)
-    np_encode = median_seconds(lambda p=precision: numpy_encode(host, p), reps)
-    np_decode = median_seconds(
-        lambda p=precision, e=host_entries: numpy_decode(e, shapes, p), reps)
+    encode, decode = t[precision, "encode"], t[precision, "decode"]
     print(f"| {precision} | {encode / copy:.2f} | {decode / copy:.2f} |"
-          f" {np_encode / encode:.1f} | {np_decode / decode:.1f} |", flush=True)
+          f" {t_np[precision, 'encode'] / encode:.1f} | {t_np[precision, 'decode'] / decode:.1f} |",
+          flush=True)
 
 
 if __name__ == "__main__":
