@@ -111,7 +111,7 @@ def interleaved_medians(fns, rounds, seed=0):
 
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument("--repeats", type=int, default=15,
+  parser.add_argument("--repeats", type=int, default=21,
                       help="rounds of the gmjax variants and the copy (numpy codec: a third)")
   args = parser.parse_args()
   rng = np.random.default_rng(0)
