@@ -53,6 +53,13 @@ def main(argv: list[str] | None = None) -> None:
   learner = run.join(args.name, poll_interval=cfg.poll_interval)
   params = learner.pull(params)
   opt_state = optimizer.init(params)
+  # The job's learners start together: a round closes with the learners live at the time,
+  # so one that is still starting up would miss the first rounds.
+  deadline = time.monotonic() + 300
+  while len(run.learners()) < cfg.learners:
+    if time.monotonic() > deadline:
+      raise TimeoutError(f"only {len(run.learners())} of {cfg.learners} learners joined in 300 s")
+    time.sleep(cfg.poll_interval)
   with open(args.metrics, "a", encoding="utf-8") as out:
     def log(**record):
       out.write(json.dumps({"learner": args.name, "time": time.time(), **record}) + "\n")
