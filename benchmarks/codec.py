@@ -6,16 +6,24 @@ Every variant and the copy run once per round, in an order shuffled each round, 
 warm-up call each (compilation, first touch); each time is the median over the rounds, with
 ``block_until_ready`` on the results.
 
-Run: .venv/bin/python benchmarks/codec.py [--repeats N]
+Page faults on fresh output buffers move these numbers from one process to the next (see
+BENCHMARKS.md), so ``--processes N`` measures in N fresh processes and reports each cell's
+median and range. Under ``GLIBC_TUNABLES`` that keep freed memory for reuse, outputs need
+no fresh pages at all, for numpy as for XLA.
+
+Run: .venv/bin/python benchmarks/codec.py [--repeats N] [--processes N]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import random
 import statistics
+import subprocess
+import sys
 import time
 
 import jax
@@ -109,11 +117,8 @@ def interleaved_medians(fns, rounds, seed=0):
   return {name: statistics.median(t) for name, t in times.items()}
 
 
-def main():
-  parser = argparse.ArgumentParser()
-  parser.add_argument("--repeats", type=int, default=21,
-                      help="rounds of the gmjax variants and the copy (numpy codec: a third)")
-  args = parser.parse_args()
+def measure(repeats):
+  """Ratios from one process: a dict of floats by column name and precision."""
   rng = np.random.default_rng(0)
   # 64 MiB of F32 in four leaves.
   host = {f"layer{i}/kernel": rng.standard_normal((2048, 2048), np.float32) for i in range(4)}
@@ -122,9 +127,14 @@ def main():
   shapes = {name: value.shape for name, value in host.items()}
   # For reference only: the same copy into buffers allocated (and faulted in) beforehand.
   targets = {name: np.empty_like(value) for name, value in host.items()}
+  # The least any decode can take: XLA writing a fresh 64 MiB F32 output, here filled
+  # with a value it only knows at run time.
+  fill = jax.jit(lambda value: {name: jnp.full(shape, value) for name, shape in shapes.items()})
+  one = jnp.float32(1)
   fns = {
       "copy": lambda: [np.copy(v) for v in host.values()],
       "copy_into": lambda: [np.copyto(targets[n], v) for n, v in host.items()],
+      "fill": lambda: jax.block_until_ready(fill(one)),
   }
   np_fns = {"copy": fns["copy"]}
   for precision in PRECISIONS:
@@ -137,20 +147,77 @@ def main():
     np_fns[precision, "encode"] = lambda p=precision: numpy_encode(host, p)
     np_fns[precision, "decode"] = (
         lambda p=precision, e=host_entries: numpy_decode(e, shapes, p))
-  t = interleaved_medians(fns, args.repeats)
-  t_np = interleaved_medians(np_fns, max(3, args.repeats // 3))
+  t = interleaved_medians(fns, repeats)
+  t_np = interleaved_medians(np_fns, max(3, repeats // 3))
   copy = t["copy"]
+  out = {
+      "copy_ms": copy * 1e3,
+      "copy_into_ms": t["copy_into"] * 1e3,
+      "numpy_rounds_copy_ms": t_np["copy"] * 1e3,
+      "fill": t["fill"] / copy,
+  }
+  for p in PRECISIONS:
+    encode, decode = t[p, "encode"], t[p, "decode"]
+    out[f"{p} encode"] = encode / copy
+    out[f"{p} decode"] = decode / copy
+    out[f"{p} numpy encode"] = t_np[p, "encode"] / encode
+    out[f"{p} numpy decode"] = t_np[p, "decode"] / decode
+    # How much faster than numpy a decode could be at best: numpy's decode against the
+    # fill, each as a multiple of the copy measured in its own rounds.
+    out[f"{p} numpy decode / fill"] = (t_np[p, "decode"] / t_np["copy"]) / out["fill"]
+  return out
+
+
+def cell(values, digits):
+  """The median, with the range when there are several values."""
+  middle = statistics.median(values)
+  if len(values) == 1:
+    return f"{middle:.{digits}f}"
+  return f"{middle:.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+
+
+def report(runs):
+  """Prints the table: each cell the median over ``runs`` (one dict per process)."""
+  col = lambda key: [r[key] for r in runs]  # noqa: E731
   print(f"jax {jax.__version__}, numpy {np.__version__}, {platform.machine()},"
-        f" {os.cpu_count()} CPUs; numpy copy of 64 MiB: {copy * 1e3:.1f} ms"
-        f" (into preallocated buffers: {t['copy_into'] * 1e3:.1f} ms;"
-        f" in the numpy rounds: {t_np['copy'] * 1e3:.1f} ms)")
-  print("| precision | encode / copy | decode / copy | numpy encode / gmjax | numpy decode / gmjax |")
-  print("| --- | --- | --- | --- | --- |")
-  for precision in PRECISIONS:
-    encode, decode = t[precision, "encode"], t[precision, "decode"]
-    print(f"| {precision} | {encode / copy:.2f} | {decode / copy:.2f} |"
-          f" {t_np[precision, 'encode'] / encode:.1f} | {t_np[precision, 'decode'] / decode:.1f} |",
-          flush=True)
+        f" {os.cpu_count()} CPUs, {len(runs)} process(es); GLIBC_TUNABLES="
+        f"{os.environ.get('GLIBC_TUNABLES', '')!r}")
+  print(f"numpy copy of 64 MiB: {cell(col('copy_ms'), 1)} ms; into preallocated buffers:"
+        f" {cell(col('copy_into_ms'), 1)} ms; XLA fill of a fresh 64 MiB F32 output (the"
+        f" floor for a decode): {cell(col('fill'), 2)}x copy")
+  print("| precision | encode / copy | decode / copy | numpy encode / gmjax |"
+        " numpy decode / gmjax | numpy decode / XLA fill |")
+  print("| --- | --- | --- | --- | --- | --- |")
+  for p in PRECISIONS:
+    print(f"| {p} | {cell(col(f'{p} encode'), 2)} | {cell(col(f'{p} decode'), 2)} |"
+          f" {cell(col(f'{p} numpy encode'), 1)} | {cell(col(f'{p} numpy decode'), 1)} |"
+          f" {cell(col(f'{p} numpy decode / fill'), 1)} |", flush=True)
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--repeats", type=int, default=21,
+                      help="rounds of the gmjax variants and the copy (numpy codec: a third)")
+  parser.add_argument("--processes", type=int, default=1,
+                      help="measure in this many fresh processes, one after another, and"
+                      " report each cell's median and range over them")
+  parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.processes > 1:
+    runs = []
+    for _ in range(args.processes):
+      out = subprocess.run(
+          [sys.executable, __file__, "--repeats", str(args.repeats), "--json"],
+          check=True, capture_output=True, text=True,
+      ).stdout
+      runs.append(json.loads(out.strip().splitlines()[-1]))
+    report(runs)
+    return
+  result = measure(args.repeats)
+  if args.json:
+    print(json.dumps(result))
+  else:
+    report([result])
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import gmjax
 from gmjax.core import codec
 
 QMAX = {"F8_E4M3": 448.0, "F4": 6.0, "I4": 7.0}
+TINY = np.float32(2.0**-126)  # the smallest normal float: subnormals count as zero
 F4_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 
 
@@ -25,8 +26,9 @@ def reference_quantize(x, precision):
   n = flat.size
   blocks = np.zeros(-(-n // 32) * 32, np.float32)
   blocks[:n] = flat
-  blocks = blocks.reshape(-1, 32)
+  blocks = np.where(np.abs(blocks) < TINY, np.float32(0), blocks).reshape(-1, 32)
   scales = (np.max(np.abs(blocks), axis=1) / qmax).astype(np.float32)
+  scales = np.where(scales < TINY, np.float32(0), scales)
   with np.errstate(divide="ignore", invalid="ignore"):
     scaled = np.where(scales[:, None] > 0, blocks / scales[:, None], np.float32(0))
   scaled = np.clip(scaled.astype(np.float32), -qmax, qmax)
@@ -57,7 +59,8 @@ def reference_dequantize(code_bytes, scales, shape, precision):
       values = ((nibbles.astype(np.int8) << 4) >> 4).astype(np.float32)
   values = values[:n]
   block_scales = np.repeat(scales, 32)[:n]
-  return (values * block_scales).astype(np.float32).reshape(shape)
+  values = (values * block_scales).astype(np.float32)
+  return np.where(np.abs(values) < TINY, np.float32(0), values).reshape(shape)
 
 
 def code_bytes(codes):
@@ -136,6 +139,24 @@ def test_every_code_roundtrips(precision):
     np.testing.assert_array_equal(
         np.asarray(gmjax.dequantize(codes, scales, block.shape, precision)), block
     )
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_subnormal_scales_clip(precision):
+  """Subnormals count as zero: in inputs, in scales and in decoded values."""
+  least = np.float32(2.0**-149)
+  x = np.zeros(32 * 6, np.float32)
+  x[:32] = least * np.arange(-16, 16)  # a block of subnormals
+  x[32:64] = np.float32(2.0**-130) * np.linspace(-1, 1, 32)
+  x[64:96] = TINY * np.linspace(-1, 1, 32)  # normal absmax, subnormal scale
+  x[96:128] = QMAX[precision] * TINY * np.linspace(-1, 1, 32)  # the smallest normal scale
+  x[128:160] = QMAX[precision] * TINY * 4 * np.linspace(-1, 1, 32)
+  x[128] = least  # a subnormal value beside normal ones
+  x[160:192] = 1e-36 * np.linspace(-1, 1, 32)
+  check_against_reference(x, precision)
+  codes, scales = gmjax.quantize(jnp.asarray(x), precision)
+  np.testing.assert_array_equal(np.asarray(scales)[:3], 0)
+  assert float(scales[3]) == TINY
 
 
 def test_f8_does_not_overflow_to_nan():

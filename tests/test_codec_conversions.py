@@ -43,3 +43,13 @@ def test_nibbles_pack_and_unpack():
   packed = np.asarray(codec._pack_nibbles(jnp.asarray(nibbles)))
   np.testing.assert_array_equal(packed, (nibbles[0::2] | (nibbles[1::2] << 4)).astype(np.uint8))
   np.testing.assert_array_equal(np.asarray(codec._unpack_nibbles(jnp.asarray(packed))), nibbles)
+
+
+def test_f4_nibbles_match_ml_dtypes():
+  grid = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+  x = neighbourhood(np.concatenate([grid, -grid]))
+  x = np.concatenate([x[np.abs(x) <= 6], [0.0, -0.0, 1e-30, -1e-30, 2.0**-126, 2.0**-149]])
+  x = x.astype(np.float32)
+  got = np.asarray(codec._f4_nibbles(jnp.asarray(x)))
+  want = (x.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0x0F).astype(np.int32)
+  np.testing.assert_array_equal(got, want)
