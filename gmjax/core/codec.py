@@ -53,12 +53,12 @@ def packed_size(size: int) -> int:
 _ABS_BITS = 0x7FFFFFFF
 _SMALLEST_NORMAL_BITS = 0x00800000
 _SMALLEST_NORMAL = np.float32(2.0**-126)
-# The |x| from which a cast to each dtype gives infinity (round to nearest even): F16's
-# largest finite value is 65504, BF16's 0x7F7F; halfway to the next power of two rounds up.
-_CAST_LIMIT = {
-    "F32": np.float32(np.inf),
-    "F16": np.float32(65520.0),
-    "BF16": np.frombuffer(np.uint32(0x7F7F8000).tobytes(), np.float32)[0],
+# Per float dtype: the mask of a value's magnitude bits, and the bit pattern of infinity
+# (magnitudes at or above it are Inf or NaN).
+_INFINITY_BITS = {
+    jnp.dtype(jnp.float32): (0x7FFFFFFF, 0x7F800000),
+    jnp.dtype(jnp.float16): (0x7FFF, 0x7C00),
+    jnp.dtype(jnp.bfloat16): (0x7FFF, 0x7F80),
 }
 # Magnitudes where an e2m1 code steps up, with whether the tie itself steps (to an even
 # code): 0.25→0, 0.75→1.0, 1.25→1.0, 1.75→2.0, 2.5→2.0, 3.5→4.0, 5.0→4.0.
@@ -90,16 +90,18 @@ def _abs_bits_max(values: jax.Array, axis=None) -> jax.Array:
   return jnp.max(bits, axis=axis)
 
 
-def _all_below(value: jax.Array, limit: np.float32) -> jax.Array:
-  """Whether every ``|x| < limit`` (False for NaN)."""
+def _all_finite(value: jax.Array) -> jax.Array:
+  """Whether every element of an F32, F16 or BF16 array is finite."""
+  mask, infinity = _INFINITY_BITS[value.dtype]
+  bits = lax.bitcast_convert_type(value, jnp.int32 if mask == _ABS_BITS else jnp.int16)
+  bits = bits.astype(jnp.int32) & mask
   if value.size % BLOCK == 0 and value.size:
-    # The largest |x| of each short row by integer max, compared with the limit's bits,
-    # then one boolean reduction: XLA's CPU backend runs the row reductions as a parallel
-    # loop and much faster than one reduction over the whole tensor (the comparison in
-    # between keeps it from merging the two).
-    rows = _abs_bits_max(value.reshape(-1, BLOCK), axis=1)
-    return jnp.all(rows < int(np.float32(limit).view(np.int32)))
-  return jnp.all(jnp.abs(value.astype(jnp.float32)) < limit)
+    # The largest magnitude of each short row by integer max, then one boolean reduction:
+    # XLA's CPU backend runs the row reductions as a parallel loop, much faster than one
+    # reduction over the whole tensor (the comparison in between keeps it from merging
+    # the two) or than a float max, which must propagate NaN.
+    return jnp.all(jnp.max(bits.reshape(-1, BLOCK), axis=1) < infinity)
+  return jnp.all(bits < infinity)
 
 
 def _f4_nibbles(scaled: jax.Array) -> jax.Array:
@@ -303,9 +305,10 @@ def _encode_values(values, dtypes, precision):
       code = precision if precision is not None else dtypes[name]
       value = jnp.asarray(value)
       entries[name] = value.astype(_JNP[code])
-      # Judged on the input, so the check reads what the cast reads: a value the cast
-      # turns into an infinity is as bad as one that already was.
-      finite[name] = _all_below(value, _CAST_LIMIT[code])
+      # Judged on the cast's output, which is half the bytes of an F32 input for F16 and
+      # BF16: the cast rounds a value too large for the dtype to an infinity, as bad as
+      # one that already was.
+      finite[name] = _all_finite(entries[name])
   return entries, finite
 
 
