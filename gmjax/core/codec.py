@@ -68,6 +68,8 @@ _F4_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, Fal
 # nearest even, and leaves that integer in the low bits of the sum's bit pattern, in two's
 # complement: its low four bits are the I4 nibble.
 _ROUND_TO_INTEGER = np.float32(1.5 * 2.0**23)
+# Where each of the eight nibbles of a packed little-endian uint32 word sits.
+_NIBBLE_SHIFTS = np.arange(0, 32, 4, dtype=np.uint32)
 
 
 def _blocks(x: jax.Array) -> jax.Array:
@@ -172,8 +174,7 @@ def _pack_nibbles(nibbles: jax.Array) -> jax.Array:
   """
   shape = nibbles.shape[:-1]
   eights = (nibbles & 0xF).astype(jnp.uint32).reshape(*shape, -1, 8)
-  shifts = jnp.arange(0, 32, 4, dtype=jnp.uint32)
-  words = jnp.sum(eights << shifts, axis=-1, dtype=jnp.uint32)
+  words = jnp.sum(eights << _NIBBLE_SHIFTS, axis=-1, dtype=jnp.uint32)
   return lax.bitcast_convert_type(words, jnp.uint8).reshape(*shape, -1)
 
 
@@ -182,8 +183,7 @@ def _unpack_nibbles(packed: jax.Array) -> jax.Array:
   first: the inverse of ``_pack_nibbles``, each uint32 word shifted right by ``4k``."""
   shape = packed.shape[:-1]
   words = lax.bitcast_convert_type(packed.reshape(*shape, -1, 4), jnp.uint32)
-  shifts = jnp.arange(0, 32, 4, dtype=jnp.uint32)
-  nibbles = (words[..., None] >> shifts) & 0xF
+  nibbles = (words[..., None] >> _NIBBLE_SHIFTS) & 0xF
   return nibbles.astype(jnp.int32).reshape(*shape, -1)
 
 
@@ -220,8 +220,7 @@ def quantize(x: jax.Array, precision: str) -> tuple[jax.Array, jax.Array]:
   # subnormal value.
   scaled = jnp.where(normal & (scale > 0), blocks / divisor, jnp.float32(0))
   # The scale's rounding can take a quotient just past qmax; the specification clips.
-  # (float8_e4m3fn has no infinity and does not saturate: 465 would
-  # become NaN.)
+  # (float8_e4m3fn has no infinity and does not saturate: 465 would become NaN.)
   scaled = jnp.clip(scaled, -qmax, qmax)
   size = math.prod(x.shape)
   if precision == "F8_E4M3":
