@@ -11,12 +11,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
+import json
+import types
 from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from gmjax.core import outer
 from gmjax.core.codec import check_precision, decode_values, encode_flat
@@ -63,6 +66,16 @@ class DiLoCo:
     quorum_size: contributions that can close a round after the grace period (mail).
     flush_on_close: a leaving learner publishes its last steps as final contributions.
     global_batch_size: the batch the live learners share (mail).
+    outer: the outer optimizer, an optax alias by name (``"sgd"``, ``"adam"``,
+      ``"lion"``, ...), applied to the outer gradient ``g`` as a gradient:
+      ``master ← master + outer.update(g, state, master)``. It must be elementwise to be
+      sharded in-mesh (``gmjax.diloco(..., shard_outer=True)``, the default there).
+    outer_options: JSON keyword arguments of ``optax.<outer>``; a value
+      ``{"schedule": NAME, ...}`` is ``optax.NAME(...)`` (e.g. a learning-rate
+      schedule). With ``outer="sgd"`` the defaults are ``learning_rate=
+      outer_learning_rate, momentum=outer_momentum, nesterov=nesterov`` (DiLoCo's
+      Nesterov SGD); for any other ``outer`` only ``learning_rate`` defaults to
+      ``outer_learning_rate``, and ``outer_momentum``/``nesterov`` are not used.
 
   References:
     Douillard et al., arXiv 2311.08105; Douillard et al., arXiv 2501.18512.
@@ -81,6 +94,8 @@ class DiLoCo:
   quorum_size: int | None = None
   flush_on_close: bool = True
   global_batch_size: int | None = None
+  outer: str = "sgd"
+  outer_options: Mapping[str, Any] | None = None
 
   def __post_init__(self):
     _positive_int("sync_every", self.sync_every)
@@ -125,6 +140,38 @@ class DiLoCo:
     _positive_int("global_batch_size", self.global_batch_size, allow_none=True)
     if not isinstance(self.flush_on_close, bool):
       raise ValueError(f"DiLoCo flush_on_close must be a bool, got {self.flush_on_close!r}.")
+    options = self.outer_options
+    if options is not None:
+      if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+        raise ValueError(
+            f"DiLoCo outer_options must be None or a dict of keyword arguments of"
+            f" optax.{self.outer}, got {options!r}."
+        )
+      try:
+        # A JSON round trip: the manifest stores the options, and every closer must
+        # build the same optimizer from them.
+        frozen = json.loads(json.dumps(dict(options), sort_keys=True, allow_nan=False))
+      except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"DiLoCo outer_options must be JSON (numbers, strings, bools, lists, dicts),"
+            f" got {options!r}: {error}."
+        ) from None
+      object.__setattr__(self, "outer_options", types.MappingProxyType(frozen))
+    self.outer_transform()  # fails now, naming the argument, rather than at the first round
+
+  def __hash__(self):
+    return hash(json.dumps(self.to_json(), sort_keys=True))
+
+  def outer_arguments(self) -> dict[str, Any]:
+    """The keyword arguments ``optax.<outer>`` is built with (defaults filled in)."""
+    defaults: dict[str, Any] = {"learning_rate": float(self.outer_learning_rate)}
+    if self.outer == "sgd":
+      defaults.update(momentum=float(self.outer_momentum), nesterov=self.nesterov)
+    return {**defaults, **dict(self.outer_options or {})}
+
+  def outer_transform(self) -> optax.GradientTransformation:
+    """The outer optimizer as an optax transformation (``optax.<outer>(**options)``)."""
+    return outer.transformation(self.outer, self.outer_arguments())
 
   # The seed's Algorithm protocol.
 
@@ -191,7 +238,10 @@ class DiLoCo:
     return FragmentState(version=0, theta=theta0, outer=outer0)
 
   def to_json(self) -> dict[str, Any]:
-    return {"name": "DiLoCo", **dataclasses.asdict(self)}
+    record = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    if record["outer_options"] is not None:
+      record["outer_options"] = json.loads(json.dumps(dict(record["outer_options"])))
+    return {"name": "DiLoCo", **record}
 
   @classmethod
   def from_json(cls, record: Mapping[str, Any]) -> Self:

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from gmjax.core.codec import _JNP, decode_values, _encode_values
 from gmjax.core.records import Precision
@@ -123,3 +124,64 @@ def align(theta: Tree, anchor: Tree, mixing: float) -> Tree:
 @functools.partial(jax.jit, static_argnames=("specs", "precision"))
 def rebuild_jit(theta, update, specs, precision):
   return rebuild(theta, update, specs, precision)
+
+
+def _option(value: Any, where: str) -> Any:
+  """A JSON option value, with ``{"schedule": NAME, ...}`` built as ``optax.NAME(...)``."""
+  if isinstance(value, Mapping) and "schedule" in value:
+    arguments = {k: _option(v, f"{where}.{k}") for k, v in value.items() if k != "schedule"}
+    name = value["schedule"]
+    schedule = getattr(optax, name, None) if isinstance(name, str) else None
+    if not callable(schedule):
+      raise ValueError(
+          f"DiLoCo {where}: schedule={name!r} is not an optax schedule; use one such as"
+          " 'cosine_decay_schedule' or 'warmup_cosine_decay_schedule'."
+      )
+    try:
+      return schedule(**arguments)
+    except TypeError as error:
+      raise ValueError(f"DiLoCo {where}: optax.{name}(**{arguments!r}) failed: {error}") from None
+  return value
+
+
+def transformation(name: str, options: Mapping[str, Any]) -> optax.GradientTransformation:
+  """The outer optimizer ``optax.<name>(**options)``, as a JSON description builds it.
+
+  An option ``{"schedule": "cosine_decay_schedule", "init_value": 0.7, ...}`` stands for
+  ``optax.cosine_decay_schedule(init_value=0.7, ...)`` (e.g. as the learning rate).
+
+  Raises:
+    ValueError: ``name`` is no optax optimizer, or the options do not fit it.
+  """
+  factory = getattr(optax, name, None) if isinstance(name, str) else None
+  if not callable(factory) or name.startswith("_"):
+    raise ValueError(
+        f"DiLoCo outer must name an optax optimizer (an attribute of optax such as 'sgd',"
+        f" 'adam', 'lion'), got {name!r}."
+    )
+  arguments = {k: _option(v, f"outer_options.{k}") for k, v in options.items()}
+  try:
+    built = factory(**arguments)
+  except TypeError as error:
+    raise ValueError(
+        f"DiLoCo outer_options do not fit optax.{name}: {error}; got {dict(options)!r}."
+    ) from None
+  if not (hasattr(built, "init") and hasattr(built, "update")):
+    raise ValueError(
+        f"DiLoCo outer: optax.{name}(...) is not a GradientTransformation, got {built!r}."
+    )
+  return built
+
+
+def apply_outer(
+    transform: optax.GradientTransformation, gradient: Tree, state: Any, master: Tree
+) -> tuple[Tree, Any]:
+  """One outer step: ``master ← master + transform.update(g, state, master)``, in F32.
+
+  The outer gradient ``g`` is taken as a gradient (SGD moves against it). Returns
+  ``(new_master, new_state)``.
+  """
+  updates, state = transform.update(gradient, state, master)
+  new_master = jax.tree.map(lambda m, u: (m + u.astype(jnp.float32)).astype(jnp.float32),
+                            master, updates)
+  return new_master, state
