@@ -14,6 +14,7 @@ from gmjax.mail.errors import RoundTimeout as RoundTimeout
 from gmjax.mail.errors import RunExists as RunExists
 from gmjax.mail.errors import RunNotFound as RunNotFound
 from gmjax.mail.errors import StorageUnavailable as StorageUnavailable
+from gmjax.mail.errors import UnsupportedStorage as UnsupportedStorage
 from gmjax.mail.learner import Learner as Learner
 from gmjax.mail.run import Run as Run
 from gmjax.mail.run import create as create
@@ -34,6 +35,7 @@ __all__ = (
     "RunNotFound",
     "StorageUnavailable",
     "Store",
+    "UnsupportedStorage",
     "create",
     "format_status",
     "open",
