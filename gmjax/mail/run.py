@@ -22,7 +22,7 @@ from gmjax.mail import heartbeats
 from gmjax.mail import layout
 from gmjax.mail import signing
 from gmjax.mail import states
-from gmjax.mail.errors import RunExists, RunNotFound
+from gmjax.mail.errors import AuthenticationError, RunExists, RunNotFound
 from gmjax.mail.manifest import Manifest, utc_now
 from gmjax.mail.store import Store, open_store
 
@@ -75,6 +75,14 @@ class Run:
     from gmjax.mail.learner import Learner  # pylint: disable=g-import-not-at-top
 
     layout.check_name(name)
+    if self.key is not None:
+      # The manifest may have changed on storage since this run was opened.
+      stored = _read_manifest(self.store, self.url)
+      stored.check_key(self.key, self.url)
+      if stored != self.manifest:
+        raise AuthenticationError(
+            f"the manifest of run {self.url!r} changed since it was opened; open the"
+            " run again.")
     return Learner(self, name, poll_interval=poll_interval, wait_timeout=wait_timeout)
 
   def newest_versions(self) -> dict[int, int]:
@@ -187,6 +195,8 @@ def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = N
   manifest = Manifest.new(schema, config, key)
   if not store.create(layout.MANIFEST, manifest.dumps()):
     existing = _read_manifest(store, url)
+    if key is not None and existing.key_matches(key):
+      existing.check_signature(key, url)
     differences = existing.same_run(manifest, key)
     if differences:
       raise RunExists(
