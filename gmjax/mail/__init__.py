@@ -22,6 +22,7 @@ from gmjax.mail.run import open as open  # pylint: disable=redefined-builtin
 from gmjax.mail.status import format_status as format_status
 from gmjax.mail.store import Store as Store
 from gmjax.mail.store import open_store as open_store
+from gmjax.mail.verify import verify as verify
 
 __all__ = (
     "AuthenticationError",
@@ -40,4 +41,5 @@ __all__ = (
     "format_status",
     "open",
     "open_store",
+    "verify",
 )

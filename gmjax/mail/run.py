@@ -22,7 +22,7 @@ from gmjax.mail import heartbeats
 from gmjax.mail import layout
 from gmjax.mail import signing
 from gmjax.mail import states
-from gmjax.mail.errors import AuthenticationError, RunExists, RunNotFound
+from gmjax.mail.errors import AuthenticationError, CorruptRecord, RunExists, RunNotFound
 from gmjax.mail.manifest import Manifest, utc_now
 from gmjax.mail.store import Store, open_store
 
@@ -93,7 +93,18 @@ class Run:
       if not versions:
         raise RunNotFound(f"run {self.url!r} has no version 0 of fragment {fragment};"
                           " it was not created completely: create it again.")
-      newest[fragment] = versions[-1]
+      # The newest version with an intact record; a version whose records are all
+      # damaged counts as not committed (its round is closed again, see recovery).
+      for version in reversed(versions):
+        try:
+          states.read_commit(self.store, fragment, version, self.key)
+        except FileNotFoundError:
+          continue
+        newest[fragment] = version
+        break
+      else:
+        raise CorruptRecord(f"run {self.url!r}: every commit of fragment {fragment} is"
+                            " damaged; create the run again.")
     return newest
 
   def commit_step(self, fragment: int, version: int) -> int:
@@ -112,7 +123,10 @@ class Run:
     for fragment in range(len(self.plan)):
       for version in states.committed_versions(self.store, fragment):
         if version > 0:
-          record = self.commit(fragment, version)
+          try:
+            record = dict(self.commit(fragment, version))
+          except FileNotFoundError:
+            continue  # damaged (logged): not a committed round until superseded
           record.pop(signing.SIGNATURE, None)
           records.append(record)
     return sorted(records, key=lambda r: r["round"])
