@@ -138,7 +138,7 @@ class Run:
   def status(self) -> dict[str, Any]:
     """A summary: fragments and their versions, rounds, estimates and learners."""
     rounds = self.rounds()
-    estimates = rounds[-1]["estimates"] if rounds else {}
+    estimates = (rounds[-1].get("estimates") or {}) if rounds else {}
     from gmjax.core.schedule import Estimates  # pylint: disable=g-import-not-at-top
 
     now = datetime.datetime.now(datetime.timezone.utc)
