@@ -7,6 +7,7 @@ import pytest
 
 import gmjax
 from gmjax import mail
+from gmjax.mail import commits
 from gmjax.mail import layout
 from gmjax.mail import states
 
@@ -125,7 +126,7 @@ def test_orphaned_states_are_removed(tmp_path, monkeypatch):
   state = run.config.initial_state(run.schema, run.plan[0], ms.params0())
   orphan = states.save_state(run.store, 0, states.FragmentState(1, state.theta, state.outer),
                              "0rphan000000")["state"]
-  monkeypatch.setattr(states, "ORPHAN_SWEEP_EVERY", 2)
+  monkeypatch.setattr(commits, "ORPHAN_SWEEP_EVERY", 2)
   _train(url, ["a0", "a1"], 6)  # versions 1..3; the commit of version 2 sweeps version 0
   assert run.store.list(orphan)  # version 1 is not swept yet
   _train(url, ["b0", "b1"], 2)  # the commit of version 4 sweeps versions 0..2
