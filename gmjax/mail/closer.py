@@ -35,8 +35,9 @@ from gmjax.core.schedule import Estimates
 from gmjax.core.codec import layout as payload_layout
 from gmjax.mail import contributions
 from gmjax.mail import layout
+from gmjax.mail import recovery
 from gmjax.mail import states
-from gmjax.mail.errors import ContributionRejected
+from gmjax.mail.errors import ContributionRejected, CorruptRecord
 from gmjax.mail.heartbeats import Roster
 from gmjax.mail.manifest import Manifest, utc_now
 from gmjax.mail.store import Store
@@ -199,9 +200,12 @@ class Closer:
       return held
     try:
       record = states.read_commit(self.store, fragment, version, self.key)
+      state = states.load_state(self.store, record)
+    except (states.DamagedCommit, CorruptRecord) as error:
+      _, state = recovery.repair(self.store, self.manifest, fragment, version, self.key,
+                                 repr(error))
     except FileNotFoundError:
       return None
-    state = states.load_state(self.store, record)
     self.states[fragment] = state
     return state
 

@@ -16,9 +16,13 @@ Exclusive create, by backend:
   ``os.link`` it to the final name, which fails if the name exists; the name never
   shows a partial file.
 * ``gs://`` (gcsfs): one upload request with ``ifGenerationMatch=0``.
+* ``s3://`` (s3fs, ``gmjax.mail.store_s3``): one ``PutObject`` with ``If-None-Match: *``.
 * ``memory://``: a lock around check-and-write (the memory filesystem lives in one
   process).
-* other fsspec URLs: the filesystem's ``mode="create"`` upload.
+
+Other fsspec URLs are refused (``UnsupportedStorage``): fsspec's generic
+``mode="create"`` is an ``exists()`` followed by a write, so two closers could both
+commit one version.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from typing import Any, TypeVar
 
 import fsspec
 
-from gmjax.mail.errors import CorruptRecord, StorageUnavailable
+from gmjax.mail.errors import CorruptRecord, StorageUnavailable, UnsupportedStorage
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +52,13 @@ _MEMORY_LOCK = threading.Lock()
 _TRANSIENT_ERRNOS = frozenset(
     {errno.EAGAIN, errno.EBUSY, errno.EINTR, errno.ETIMEDOUT, errno.ECONNRESET,
      errno.ECONNABORTED, errno.ECONNREFUSED, errno.EPIPE}
+    # s3fs maps HTTP 500 (InternalError) to EREMOTEIO, 409/503 (conflict, SlowDown) to EBUSY.
+    | ({errno.EREMOTEIO} if hasattr(errno, "EREMOTEIO") else set())
 )
 _TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
 _CHUNK = 4 << 20  # read and hash in 4 MiB pieces: each is hashed while still in cache
+# URL schemes whose exclusive create is atomic and tested against a real server.
+SUPPORTED_PROTOCOLS = ("file", "memory", "gs", "gcs", "s3", "s3a")
 
 
 def is_transient(error: BaseException) -> bool:
@@ -374,6 +382,8 @@ class FsspecStore(Store):
           raise FileExistsError(target)
         self.fs.pipe_file(target, data)
       return
+    # gcsfs sends one upload with ifGenerationMatch=0 (open_store admits no other
+    # protocol here; S3 has its own store).
     self.fs.pipe_file(target, data, mode="create")
 
   def _get(self, path: str) -> bytes:
@@ -414,12 +424,26 @@ def open_store(url: str, *, retry_seconds: float = 30.0,
 
   Raises:
     TypeError: ``url`` is not a string.
+    UnsupportedStorage: the URL's protocol has no atomic exclusive create
+      (``SUPPORTED_PROTOCOLS`` lists those that do).
   """
   if not isinstance(url, (str, os.PathLike)):
     raise TypeError(f"url must be a path or URL string, got {type(url).__name__}: {url!r}")
   url = os.fspath(url)
-  if "://" not in url or url.startswith("file://"):
+  if "://" not in url and "::" not in url or url.startswith("file://"):
     return LocalStore(url, retry_seconds=retry_seconds)
+  protocol = url.split("://", 1)[0] if "://" in url else url.split("::", 1)[0]
+  if protocol not in SUPPORTED_PROTOCOLS:
+    raise UnsupportedStorage(
+        f"url={url!r}: protocol {protocol!r} is not supported for a run, because its"
+        " exclusive create (the commit of each version) is not known to be atomic:"
+        " fsspec's generic create is an exists() check then a write, which two closers"
+        f" can both pass. Use one of {', '.join(p + '://' for p in SUPPORTED_PROTOCOLS)}"
+        " or a local directory.")
+  if protocol in ("s3", "s3a"):
+    from gmjax.mail.store_s3 import S3Store  # pylint: disable=g-import-not-at-top
+
+    return S3Store(url, retry_seconds=retry_seconds, storage_options=storage_options)
   return FsspecStore(url, retry_seconds=retry_seconds, storage_options=storage_options)
 
 
