@@ -138,7 +138,7 @@ def scan(store: Store, key: bytes | None = None) -> Heartbeats:
     except FileNotFoundError:
       continue  # removed between list and read
     except BadObject as error:
-      bad[name] = str(error)
+      bad[name] = error.reason
     except BadHeartbeat as error:
       bad[name] = error.reason
   return Heartbeats(records, bad)

@@ -58,7 +58,17 @@ _CHUNK = 4 << 20  # read and hash in 4 MiB pieces: each is hashed while still in
 
 class BadObject(ValueError):
   """An object ``read`` refuses: not a regular file (locally: a FIFO, a device, a
-  directory, a symbolic link), or larger than the reader's bound. Never transient."""
+  directory, a symbolic link), or larger than the reader's bound. Never transient.
+
+  Attributes:
+    path: the object's path in the store.
+    reason: what is wrong with it, without the path.
+  """
+
+  def __init__(self, path: str, reason: str):
+    super().__init__(f"{path} {reason}")
+    self.path = path
+    self.reason = reason
 
 
 def is_transient(error: BaseException) -> bool:
@@ -141,7 +151,7 @@ class Store(abc.ABC):
     stop reading at the bound (this default reads the whole object first)."""
     data = self._get(path)
     if len(data) > max_bytes:
-      raise BadObject(f"{path} holds {len(data)} bytes, more than {max_bytes} bytes")
+      raise BadObject(path, f"holds {len(data)} bytes, more than {max_bytes} bytes")
     return data
 
   def _size(self, path: str) -> int:
@@ -358,21 +368,22 @@ class LocalStore(Store):
       fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError as error:
       if error.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
-        raise BadObject(f"{path} is not a regular file ({error.strerror})") from None
+        raise BadObject(path, f"is not a regular file ({error.strerror})") from None
       raise
     try:
       info = os.fstat(fd)
       if not stat.S_ISREG(info.st_mode):
-        raise BadObject(f"{path} is not a regular file (mode {stat.filemode(info.st_mode)})")
+        raise BadObject(path, "is not a regular file"
+                        f" (mode {stat.filemode(info.st_mode)})")
       if info.st_size > max_bytes:
-        raise BadObject(f"{path} holds {info.st_size} bytes, more than {max_bytes} bytes")
+        raise BadObject(path, f"holds {info.st_size} bytes, more than {max_bytes} bytes")
     except BaseException:
       os.close(fd)
       raise
     with os.fdopen(fd, "rb") as f:
       data = f.read(max_bytes + 1)  # it may have grown since fstat
     if len(data) > max_bytes:
-      raise BadObject(f"{path} holds more than {max_bytes} bytes")
+      raise BadObject(path, f"holds more than {max_bytes} bytes")
     return data
 
   def _size(self, path: str) -> int:
@@ -447,7 +458,7 @@ class FsspecStore(Store):
     # the bound: a larger object shows itself without being downloaded.
     data = self.fs.cat_file(self._path(path), start=0, end=max_bytes + 1)
     if len(data) > max_bytes:
-      raise BadObject(f"{path} holds more than {max_bytes} bytes")
+      raise BadObject(path, f"holds more than {max_bytes} bytes")
     return data
 
   def _size(self, path: str) -> int:
