@@ -2,7 +2,7 @@
 
 Every learner watches the rounds it contributed to. For each it lists
 ``rounds/<r>/`` and decides as below. The designated closer reads and validates each new
-contribution (``contributions.loads``) as it appears; a follower only notes the names it
+contribution (``contributions.check``) as it appears; a follower only notes the names it
 lists, counting each as a contribution that may be valid, and reads and validates them
 when it is about to take over (and then decides again on what it validated):
 
