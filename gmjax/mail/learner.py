@@ -70,7 +70,7 @@ class _Worker:
     self.learner = learner
     self.store = learner.store
     self.closer = learner.closer
-    self.roster = Roster(learner.store)
+    self.roster = Roster(learner.store, learner.key)
     self.known = _Known(self.roster)
     self.jobs: queue.Queue = queue.Queue()
     self.watches: dict[int, Watch] = {}
@@ -325,9 +325,7 @@ class Learner:
       self._heartbeat["seq"] += 1
       self._heartbeat["last_seen"] = utc_now()
       self._heartbeat["versions"] = {str(f): v for f, v in self._versions.items()}
-      import json  # pylint: disable=g-import-not-at-top
-
-      data = json.dumps(self._heartbeat).encode()
+      data = heartbeats.dumps(self._heartbeat, self.key)  # signed with the run's key
       # A periodic beat (the step count alone) is superseded within a few polls and
       # stale after a machine crash anyway: no fsync, which would also flush the large
       # files being written alongside. Beats that say more (joined, closing, closed) are.

@@ -133,7 +133,7 @@ class Run:
 
   def learners(self) -> dict[str, dict[str, Any]]:
     """Every learner's latest heartbeat, by name."""
-    return heartbeats.read_all(self.store)
+    return heartbeats.read_all(self.store, self.key)
 
   def status(self) -> dict[str, Any]:
     """A summary: fragments and their versions, rounds, estimates and learners."""
@@ -143,7 +143,8 @@ class Run:
 
     now = datetime.datetime.now(datetime.timezone.utc)
     learners = []
-    for name, record in sorted(self.learners().items()):
+    found = heartbeats.scan(self.store, self.key)
+    for name, record in sorted(found.records.items()):
       age = None
       try:
         age = (now - datetime.datetime.fromisoformat(record["last_seen"])).total_seconds()
@@ -172,6 +173,7 @@ class Run:
         "estimates": estimates,
         "timeout_seconds": Estimates.from_json(estimates).timeout(0.0) or None,
         "learners": learners,
+        "bad_heartbeats": [{"learner": n, "reason": r} for n, r in sorted(found.bad.items())],
     }
 
   def __repr__(self) -> str:

@@ -2,7 +2,9 @@
 
 A ``Store`` offers the few operations the mail protocol needs, each atomic: ``put``
 (the object appears complete or not at all), ``create`` (exclusive: exactly one of any
-number of racing writers succeeds), ``get``, ``list`` and ``delete``. Transient errors
+number of racing writers succeeds), ``get``, ``list`` and ``delete``; and for objects
+anyone may have planted, ``read(path, max_bytes)``, which reads at most ``max_bytes``
+(and locally only a regular file) or raises ``BadObject``. Transient errors
 (connection resets, timeouts, HTTP 429/5xx) are retried with exponential backoff and
 jitter for at most the store's retry budget, then ``StorageUnavailable`` is raised. A
 learner's store takes its budget from the run's current timeout
@@ -34,6 +36,7 @@ import hashlib
 import logging
 import os
 import random
+import stat
 import threading
 import time
 import uuid
@@ -59,6 +62,21 @@ _TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
 _CHUNK = 4 << 20  # read and hash in 4 MiB pieces: each is hashed while still in cache
 # URL schemes whose exclusive create is atomic and tested against a real server.
 SUPPORTED_PROTOCOLS = ("file", "memory", "gs", "gcs", "s3", "s3a")
+
+
+class BadObject(ValueError):
+  """An object ``read`` refuses: not a regular file (locally: a FIFO, a device, a
+  directory, a symbolic link), or larger than the reader's bound. Never transient.
+
+  Attributes:
+    path: the object's path in the store.
+    reason: what is wrong with it, without the path.
+  """
+
+  def __init__(self, path: str, reason: str):
+    super().__init__(f"{path} {reason}")
+    self.path = path
+    self.reason = reason
 
 
 def is_transient(error: BaseException) -> bool:
@@ -136,6 +154,17 @@ class Store(abc.ABC):
       digest.update(view[start:start + _CHUNK])
     return data
 
+  def _read(self, path: str, max_bytes: int) -> bytes:
+    """At most ``max_bytes`` of ``path``, else BadObject; backends override this to
+    stop reading at the bound (this default reads the whole object first)."""
+    data = self._get(path)
+    if len(data) > max_bytes:
+      raise BadObject(path, f"holds {len(data)} bytes, more than {max_bytes} bytes")
+    return data
+
+  def _size(self, path: str) -> int:
+    return len(self._get(path))
+
   @abc.abstractmethod
   def _list(self, prefix: str) -> list[str]:
     """The names directly under ``prefix``, sorted."""
@@ -209,6 +238,22 @@ class Store(abc.ABC):
   def get(self, path: str) -> bytes:
     """The bytes at ``path``; FileNotFoundError if there are none."""
     return self._retry("get", path, lambda: self._get(path))
+
+  def read(self, path: str, max_bytes: int) -> bytes:
+    """The bytes at ``path`` if they are at most ``max_bytes``, read with that bound.
+
+    For objects that anyone with write access may have planted (contributions,
+    heartbeats): it never blocks on a FIFO, never reads a device or past the bound.
+
+    Raises:
+      FileNotFoundError: nothing is at ``path``.
+      BadObject: ``path`` is not a regular file, or holds more than ``max_bytes``.
+    """
+    return self._retry("read", path, lambda: self._read(path, int(max_bytes)))
+
+  def size(self, path: str) -> int:
+    """The size in bytes of the object at ``path``; FileNotFoundError if there is none."""
+    return self._retry("size", path, lambda: self._size(path))
 
   def get_verified(self, path: str, sha256: str) -> bytes:
     """The bytes at ``path``, hashed as they are read and checked against ``sha256``.
@@ -323,6 +368,35 @@ class LocalStore(Store):
         chunks.append(chunk)
     return b"".join(chunks)
 
+  def _read(self, path: str, max_bytes: int) -> bytes:
+    target = self._path(path)
+    try:
+      # O_NONBLOCK: opening a FIFO must not wait for a writer; O_NOFOLLOW: the store
+      # writes no links, so a link here (to /dev/zero, say) was planted.
+      fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError as error:
+      if error.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+        raise BadObject(path, f"is not a regular file ({error.strerror})") from None
+      raise
+    try:
+      info = os.fstat(fd)
+      if not stat.S_ISREG(info.st_mode):
+        raise BadObject(path, "is not a regular file"
+                        f" (mode {stat.filemode(info.st_mode)})")
+      if info.st_size > max_bytes:
+        raise BadObject(path, f"holds {info.st_size} bytes, more than {max_bytes} bytes")
+    except BaseException:
+      os.close(fd)
+      raise
+    with os.fdopen(fd, "rb") as f:
+      data = f.read(max_bytes + 1)  # it may have grown since fstat
+    if len(data) > max_bytes:
+      raise BadObject(path, f"holds more than {max_bytes} bytes")
+    return data
+
+  def _size(self, path: str) -> int:
+    return os.stat(self._path(path)).st_size
+
   def _list(self, prefix: str) -> list[str]:
     try:
       names = os.listdir(self._path(prefix))
@@ -388,6 +462,17 @@ class FsspecStore(Store):
 
   def _get(self, path: str) -> bytes:
     return self.fs.cat_file(self._path(path))
+
+  def _read(self, path: str, max_bytes: int) -> bytes:
+    # A ranged read (an HTTP Range request on object stores) that asks for one byte past
+    # the bound: a larger object shows itself without being downloaded.
+    data = self.fs.cat_file(self._path(path), start=0, end=max_bytes + 1)
+    if len(data) > max_bytes:
+      raise BadObject(path, f"holds more than {max_bytes} bytes")
+    return data
+
+  def _size(self, path: str) -> int:
+    return int(self.fs.size(self._path(path)))
 
   def _list(self, prefix: str) -> list[str]:
     target = self._path(prefix)
