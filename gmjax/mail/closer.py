@@ -28,8 +28,8 @@ import dataclasses
 import logging
 import time
 import uuid
-from typing import Any
 
+from gmjax.core.diloco import padded_count
 from gmjax.core.records import Contribution, FragmentState
 from gmjax.core.schedule import Estimates
 from gmjax.core.codec import layout as payload_layout
@@ -39,6 +39,7 @@ from gmjax.mail import states
 from gmjax.mail.errors import ContributionRejected
 from gmjax.mail.heartbeats import Roster
 from gmjax.mail.manifest import Manifest, utc_now
+from gmjax.mail.records import Rejection, RoundRecord, read_round
 from gmjax.mail.store import Store
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class Closer:
     self.states: dict[int, FragmentState] = {}
     self.estimates = Estimates()
     self._estimates_round = -1
+    self.capacity = 0  # contributions the close is compiled for (see grow)
     self._aggregators = {}
     self._payload_schemas = {}
     for fragment, names in enumerate(manifest.plan):
@@ -115,12 +117,27 @@ class Closer:
     """
     return max(self.timeout(), 10 * HEARTBEAT_POLLS * self.poll_interval, MIN_LIVENESS_SECONDS)
 
-  def observe(self, record: dict[str, Any]) -> None:
+  def grow(self, learners: int) -> None:
+    """Compiles the close of every fragment for ``learners`` contributions if it is not
+    compiled for that many yet (to the next power of two: a run compiles it once, and
+    again only when its live learners double)."""
+    capacity = padded_count(learners)
+    if capacity <= self.capacity:
+      return
+    for aggregator in self._aggregators.values():
+      aggregator.warm(capacity)
+    self.capacity = capacity
+
+  @property
+  def observed_round(self) -> bool:
+    """Whether a round's record (hence the run's timings) has been seen."""
+    return self._estimates_round >= 0
+
+  def observe(self, record: RoundRecord) -> None:
     """Carries the estimates of a newer round record forward."""
-    round_ = record.get("round")
-    if round_ is not None and round_ > self._estimates_round:
-      self._estimates_round = round_
-      self.estimates = Estimates.from_json(record.get("estimates"))
+    if record.round is not None and record.round > self._estimates_round:
+      self._estimates_round = record.round
+      self.estimates = record.estimates
 
   def watch(self, round_: int) -> Watch:
     return Watch(round_, self.schedule.fragment_of(round_), self.schedule.version_after(round_))
@@ -198,14 +215,14 @@ class Closer:
     if held is not None and held.version == version:
       return held
     try:
-      record = states.read_commit(self.store, fragment, version, self.key)
+      record = read_round(self.store, fragment, version, self.key)
     except FileNotFoundError:
       return None
-    state = states.load_state(self.store, record)
+    state = states.load_state(self.store, record.to_json())
     self.states[fragment] = state
     return state
 
-  def close(self, watch: Watch, roster: Roster) -> dict[str, Any] | None:
+  def close(self, watch: Watch, roster: Roster) -> RoundRecord | None:
     """Aggregates, saves and commits ``watch``; returns the round's commit record (this
     closer's or a racing winner's), or None while the base version is not committed.
 
@@ -216,7 +233,8 @@ class Closer:
     if state is None:
       return None
     valid = sorted(watch.valid, key=lambda c: c.learner)
-    result = self._aggregators[watch.fragment].close_round(state, valid)
+    result = self._aggregators[watch.fragment].close_round(state, valid,
+                                                           capacity=self.capacity)
     nonce = uuid.uuid4().hex[:12]
     files = states.save_state(self.store, watch.fragment, result.state, nonce)
     if result.update is not None:
@@ -236,38 +254,38 @@ class Closer:
     estimates = self.estimates.updated(
         step=sum(step_seconds) / len(step_seconds) if step_seconds else None,
         quorum=quorum_seconds, sync=sync_seconds)
-    record = {
-        "round": watch.round,
-        "fragment": watch.fragment,
-        "version": result.state.version,
-        "step": self.schedule.step_of(watch.round),
-        "participants": [p.to_json() for p in result.participants],
-        "rejected": [{"learner": r.learner, "reason": r.reason} for r in watch.rejected],
-        "final": sorted(c.learner for c in valid if c.final),
-        "outer_step": bool(valid),
-        "cosine": result.cosine,
-        "estimates": estimates.to_json(),
-        "live": sorted(roster.live_for(watch.round, self.liveness_timeout())),
-        "closer": self.name,
-        "state": files["state"],
-        "update": files["update"],
-        "theta": files["theta"],
-        "sha256": {"state": files["state_sha256"], "update": files["update_sha256"]},
-        "state_files": files["state_files"],
-        "state_names": files["state_names"],
-        "theta_sha256": states.theta_digest(result.state.theta),
-        "opened_at": watch.opened_at,
-        "quorum_seconds": quorum_seconds,
-        "sync_seconds": sync_seconds,
-        "committed_at": utc_now(),
-    }
-    if not valid:
-      record["note"] = "no valid contribution: no outer step, the fragment is unchanged"
-    if states.write_commit(self.store, record, self.key):
+    record = RoundRecord(
+        round=watch.round,
+        fragment=watch.fragment,
+        version=result.state.version,
+        step=self.schedule.step_of(watch.round),
+        participants=tuple(result.participants),
+        rejected=tuple(Rejection(r.learner, r.reason) for r in watch.rejected),
+        final=tuple(sorted(c.learner for c in valid if c.final)),
+        outer_step=bool(valid),
+        cosine=result.cosine,
+        estimates=estimates,
+        live=tuple(sorted(roster.live_for(watch.round, self.liveness_timeout()))),
+        closer=self.name,
+        state=files["state"],
+        update=files["update"],
+        theta=files["theta"],
+        state_sha256=files["state_sha256"],
+        update_sha256=files["update_sha256"],
+        state_files=files["state_files"],
+        state_names=files["state_names"],
+        theta_sha256=states.theta_digest(result.state.theta),
+        opened_at=watch.opened_at,
+        quorum_seconds=quorum_seconds,
+        sync_seconds=sync_seconds,
+        committed_at=utc_now(),
+        note=None if valid else "no valid contribution: no outer step, the fragment is unchanged",
+    )
+    if states.write_commit(self.store, record.to_json(), self.key):
       self.states[watch.fragment] = result.state
       self.observe(record)
       log.info("round %d committed version %d of fragment %d by %s", watch.round,
-               record["version"], watch.fragment, self.name)
+               record.version, watch.fragment, self.name)
       return record
     states.remove_state(self.store, files)
-    return states.read_commit(self.store, watch.fragment, watch.version, self.key)
+    return read_round(self.store, watch.fragment, watch.version, self.key)

@@ -23,6 +23,8 @@ from gmjax.mail.store import Store
 log = logging.getLogger(__name__)
 
 LIVE, CLOSING, CLOSED = "live", "closing", "closed"
+# A learner whose background work failed: not live, like a closed one.
+FAILED = "failed"
 
 
 def read_all(store: Store) -> dict[str, dict[str, Any]]:

@@ -31,7 +31,7 @@ def format_status(run, *, last: int | None = 50) -> str:
     learners table (status, step, versions, loss, seconds since the last heartbeat).
   """
   status = run.status()
-  rounds = run.rounds()
+  rounds = run.round_records()
   shown = rounds if last is None else rounds[-last:]
   lines = [
       f"run {status['run']}: {status['parameters']:,} parameters in {status['leaves']}"
@@ -43,14 +43,13 @@ def format_status(run, *, last: int | None = 50) -> str:
   ]
   rows = []
   for r in shown:
-    participants = " ".join(f"{p['learner']}:{p['weight']:.3f}" for p in r["participants"])
-    rejected = " ".join(f"{x['learner']}({x['reason'][:40]})" for x in r.get("rejected", []))
+    participants = " ".join(f"{p.learner}:{p.weight:.3f}" for p in r.participants)
+    rejected = " ".join(f"{x.learner}({x.reason[:40]})" for x in r.rejected)
     rows.append([
-        r["round"], r["fragment"], r["version"], r["step"], len(r["participants"]),
+        r.round, r.fragment, r.version, r.step, len(r.participants),
         participants or "(none: no outer step)", rejected or None,
-        None if r.get("cosine") is None else f"{r['cosine']:.4f}",
-        _seconds(r.get("quorum_seconds")), _seconds(r.get("sync_seconds")),
-        r.get("closer"), r.get("committed_at"),
+        None if r.cosine is None else f"{r.cosine:.4f}",
+        _seconds(r.quorum_seconds), _seconds(r.sync_seconds), r.closer, r.committed_at,
     ])
   if rows:
     if len(shown) < len(rounds):
