@@ -61,6 +61,7 @@ class Watch:
   opened: float | None = None
   opened_at: str | None = None
   quorum_seen: float | None = None
+  complete_since: float | None = None  # every live learner had contributed
   closable_since: float | None = None
 
   @property
@@ -195,7 +196,10 @@ class Closer:
       watch.quorum_seen = None
     elif watch.quorum_seen is None:
       watch.quorum_seen = now
-    closable = live <= contributors or (
+    complete = live <= contributors
+    if complete and watch.complete_since is None:
+      watch.complete_since = now
+    closable = complete or (
         watch.quorum_seen is not None and now - watch.quorum_seen >= timeout)
     if not closable:
       watch.closable_since = None
@@ -248,8 +252,13 @@ class Closer:
                                      nonce, result.state.theta))
     sync_seconds = time.monotonic() - started
     quorum_seconds = None
-    if watch.opened is not None and watch.closable_since is not None:
-      quorum_seconds = max(0.0, watch.closable_since - watch.opened)
+    # The time until the contributions that close the round were in: every live
+    # learner's, or the quorum's. Never the grace period after the quorum, which is a
+    # multiple of the timeout these estimates set: counting it would grow the timeout
+    # round over round.
+    reached = watch.complete_since if watch.complete_since is not None else watch.quorum_seen
+    if watch.opened is not None and reached is not None:
+      quorum_seconds = max(0.0, reached - watch.opened)
     step_seconds = [c.step_seconds for c in valid if c.step_seconds > 0]
     estimates = self.estimates.updated(
         step=sum(step_seconds) / len(step_seconds) if step_seconds else None,
