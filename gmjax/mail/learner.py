@@ -56,13 +56,14 @@ _delta = jax.jit(outer.pseudo_gradient)
 _align = jax.jit(outer.align, static_argnames=("mixing",))
 
 
-def _to_host(value: Any) -> Any:
-  """A leaf the host can compute with: numpy as is, a global array gathered."""
+def _to_host(value: Any) -> np.ndarray:
+  """A leaf as a host array (a global array gathered from every process): leaves may
+  live on different devices, and the delta and merge of a fragment take them together."""
   if isinstance(value, jax.Array) and not value.is_fully_addressable:
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
 
     return np.asarray(multihost_utils.process_allgather(value, tiled=True))
-  return value
+  return np.array(jax.device_get(value))
 
 
 def _like(value: Any, like: Any) -> Any:
@@ -209,7 +210,9 @@ class Learner:
              theta: dict[str, np.ndarray]) -> None:
     names_ = self.manifest.plan[fragment]
     current = {n: _to_host(flat[n]) for n in names_}
-    merged = _align(current, {n: theta[n] for n in names_}, mixing=float(self.config.mixing))
+    with jax.default_device(jax.local_devices()[0]):
+      merged = _align(current, {n: theta[n] for n in names_},
+                      mixing=float(self.config.mixing))
     for n in names_:
       flat[n] = _like(merged[n], flat[n])
     self._anchors[fragment] = theta
@@ -359,15 +362,15 @@ class Learner:
       due = self.step_count + self.schedule.overlap_steps
     names_ = self.manifest.plan[fragment]
     # Every process gathers the fragment (a collective); only the primary publishes.
-    snapshot = {n: (np.array(flat[n]) if isinstance(flat[n], np.ndarray) else _to_host(flat[n]))
-                for n in names_}
+    snapshot = {n: _to_host(flat[n]) for n in names_}
     if not self.primary:
       pass
     elif self.store.exists(layout.commit(fragment, version)):
       log.info("learner %r: round %d closed before it got there; merging it", self.name,
                round_)
     else:
-      delta = _delta({n: self._anchors[fragment][n] for n in names_}, snapshot)
+      with jax.default_device(jax.local_devices()[0]):
+        delta = _delta({n: self._anchors[fragment][n] for n in names_}, snapshot)
       self._worker.publish({
           "round": round_, "fragment": fragment, "base_version": version - 1,
           "delta": delta, "local_step": self.local_step, "steps": steps, "tokens": count,

@@ -145,11 +145,10 @@ class Worker:
 
   def _run(self) -> None:
     try:
-      while True:
-        if not self._take(timeout=self.poll_interval):
-          break
-        self._cycle()
-      self._cycle()  # uploads queued while stopping still go out
+      # On this process's own device: in a multi-process JAX job the default device may
+      # belong to another process, and the closer's work is this process's alone.
+      with jax.default_device(jax.local_devices()[0]):
+        self._loop()
     except BaseException as error:  # pylint: disable=broad-except
       log.exception("learner %r: background work failed", self.name)
       self.failure = error
@@ -158,6 +157,13 @@ class Worker:
       finally:
         self._fail_requests()
         self._drain_failed()
+
+  def _loop(self) -> None:
+    while True:
+      if not self._take(timeout=self.poll_interval):
+        break
+      self._cycle()
+    self._cycle()  # uploads queued while stopping still go out
 
   def _take(self, timeout: float) -> bool:
     """Handles the inbox's messages (waiting up to ``timeout`` for the first); False
