@@ -18,7 +18,9 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import os
 import queue
+import socket
 import threading
 from typing import Any
 
@@ -62,6 +64,18 @@ class HeartbeatWriter:
     self._requests: queue.Queue = queue.Queue()
     self._thread = threading.Thread(target=self._run, daemon=True,
                                     name=f"gmjax-heartbeat-{identity['name']}")
+
+  @classmethod
+  def joined(cls, store, name: str, incarnation: str, beat: Beat,
+             interval: float) -> HeartbeatWriter:
+    """The writer of a learner that just joined: its first beat is written (durably)
+    before this returns, then the thread starts."""
+    identity = {"name": name, "pid": os.getpid(), "host": socket.gethostname(),
+                "joined_at": utc_now(), "incarnation": incarnation}
+    writer = cls(store, identity, beat, interval)
+    writer.write().result()
+    writer.start()
+    return writer
 
   @property
   def latest(self) -> Beat:

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
-import socket
 import time
 import uuid
 from typing import Any
@@ -39,11 +37,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from gmjax.core import outer
 from gmjax.core.schema import Schema
 from gmjax.mail import heartbeats
 from gmjax.mail import layout
 from gmjax.mail import names
+from gmjax.mail import placement
 from gmjax.mail.beats import Beat, HeartbeatWriter
 from gmjax.mail.closer import HEARTBEAT_POLLS
 from gmjax.mail.errors import LearnerClosed, RoundTimeout
@@ -51,33 +49,6 @@ from gmjax.mail.manifest import utc_now
 from gmjax.mail.worker import Worker
 
 log = logging.getLogger(__name__)
-
-_delta = jax.jit(outer.pseudo_gradient)
-_align = jax.jit(outer.align, static_argnames=("mixing",))
-
-
-def _to_host(value: Any) -> np.ndarray:
-  """A leaf as a host array (a global array gathered from every process): leaves may
-  live on different devices, and the delta and merge of a fragment take them together."""
-  if isinstance(value, jax.Array) and not value.is_fully_addressable:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-
-    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
-  return np.array(jax.device_get(value))
-
-
-def _like(value: Any, like: Any) -> Any:
-  """``value`` as a leaf like ``like``: numpy stays numpy (in ``like``'s dtype), a
-  ``jax.Array`` comes back with ``like``'s sharding, anything else becomes a jax array."""
-  if isinstance(like, np.ndarray) or np.isscalar(like):
-    return np.array(value, dtype=like.dtype if hasattr(like, "dtype") else None)
-  if isinstance(like, jax.Array):
-    if like.is_fully_addressable:
-      return jax.device_put(value, like.sharding)
-    host = np.asarray(jax.device_get(value))
-    return jax.make_array_from_callback(host.shape, like.sharding, lambda index: host[index])
-  return jax.numpy.asarray(value)
-
 
 class Learner:
   """One learner of a run. Made by ``Run.join``; call ``pull`` once, then ``step`` after
@@ -142,13 +113,10 @@ class Learner:
       names.claim(self.store, self.name, incarnation=incarnation,
                   liveness_timeout=self._worker.liveness_timeout(),
                   poll_interval=self.poll_interval)
-      identity = {"name": self.name, "pid": os.getpid(), "host": socket.gethostname(),
-                  "joined_at": utc_now(), "incarnation": incarnation}
-      self._beats = HeartbeatWriter(
-          self.store, identity, Beat(heartbeats.LIVE, self.step_count, self.first_round),
+      self._beats = HeartbeatWriter.joined(
+          self.store, self.name, incarnation,
+          Beat(heartbeats.LIVE, self.step_count, self.first_round),
           self.poll_interval * HEARTBEAT_POLLS)
-      self._beats.write().result()
-      self._beats.start()
     self._worker.start(warm=self.primary)
 
   # Plumbing.
@@ -190,31 +158,16 @@ class Learner:
     return self._futures[key]
 
   def _wait(self, fragment: int, version: int, deadline: float) -> dict[str, np.ndarray]:
-    future = self._future(fragment, version)
-    while True:
-      self._worker.check()
-      if not self._worker.alive and not future.done():
-        raise LearnerClosed(f"learner {self.name!r}: its background thread ended")
-      remaining = deadline - time.monotonic()
-      if remaining <= 0:
-        raise RoundTimeout(
-            f"learner {self.name!r} waited past its wait_timeout for version {version} of"
-            f" fragment {fragment}; pass a larger wait_timeout to join() or check that the"
-            " run's learners are alive.")
-      try:
-        return future.result(timeout=min(remaining, self.poll_interval))
-      except concurrent.futures.TimeoutError:
-        continue
+    return self._worker.wait(self._future(fragment, version), deadline,
+                             f"version {version} of fragment {fragment}")
 
   def _align(self, flat: dict[str, Any], fragment: int, version: int,
              theta: dict[str, np.ndarray]) -> None:
     names_ = self.manifest.plan[fragment]
-    current = {n: _to_host(flat[n]) for n in names_}
-    with jax.default_device(jax.local_devices()[0]):
-      merged = _align(current, {n: theta[n] for n in names_},
-                      mixing=float(self.config.mixing))
+    merged = placement.align({n: flat[n] for n in names_}, {n: theta[n] for n in names_},
+                             mixing=float(self.config.mixing))
     for n in names_:
-      flat[n] = _like(merged[n], flat[n])
+      flat[n] = placement.like(merged[n], flat[n])
     self._anchors[fragment] = theta
     self._versions[fragment] = version
     for key in [k for k in self._futures if k[0] == fragment and k[1] <= version]:
@@ -298,7 +251,7 @@ class Learner:
       theta = self._wait(fragment, version, deadline)
       del self._futures[(fragment, version)]
       for n in self.manifest.plan[fragment]:
-        flat[n] = _like(theta[n], flat[n])
+        flat[n] = placement.like(theta[n], flat[n])
       self._anchors[fragment] = theta
       self._versions[fragment] = version
     self._beat(step=self.step_count, first_round=self.first_round)
@@ -362,15 +315,12 @@ class Learner:
       due = self.step_count + self.schedule.overlap_steps
     names_ = self.manifest.plan[fragment]
     # Every process gathers the fragment (a collective); only the primary publishes.
-    snapshot = {n: _to_host(flat[n]) for n in names_}
-    if not self.primary:
-      pass
-    elif self.store.exists(layout.commit(fragment, version)):
+    snapshot = {n: placement.to_host(flat[n]) for n in names_}
+    if self.primary and self.store.exists(layout.commit(fragment, version)):
       log.info("learner %r: round %d closed before it got there; merging it", self.name,
                round_)
-    else:
-      with jax.default_device(jax.local_devices()[0]):
-        delta = _delta({n: self._anchors[fragment][n] for n in names_}, snapshot)
+    elif self.primary:
+      delta = placement.delta({n: self._anchors[fragment][n] for n in names_}, snapshot)
       self._worker.publish({
           "round": round_, "fragment": fragment, "base_version": version - 1,
           "delta": delta, "local_step": self.local_step, "steps": steps, "tokens": count,

@@ -38,7 +38,7 @@ from gmjax.mail import contributions
 from gmjax.mail import layout
 from gmjax.mail import states
 from gmjax.mail.closer import Closer, Watch
-from gmjax.mail.errors import LearnerClosed
+from gmjax.mail.errors import LearnerClosed, RoundTimeout
 from gmjax.mail.heartbeats import Roster
 from gmjax.mail.records import RoundRecord, read_round
 
@@ -130,6 +130,27 @@ class Worker:
 
   def liveness_timeout(self) -> float:
     return self.closer.liveness_timeout()
+
+  def wait(self, future: concurrent.futures.Future, deadline: float, what: str) -> Any:
+    """The result of ``future`` (from ``request``), polling for a failure meanwhile.
+
+    Raises:
+      RoundTimeout: not resolved by ``deadline`` (``time.monotonic()``).
+      LearnerClosed: the worker failed or ended.
+    """
+    while True:
+      self.check()
+      if not self.alive and not future.done():
+        raise LearnerClosed(f"learner {self.name!r}: its background thread ended")
+      remaining = deadline - time.monotonic()
+      if remaining <= 0:
+        raise RoundTimeout(
+            f"learner {self.name!r} waited past its wait_timeout for {what}; pass a larger"
+            " wait_timeout to join() or check that the run's learners are alive.")
+      try:
+        return future.result(timeout=min(remaining, self.poll_interval))
+      except concurrent.futures.TimeoutError:
+        continue
 
   def check(self) -> None:
     if self.failure is not None:
