@@ -11,6 +11,7 @@ import pytest
 
 import gmjax
 from gmjax import mail
+from gmjax.mail import states
 from gmjax.core import guards
 from gmjax.core.codec import layout as payload_layout
 from gmjax.mail import contributions
@@ -52,8 +53,7 @@ def _reasons(record):
 
 def _finite(run):
   for record in run.rounds():
-    theta = mail.open(run.url, key=run.key).join(f"check{record['round']}")._worker.theta(
-        record["fragment"], record["version"])
+    theta = states.load_theta(run.store, run.commit(record["fragment"], record["version"]))
     assert all(np.isfinite(v).all() for v in theta.values()), record["round"]
 
 
@@ -123,7 +123,7 @@ def test_outer_step_that_is_not_finite_is_skipped_and_the_run_goes_on(tmp_path):
   assert "not finite" in rounds[0]["skipped"] and rounds[0]["outer_step"] is False
   assert [p["learner"] for p in rounds[0]["participants"]] == ["solo"]
   assert all("skipped" not in r and r["outer_step"] for r in rounds[1:])
-  theta0, theta1 = (learner._worker.theta(0, v) for v in (0, 1))
+  theta0, theta1 = (states.load_theta(run.store, run.commit(0, v)) for v in (0, 1))
   for name in theta0:
     np.testing.assert_array_equal(theta0[name], theta1[name])
   _finite(run)

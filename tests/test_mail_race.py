@@ -57,10 +57,10 @@ def test_two_closers_race(tmp_path, monkeypatch, url_kind):
   assert sorted(attempts) == ["c0", "c1"]
   assert results["c0"] == results["c1"]  # the winner's record, for both
   winner = results["c0"]
-  assert winner["closer"] in ("c0", "c1")
-  assert [p["learner"] for p in winner["participants"]] == ["l0", "l1"]
+  assert winner.closer in ("c0", "c1")
+  assert [p.learner for p in winner.participants] == ["l0", "l1"]
   versions = [e for e in run.store.list("fragments/0") if e.endswith(".commit.json")]
   assert versions == ["0.commit.json", "1.commit.json"]
   state_dirs = [e for e in run.store.list("fragments/0") if e.startswith("1-")]
-  assert state_dirs == [winner["state"].rsplit("/", 1)[-1]]  # the loser cleaned up
+  assert state_dirs == [winner.state.rsplit("/", 1)[-1]]  # the loser cleaned up
   assert [r["round"] for r in run.rounds()] == [0]

@@ -94,17 +94,24 @@ def test_follower_lists_and_validates_only_to_take_over(tmp_path):
   assert sorted(c.learner for c in watch.valid) == ["l0", "l1"]
   assert [r.learner for r in watch.rejected] == ["l2"]
   record = closer.close(watch, roster)
-  assert [p["learner"] for p in record["participants"]] == ["l0", "l1"]
-  assert record["rejected"][0]["learner"] == "l2"
+  assert [p.learner for p in record.participants] == ["l0", "l1"]
+  assert record.rejected[0].learner == "l2"
 
 
 def test_learner_retries_are_bounded_by_the_run_timeout(tmp_path):
   run = _run(tmp_path)
-  learner = run.join("l0", poll_interval=0.02)
+  learner = run.join("l0", poll_interval=0.02, startup_timeout=5.0)
   try:
-    assert learner.store.retry_budget() == pytest.approx(learner.closer.timeout())
-    learner.closer.observe({"round": 3, "estimates": {"step": 1.0, "quorum": 0.5, "sync": 0.5}})
-    assert learner.store.retry_budget() == pytest.approx(6.0)  # 3·(step + quorum + sync)
+    # Until its first round commits, the learner retries for startup_timeout ...
+    assert learner.store.retry_budget() == pytest.approx(5.0)
+    params = learner.pull(ms.params0())
+    for _ in range(run.config.sync_every):
+      params = learner.step(params)
+    assert learner.versions == {0: 1}
+    # ... and then for the run's timeout, which follows the rounds' estimates.
+    estimates = run.rounds()[-1]["estimates"]
+    assert learner.store.retry_budget() == pytest.approx(
+        gmjax.Estimates.from_json(estimates).timeout(0.02))
     assert run.store.retry_budget() == run.store.retry_seconds  # no learner: the default
   finally:
     learner.close(None)

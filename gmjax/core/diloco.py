@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 from gmjax.core import outer
-from gmjax.core.codec import check_precision, decode_values, encode_flat
+from gmjax.core.codec import check_precision, decode_values, encode_flat, layout
 from gmjax.core.records import (
     Contribution,
     FragmentState,
@@ -300,8 +300,19 @@ class DiLoCoAggregator:
   schema: Schema
 
   def close_round(
-      self, state: FragmentState, contributions: Sequence[Contribution]
+      self, state: FragmentState, contributions: Sequence[Contribution], *,
+      capacity: int = 0,
   ) -> RoundResult:
+    """Closes one round.
+
+    Args:
+      state: the fragment's base state.
+      contributions: the valid contributions (any order; one per learner).
+      capacity: the jitted step is compiled for a fixed number of contributions, the
+        smallest power of two that is at least ``max(capacity, len(contributions))``;
+        missing ones are zeros with zero weight, which leave every sum unchanged. Rounds
+        with any count up to it share one compilation.
+    """
     specs = self.schema.parameters
     ordered = sorted(contributions, key=lambda c: c.learner)
     learners = [c.learner for c in ordered]
@@ -321,11 +332,13 @@ class DiLoCoAggregator:
       weights = [c.tokens / total for c in ordered]
     else:
       weights = [1.0 / len(ordered)] * len(ordered)
+    slots = padded_count(max(capacity, len(ordered)))
+    padding = [self.zero_contribution()] * (slots - len(ordered))
     theta, outer_state, update, dots = _close(
         {s.name: state.theta[s.name] for s in specs},
         dict(state.outer),
-        [dict(c.tensors) for c in ordered],
-        np.asarray(weights, np.float32),
+        [dict(c.tensors) for c in ordered] + padding,
+        np.asarray(weights + [0.0] * len(padding), np.float32),
         specs=specs,
         delta_precision=self.config.delta_precision,
         commit_precision=self.config.commit_precision,
@@ -341,9 +354,27 @@ class DiLoCoAggregator:
     return RoundResult(
         state=FragmentState(state.version + 1, _host(theta), _host(outer_state)),
         participants=participants,
-        cosine=cosine_from_gram(dots),
+        cosine=cosine_from_gram(np.asarray(dots)[: len(ordered), : len(ordered)]),
         update=None if update is None else _host(update),
     )
+
+  def zero_contribution(self) -> dict[str, np.ndarray]:
+    """Payload entries of an all-zero delta at the delta precision (padding)."""
+    return {s.name: np.zeros(s.shape, NUMPY_DTYPES[s.dtype])
+            for s in layout(self.schema, self.config.delta_precision).parameters}
+
+  def warm(self, capacity: int) -> None:
+    """Compiles the close of a round of up to ``capacity`` contributions (by closing
+    one on zeros), so that the first real round does not wait on a compile."""
+    zeros = {s.name: np.zeros(s.shape, NUMPY_DTYPES[s.dtype]) for s in self.schema.parameters}
+    state = self.config.initial_state(self.schema, self.schema.names, zeros)
+    self.close_round(state, [Contribution("warm", 0, 0, 0, 0.0, False,
+                                          self.zero_contribution())], capacity=capacity)
+
+
+def padded_count(count: int) -> int:
+  """The number of contribution slots ``_close`` is compiled for: a power of two."""
+  return 1 << max(0, count - 1).bit_length()
 
 
 def _host(tree: Mapping[str, Any]) -> dict[str, np.ndarray]:

@@ -10,6 +10,7 @@ from gmjax.mail.errors import AuthenticationError as AuthenticationError
 from gmjax.mail.errors import ContributionRejected as ContributionRejected
 from gmjax.mail.errors import CorruptRecord as CorruptRecord
 from gmjax.mail.errors import LearnerClosed as LearnerClosed
+from gmjax.mail.errors import NameTaken as NameTaken
 from gmjax.mail.errors import RoundTimeout as RoundTimeout
 from gmjax.mail.errors import RunExists as RunExists
 from gmjax.mail.errors import RunNotFound as RunNotFound
@@ -30,6 +31,7 @@ __all__ = (
     "CorruptRecord",
     "Learner",
     "LearnerClosed",
+    "NameTaken",
     "RoundTimeout",
     "Run",
     "RunExists",

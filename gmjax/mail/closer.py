@@ -34,11 +34,11 @@ import logging
 import math
 import time
 import uuid
-from typing import Any
 
 import numpy as np
 
 from gmjax.core import guards
+from gmjax.core.diloco import padded_count
 from gmjax.core.records import Contribution, FragmentState
 from gmjax.core.schedule import Estimates
 from gmjax.core.codec import layout as payload_layout
@@ -49,6 +49,7 @@ from gmjax.mail import states
 from gmjax.mail.errors import ContributionRejected, CorruptRecord
 from gmjax.mail.heartbeats import Roster
 from gmjax.mail.manifest import Manifest, utc_now
+from gmjax.mail.records import Rejection, RoundRecord, read_round
 from gmjax.mail.store import BadObject, Store
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class Watch:
   opened: float | None = None
   opened_at: str | None = None
   quorum_seen: float | None = None
+  complete_since: float | None = None  # every live learner had contributed
   closable_since: float | None = None
 
   @property
@@ -108,6 +110,7 @@ class Closer:
     self.states: dict[int, FragmentState] = {}
     self.estimates = Estimates()
     self._estimates_round = -1
+    self.capacity = 0  # contributions the close is compiled for (see grow)
     self._aggregators = {}
     self._schemas = {}
     self._max_bytes = {}
@@ -129,12 +132,27 @@ class Closer:
     """
     return max(self.timeout(), 10 * HEARTBEAT_POLLS * self.poll_interval, MIN_LIVENESS_SECONDS)
 
-  def observe(self, record: dict[str, Any]) -> None:
+  def grow(self, learners: int) -> None:
+    """Compiles the close of every fragment for ``learners`` contributions if it is not
+    compiled for that many yet (to the next power of two: a run compiles it once, and
+    again only when its live learners double)."""
+    capacity = padded_count(learners)
+    if capacity <= self.capacity:
+      return
+    for aggregator in self._aggregators.values():
+      aggregator.warm(capacity)
+    self.capacity = capacity
+
+  @property
+  def observed_round(self) -> bool:
+    """Whether a round's record (hence the run's timings) has been seen."""
+    return self._estimates_round >= 0
+
+  def observe(self, record: RoundRecord) -> None:
     """Carries the estimates of a newer round record forward."""
-    round_ = record.get("round")
-    if round_ is not None and round_ > self._estimates_round:
-      self._estimates_round = round_
-      self.estimates = Estimates.from_json(record.get("estimates"))
+    if record.round is not None and record.round > self._estimates_round:
+      self._estimates_round = record.round
+      self.estimates = record.estimates
 
   def watch(self, round_: int) -> Watch:
     return Watch(round_, self.schedule.fragment_of(round_), self.schedule.version_after(round_))
@@ -239,7 +257,10 @@ class Closer:
       watch.quorum_seen = None
     elif watch.quorum_seen is None:
       watch.quorum_seen = now
-    closable = live <= contributors or (
+    complete = live <= contributors
+    if complete and watch.complete_since is None:
+      watch.complete_since = now
+    closable = complete or (
         watch.quorum_seen is not None and now - watch.quorum_seen >= timeout)
     if not closable:
       watch.closable_since = None
@@ -259,8 +280,8 @@ class Closer:
     if held is not None and held.version == version:
       return held
     try:
-      record = states.read_commit(self.store, fragment, version, self.key)
-      state = states.load_state(self.store, record)
+      record = read_round(self.store, fragment, version, self.key)
+      state = states.load_state(self.store, record.to_json())
     except (states.DamagedCommit, CorruptRecord) as error:
       _, state = recovery.repair(self.store, self.manifest, fragment, version, self.key,
                                  repr(error))
@@ -269,7 +290,7 @@ class Closer:
     self.states[fragment] = state
     return state
 
-  def close(self, watch: Watch, roster: Roster) -> dict[str, Any] | None:
+  def close(self, watch: Watch, roster: Roster) -> RoundRecord | None:
     """Aggregates, saves and commits ``watch``; returns the round's commit record (this
     closer's or a racing winner's), or None while the base version is not committed.
 
@@ -281,7 +302,7 @@ class Closer:
       return None
     valid, rejected, clamped = self.screen(watch)
     aggregator = self._aggregators[watch.fragment]
-    result = aggregator.close_round(state, valid)
+    result = aggregator.close_round(state, valid, capacity=self.capacity)
     participants = result.participants
     skipped = None
     if valid and not _finite(result):
@@ -289,7 +310,7 @@ class Closer:
       # commit the version with the fragment unchanged, so the run goes on.
       skipped = "the outer step's result is not finite: Θ and the outer state are unchanged"
       log.warning("round %d: %s", watch.round, skipped)
-      result = aggregator.close_round(state, [])
+      result = aggregator.close_round(state, [], capacity=self.capacity)
     nonce = uuid.uuid4().hex[:12]
     files = states.save_state(self.store, watch.fragment, result.state, nonce)
     if result.update is not None:
@@ -303,52 +324,59 @@ class Closer:
                                      nonce, result.state.theta))
     sync_seconds = time.monotonic() - started
     quorum_seconds = None
-    if watch.opened is not None and watch.closable_since is not None:
-      quorum_seconds = max(0.0, watch.closable_since - watch.opened)
+    # The time until the contributions that close the round were in: every live
+    # learner's, or the quorum's. Never the grace period after the quorum, which is a
+    # multiple of the timeout these estimates set: counting it would grow the timeout
+    # round over round.
+    reached = watch.complete_since if watch.complete_since is not None else watch.quorum_seen
+    if watch.opened is not None and reached is not None:
+      quorum_seconds = max(0.0, reached - watch.opened)
     # The lower median: one learner's report cannot move the run's timeouts.
     step_seconds = sorted(c.step_seconds for c in valid if c.step_seconds > 0)
     estimates = self.estimates.updated(
         step=step_seconds[(len(step_seconds) - 1) // 2] if step_seconds else None,
         quorum=quorum_seconds, sync=sync_seconds)
-    record = {
-        "round": watch.round,
-        "fragment": watch.fragment,
-        "version": result.state.version,
-        "step": self.schedule.step_of(watch.round),
-        "participants": [p.to_json() for p in participants],
-        "rejected": [{"learner": r.learner, "reason": r.reason} for r in rejected],
-        "final": sorted(c.learner for c in valid if c.final),
-        "outer_step": bool(valid) and skipped is None,
-        "cosine": result.cosine,
-        "estimates": estimates.to_json(),
-        "live": sorted(roster.live_for(watch.round, self.liveness_timeout())),
-        "closer": self.name,
-        "state": files["state"],
-        "update": files["update"],
-        "theta": files["theta"],
-        "sha256": {"state": files["state_sha256"], "update": files["update_sha256"]},
-        "state_files": files["state_files"],
-        "state_names": files["state_names"],
-        "theta_sha256": states.theta_digest(result.state.theta),
-        "opened_at": watch.opened_at,
-        "quorum_seconds": quorum_seconds,
-        "sync_seconds": sync_seconds,
-        "committed_at": utc_now(),
-    }
-    if not valid:
-      record["note"] = "no valid contribution: no outer step, the fragment is unchanged"
+    extra = {}
     if skipped is not None:
-      record["skipped"] = skipped
+      extra["skipped"] = skipped
     if clamped:
-      record["clamped"] = clamped
-    if states.write_commit(self.store, record, self.key):
+      extra["clamped"] = clamped
+    record = RoundRecord(
+        round=watch.round,
+        fragment=watch.fragment,
+        version=result.state.version,
+        step=self.schedule.step_of(watch.round),
+        participants=tuple(participants),
+        rejected=tuple(Rejection(r.learner, r.reason) for r in rejected),
+        final=tuple(sorted(c.learner for c in valid if c.final)),
+        outer_step=bool(valid) and skipped is None,
+        cosine=result.cosine,
+        estimates=estimates,
+        live=tuple(sorted(roster.live_for(watch.round, self.liveness_timeout()))),
+        closer=self.name,
+        state=files["state"],
+        update=files["update"],
+        theta=files["theta"],
+        state_sha256=files["state_sha256"],
+        update_sha256=files["update_sha256"],
+        state_files=files["state_files"],
+        state_names=files["state_names"],
+        theta_sha256=states.theta_digest(result.state.theta),
+        opened_at=watch.opened_at,
+        quorum_seconds=quorum_seconds,
+        sync_seconds=sync_seconds,
+        committed_at=utc_now(),
+        note=None if valid else "no valid contribution: no outer step, the fragment is unchanged",
+        extra=extra,
+    )
+    if states.write_commit(self.store, record.to_json(), self.key):
       self.states[watch.fragment] = result.state
       self.observe(record)
       log.info("round %d committed version %d of fragment %d by %s", watch.round,
-               record["version"], watch.fragment, self.name)
+               record.version, watch.fragment, self.name)
       return record
     states.remove_state(self.store, files)
-    return states.read_commit(self.store, watch.fragment, watch.version, self.key)
+    return read_round(self.store, watch.fragment, watch.version, self.key)
 
 
 def _finite(result) -> bool:

@@ -7,6 +7,10 @@ class RunExists(FileExistsError):
   """``create`` found a run at the URL with another schema, configuration or key."""
 
 
+class NameTaken(FileExistsError):
+  """``join`` was given the name of a learner that is live in the run."""
+
+
 class RunNotFound(FileNotFoundError):
   """``open`` found no run (no ``manifest.json``) at the URL."""
 

@@ -38,6 +38,8 @@ MAX_HEARTBEAT_BYTES = 1 << 20
 MAX_COUNT = 2**53
 """Rounds, steps and sequence numbers stay below this (exact as JSON numbers anywhere)."""
 MAX_TEXT = 256  # status, host, times: short strings
+# A learner whose background work failed: not live, like a closed one.
+FAILED = "failed"
 
 
 class BadHeartbeat(ValueError):
@@ -142,6 +144,17 @@ def scan(store: Store, key: bytes | None = None) -> Heartbeats:
     except BadHeartbeat as error:
       bad[name] = error.reason
   return Heartbeats(records, bad)
+
+
+def read_one(store: Store, name: str, key: bytes | None = None) -> dict[str, Any] | None:
+  """The valid heartbeat of ``name``, or None if it has none (or an ignored one)."""
+  try:
+    return parse(name, store.read(layout.heartbeat(name), MAX_HEARTBEAT_BYTES), key)
+  except FileNotFoundError:
+    return None
+  except (BadObject, BadHeartbeat) as error:
+    log.warning("heartbeat of %s ignored: %s", quote(name), getattr(error, "reason", error))
+    return None
 
 
 def read_all(store: Store, key: bytes | None = None) -> dict[str, dict[str, Any]]:

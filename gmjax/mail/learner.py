@@ -14,338 +14,137 @@ Which rounds a learner contributes to, and at which base version:
   committed before the learner got to it (it was late), it publishes nothing and merges
   the commit.
 
-Storage and closing happen in a background thread (``_Worker``), so training continues
-while a contribution uploads and a round closes; a second thread writes the heartbeat.
+Three parts, each the only owner of its state: this API (the training thread's own
+anchors, versions and counters), a ``worker.Worker`` that alone owns the closer, the
+roster and the cached Θ and answers through futures, and a ``beats.HeartbeatWriter``
+that writes the immutable snapshots it is handed. No lock is held across storage I/O.
+
+A learner may be a multi-process JAX job (``jax.distributed``): every process joins
+with the same name, process 0 (``primary``) claims the name, beats, publishes and closes
+rounds, and every process reads the commits itself and gets Θ. Parameters may be global
+``jax.Array``s: a fragment is gathered to the host (``process_allgather``, so every
+process calls ``step`` in lockstep) only on the steps that publish or merge it.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
-import os
-import queue
-import socket
-import threading
 import time
+import uuid
 from typing import Any
 
 import jax
 import numpy as np
 
-from gmjax.core import outer
-from gmjax.core.codec import encode_flat, layout as payload_layout, to_numpy
 from gmjax.core.schema import Schema
-from gmjax.mail import contributions
 from gmjax.mail import heartbeats
 from gmjax.mail import layout
-from gmjax.mail import recovery
+from gmjax.mail import names
+from gmjax.mail import placement
 from gmjax.mail import states
-from gmjax.mail.closer import HEARTBEAT_POLLS, Closer, Watch
-from gmjax.mail.errors import CorruptRecord, LearnerClosed, RoundTimeout
-from gmjax.mail.heartbeats import Roster
+from gmjax.mail.beats import Beat, HeartbeatWriter
+from gmjax.mail.closer import HEARTBEAT_POLLS
+from gmjax.mail.errors import LearnerClosed, RoundTimeout
 from gmjax.mail.manifest import utc_now
+from gmjax.mail.worker import Worker
 
 log = logging.getLogger(__name__)
 
-_delta = jax.jit(outer.pseudo_gradient)
-_align = jax.jit(outer.align, static_argnames=("mixing",))
-
-
-class _Known:
-  """Learner names with a heartbeat; a miss refreshes the roster once before failing."""
-
-  def __init__(self, roster: Roster):
-    self._roster = roster
-
-  def __contains__(self, name: object) -> bool:
-    if name in self._roster.records:
-      return True
-    self._roster.refresh()
-    return name in self._roster.records
-
-
-class _Worker:
-  """The learner's background thread: uploads, watches rounds, closes them, fetches Θ."""
-
-  def __init__(self, learner: Learner):
-    self.learner = learner
-    self.store = learner.store
-    self.closer = learner.closer
-    self.roster = Roster(learner.store, learner.key)
-    self.known = _Known(self.roster)
-    self.jobs: queue.Queue = queue.Queue()
-    self.watches: dict[int, Watch] = {}
-    self.wanted: set[tuple[int, int]] = set()
-    self.ready: dict[tuple[int, int], dict[str, np.ndarray]] = {}
-    self.thetas: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
-    self.condition = threading.Condition()
-    self.lock = threading.RLock()  # guards closer and thetas between pull and the thread
-    self.failure: BaseException | None = None
-    self.stopping = threading.Event()
-    self.wake = threading.Event()
-    self.thread = threading.Thread(target=self._run, name=f"gmjax-mail-{learner.name}",
-                                   daemon=True)
-
-  # Called from the learner's thread.
-
-  def want(self, fragment: int, version: int) -> None:
-    with self.condition:
-      if (fragment, version) not in self.ready:
-        self.wanted.add((fragment, version))
-    self.wake.set()
-
-  def publish(self, job: dict[str, Any]) -> None:
-    self.jobs.put(job)
-    self.wake.set()
-
-  def check(self) -> None:
-    if self.failure is not None:
-      raise LearnerClosed(
-          f"learner {self.learner.name!r} stopped: its background work failed with"
-          f" {self.failure!r}") from self.failure
-
-  def wait(self, fragment: int, version: int, deadline: float) -> dict[str, np.ndarray]:
-    self.want(fragment, version)
-    with self.condition:
-      while (fragment, version) not in self.ready:
-        self.check()
-        if not self.thread.is_alive() and not self.stopping.is_set():
-          raise LearnerClosed(f"learner {self.learner.name!r}: background thread ended")
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-          raise RoundTimeout(
-              f"learner {self.learner.name!r} waited past its wait_timeout for version"
-              f" {version} of fragment {fragment}; pass a larger wait_timeout to join()"
-              " or check that the run's learners are alive.")
-        self.condition.wait(min(remaining, self.learner.poll_interval))
-      return self.ready[(fragment, version)]
-
-  def poll_ready(self, fragment: int, version: int) -> dict[str, np.ndarray] | None:
-    self.check()
-    with self.condition:
-      return self.ready.get((fragment, version))
-
-  def release(self, fragment: int, version: int) -> None:
-    with self.condition:
-      for key in [k for k in self.ready if k[0] == fragment and k[1] <= version]:
-        del self.ready[key]
-
-  def theta(self, fragment: int, version: int) -> dict[str, np.ndarray]:
-    """Θ of ``version`` (rebuilt from the update when possible), verified."""
-    with self.lock:
-      record = states.read_commit(self.store, fragment, version, self.learner.key)
-      return self._fetch(record)
-
-  # The thread.
-
-  def _run(self) -> None:
-    try:
-      while not self.stopping.is_set():
-        self._cycle()
-        self.wake.wait(self.learner.poll_interval)
-        self.wake.clear()
-      self._cycle()  # uploads queued while stopping still go out
-    except BaseException as error:  # pylint: disable=broad-except
-      log.exception("learner %r: background work failed", self.learner.name)
-      self.failure = error
-      with self.condition:
-        self.condition.notify_all()
-
-  def _cycle(self) -> None:
-    while True:
-      try:
-        job = self.jobs.get_nowait()
-      except queue.Empty:
-        break
-      self._upload(job)
-    with self.lock:
-      now = time.monotonic()
-      if now - self.roster.refreshed >= self.learner.poll_interval * 2:
-        self.roster.refresh()
-      for round_, watch in sorted(self.watches.items()):
-        if self._committed(watch.fragment, watch.version):
-          del self.watches[round_]
-          continue
-        # Only the designated closer reads every contribution as it lands; a follower
-        # lists them, and reads them only when it takes over.
-        self.closer.scan(watch, self.known,
-                         validate=self.closer.designated(watch, self.roster))
-        if self.closer.decide(watch, self.roster):
-          # Decide again on the freshest view before closing: a learner that joined since
-          # the last refresh is live and awaited, and listed contributions get validated.
-          self.roster.refresh()
-          self.closer.scan(watch, self.known)
-          if not self.closer.decide(watch, self.roster):
-            continue
-          record = self.closer.close(watch, self.roster)
-          if record is not None:
-            del self.watches[round_]
-            self._deliver(record)
-      with self.condition:
-        wanted = sorted(self.wanted)
-      for fragment, version in wanted:
-        self._committed(fragment, version)
-
-  def _committed(self, fragment: int, version: int) -> bool:
-    """Whether ``version`` is committed; delivers its Θ if the learner wants it."""
-    with self.condition:
-      if (fragment, version) in self.ready:
-        return True
-    try:
-      record = states.read_commit(self.store, fragment, version, self.learner.key)
-    except FileNotFoundError:
-      return False
-    self._deliver(record)
-    return True
-
-  def _deliver(self, record: dict[str, Any]) -> None:
-    self.closer.observe(record)
-    key = (record["fragment"], record["version"])
-    with self.condition:
-      if key not in self.wanted:
-        return
-    theta = self._fetch(record)
-    with self.condition:
-      self.wanted.discard(key)
-      self.ready[key] = theta
-      self.condition.notify_all()
-
-  def _fetch(self, record: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Θ of the version ``record`` commits, by the cheapest verified route: held in
-    memory (this learner closed the round), rebuilt from the update file and the previous
-    Θ, or read from the commit's Θ file. The outer state is never read here."""
-    fragment, version = record["fragment"], record["version"]
-    held = self.thetas.get(fragment)
-    if held is not None and held[0] == version:
-      return held[1]
-    state = self.closer.states.get(fragment)
-    theta = None
-    if state is not None and state.version == version:
-      theta = dict(state.theta)
-    elif (record.get("update") and held is not None and held[0] == version - 1):
-      update = states.load_update(self.store, record)
-      specs = self.learner.fragment_schemas[fragment].parameters
-      rebuilt = outer.rebuild_jit(held[1], update, specs,
-                                  self.learner.manifest.config.commit_precision)
-      rebuilt = {k: np.asarray(v) for k, v in jax.device_get(rebuilt).items()}
-      if states.theta_digest(rebuilt) == record.get("theta_sha256"):
-        theta = rebuilt
-      else:
-        log.warning("rebuilt Θ of fragment %d version %d differs from the closer's;"
-                    " reading the committed Θ instead", fragment, version)
-    if theta is None:
-      try:
-        theta = states.load_theta(self.store, record)
-      except CorruptRecord as error:  # a damaged state: supersede it (recovery.repair)
-        _, state = recovery.repair(self.store, self.learner.manifest, fragment, version,
-                                   self.learner.key, repr(error))
-        theta = dict(state.theta)
-    self.thetas[fragment] = (version, theta)
-    return theta
-
-  def _upload(self, job: dict[str, Any]) -> None:
-    learner = self.learner
-    fragment = job["fragment"]
-    schema = learner.fragment_schemas[fragment]
-    precision = learner.manifest.config.delta_precision
-    entries = encode_flat(job["delta"], schema, precision)  # ValueError on NaN/Inf
-    entries = to_numpy(entries, payload_layout(schema, precision))
-    data = contributions.dumps(
-        entries, learner=learner.name, round_=job["round"], fragment=fragment,
-        base_version=job["base_version"], local_step=job["local_step"],
-        steps=job["steps"], tokens=job["tokens"], step_seconds=job["step_seconds"],
-        final=job["final"], precision=precision, key=learner.key)
-    # Not synced to disk: a contribution matters only until its round commits (the
-    # commit's state is synced), and a machine crash that loses or truncates it loses
-    # only this learner's uncommitted steps (a truncated one is rejected).
-    learner.store.put(layout.contribution(job["round"], learner.name), data, durable=False)
-    with self.lock:
-      self.watches.setdefault(job["round"], self.closer.watch(job["round"]))
-
-
 class Learner:
   """One learner of a run. Made by ``Run.join``; call ``pull`` once, then ``step`` after
-  every inner step, then ``close``.
+  every inner step, then ``close`` (or use it as a context manager).
 
   Attributes:
     name: the learner's name in the run.
     step_count: the global step this learner has reached.
+    primary: whether this process writes for the learner (process 0 of its JAX job).
   """
 
   def __init__(self, run, name: str, *, poll_interval: float = 0.05,
-               wait_timeout: float | None = None):
-    if not isinstance(poll_interval, (int, float)) or not poll_interval > 0:
-      raise ValueError(f"poll_interval must be a positive number of seconds, got"
-                       f" {poll_interval!r}.")
+               wait_timeout: float | None = None, startup_timeout: float = 60.0,
+               process_index: int | None = None, process_count: int | None = None):
+    for argument, value in (("poll_interval", poll_interval),
+                            ("startup_timeout", startup_timeout)):
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{argument} must be a positive number of seconds, got {value!r}.")
     if wait_timeout is not None and not wait_timeout > 0:
       raise ValueError(f"wait_timeout must be None or positive seconds, got {wait_timeout!r}.")
+    self.process_index = jax.process_index() if process_index is None else process_index
+    self.process_count = jax.process_count() if process_count is None else process_count
+    if not 0 <= self.process_index < self.process_count:
+      raise ValueError(f"process_index must be in [0, process_count), got"
+                       f" {self.process_index} of {self.process_count}.")
+    self.primary = self.process_index == 0
     self.run = run
     self.name = layout.check_name(name)
-    # Transient storage errors are retried for at most the run's current timeout.
-    self.store = run.store.with_retry_budget(lambda: self.closer.timeout())
     self.manifest = run.manifest
+    self.config = self.manifest.config
+    self.schedule = self.manifest.schedule
+    if self.process_count > 1 and self.schedule.overlap_steps is None:
+      raise ValueError("a learner of several processes needs an integer overlap_steps: with"
+                       " None each process would merge commits whenever they land.")
     self.key = run.key
     self.poll_interval = float(poll_interval)
     self.wait_timeout = wait_timeout
-    self.config = self.manifest.config
-    self.schedule = self.manifest.schedule
+    self.startup_timeout = float(startup_timeout)
+    self._starting = True
+    self.store = run.store.with_retry_budget(self._retry_budget)
     self.fragments = len(self.manifest.plan)
-    self.fragment_schemas = [self.manifest.schema.subset(n) for n in self.manifest.plan]
-    self.closer = Closer(self.store, self.manifest, self.key, self.name, self.poll_interval)
-    self._worker = _Worker(self)
+    self._worker = Worker(name=self.name, store=self.store, manifest=self.manifest,
+                          key=self.key, poll_interval=self.poll_interval,
+                          on_failure=self._background_failed)
     self._tree_schema: Schema | None = None
     self._anchors: dict[int, dict[str, np.ndarray]] = {}
     self._versions: dict[int, int] = {}
     self._outstanding: list[tuple[int, int, int | None]] = []  # (round, version, due step)
+    self._futures: dict[tuple[int, int], concurrent.futures.Future] = {}
     self._steps_since = [0] * self.fragments
     self._tokens_since = [0] * self.fragments
     self._step_seconds: float | None = None
     self._last_step_time: float | None = None
-    self.step_count, self.local_step = 0, 0
-    self._pulled = False
-    self._closed = False
-    self._heartbeat_lock = threading.Lock()
-    self._heartbeat: dict[str, Any] = {
-        "name": self.name, "status": heartbeats.LIVE, "seq": 0, "pid": os.getpid(),
-        "host": socket.gethostname(), "joined_at": utc_now(), "final_rounds": [],
-    }
-    newest = run.newest_versions()
-    self.step_count = max((run.commit_step(f, v) for f, v in newest.items()), default=0)
+    self._last_flat: dict[str, Any] | None = None
+    self.local_step = 0
+    self._pulled = self._closed = False
+    self.step_count = self._newest_step()
     self.first_round = self.schedule.first_round_after(self.step_count)
-    self._beat(step=self.step_count, first_round=self.first_round)
-    self._beats = threading.Thread(target=self._beat_loop, daemon=True,
-                                   name=f"gmjax-heartbeat-{self.name}")
-    self._beats.start()
-    self._worker.thread.start()
+    self._beats: HeartbeatWriter | None = None
+    if self.primary:
+      incarnation = uuid.uuid4().hex
+      names.claim(self.store, self.name, incarnation=incarnation,
+                  liveness_timeout=self._worker.liveness_timeout(),
+                  poll_interval=self.poll_interval, key=self.key)
+      self._beats = HeartbeatWriter.joined(
+          self.store, self.name, incarnation,
+          Beat(heartbeats.LIVE, self.step_count, self.first_round),
+          self.poll_interval * HEARTBEAT_POLLS, key=self.key)
+    self._worker.start(warm=self.primary)
 
-  # Heartbeat.
+  # Plumbing.
 
-  def _beat(self, **fields: Any) -> None:
-    with self._heartbeat_lock:
-      self._heartbeat.update(fields)
-      self._heartbeat["seq"] += 1
-      self._heartbeat["last_seen"] = utc_now()
-      self._heartbeat["versions"] = {str(f): v for f, v in self._versions.items()}
-      data = heartbeats.dumps(self._heartbeat, self.key)  # signed with the run's key
-      # A periodic beat (the step count alone) is superseded within a few polls and
-      # stale after a machine crash anyway: no fsync, which would also flush the large
-      # files being written alongside. Beats that say more (joined, closing, closed) are.
-      self.store.put(layout.heartbeat(self.name), data, durable=bool(fields.keys() - {"step"}))
+  def _retry_budget(self) -> float:
+    # Until its first round commits the run's timeout is a floor of a few polls, too
+    # short for a storage hiccup at start-up; the learner retries for startup_timeout.
+    timeout = self._worker.timeout() if hasattr(self, "_worker") else 0.0
+    return max(timeout, self.startup_timeout) if self._starting else timeout
 
-  def _beat_loop(self) -> None:
-    interval = self.poll_interval * HEARTBEAT_POLLS
-    while not self._worker.stopping.wait(interval):
-      try:
-        self._beat(step=self.step_count)
-      except Exception as error:  # pylint: disable=broad-except
-        # A missed beat only makes others suspect this learner sooner; keep beating.
-        log.warning("learner %r: heartbeat failed: %r", self.name, error)
+  def _background_failed(self, error: BaseException) -> None:
+    del error
+    if self._beats is not None:
+      self._beats.fail(self._worker.failure)
 
-  # Helpers.
+  def _newest_step(self) -> int:
+    newest = self.run.newest_versions()
+    return max((self.run.commit_step(f, v) for f, v in newest.items()), default=0)
+
+  def _beat(self, **changes: Any) -> None:
+    if self._beats is not None:
+      self._beats.update(versions=tuple(sorted(self._versions.items())), **changes)
 
   def _deadline(self) -> float:
     limit = self.wait_timeout
     if limit is None:
-      limit = max(120.0, 10 * self.closer.timeout())
+      limit = max(120.0, 10 * self._worker.timeout())
     return time.monotonic() + limit
 
   def _check_open(self, what: str) -> None:
@@ -353,28 +152,36 @@ class Learner:
       raise LearnerClosed(f"learner {self.name!r} is closed; {what} needs a new join().")
     self._worker.check()
 
-  def _as_like(self, value: Any, like: Any) -> Any:
-    if isinstance(like, np.ndarray) or np.isscalar(like):
-      return np.array(value, dtype=like.dtype if hasattr(like, "dtype") else None)
-    return jax.numpy.asarray(value)
+  def _future(self, fragment: int, version: int) -> concurrent.futures.Future:
+    key = (fragment, version)
+    if key not in self._futures:
+      self._futures[key] = self._worker.request(fragment, version)
+    return self._futures[key]
+
+  def _wait(self, fragment: int, version: int, deadline: float) -> dict[str, np.ndarray]:
+    return self._worker.wait(self._future(fragment, version), deadline,
+                             f"version {version} of fragment {fragment}")
 
   def _align(self, flat: dict[str, Any], fragment: int, version: int,
              theta: dict[str, np.ndarray]) -> None:
-    names = self.manifest.plan[fragment]
-    current = {n: flat[n] for n in names}
-    merged = _align(current, {n: theta[n] for n in names}, mixing=float(self.config.mixing))
-    for n in names:
-      flat[n] = self._as_like(merged[n], current[n])
+    names_ = self.manifest.plan[fragment]
+    merged = placement.align({n: flat[n] for n in names_}, {n: theta[n] for n in names_},
+                             mixing=float(self.config.mixing))
+    for n in names_:
+      flat[n] = placement.like(merged[n], flat[n])
     self._anchors[fragment] = theta
     self._versions[fragment] = version
-    self._worker.release(fragment, version)
+    for key in [k for k in self._futures if k[0] == fragment and k[1] <= version]:
+      del self._futures[key]
+    if self._pulled and version > 0:
+      self._starting = False
 
   def _bring_to(self, flat: dict[str, Any], fragment: int, version: int,
                 deadline: float | None = None) -> None:
     """Aligns ``fragment`` with ``version`` (waiting for its commit) if it is older."""
     if self._versions[fragment] >= version:
       return
-    theta = self._worker.wait(fragment, version, deadline or self._deadline())
+    theta = self._wait(fragment, version, deadline or self._deadline())
     self._align(flat, fragment, version, theta)
 
   def _merge_due(self, flat: dict[str, Any], *, force: int = 0) -> None:
@@ -386,10 +193,11 @@ class Learner:
         force -= 1
         self._bring_to(flat, fragment, version)
       elif due is None:
-        theta = self._worker.poll_ready(fragment, version)
-        if theta is None:
+        self._worker.check()
+        future = self._future(fragment, version)
+        if not future.done():
           break
-        self._align(flat, fragment, version, theta)
+        self._align(flat, fragment, version, future.result())
       else:
         break
       self._outstanding.pop(0)
@@ -402,8 +210,7 @@ class Learner:
     total = self.config.global_batch()
     if total is None:
       return None
-    live = max(1, self._worker.roster.live_count(self.closer.liveness_timeout()))
-    return max(1, total // live)
+    return max(1, total // max(1, self._worker.live_count))
 
   @property
   def versions(self) -> dict[int, int]:
@@ -417,7 +224,9 @@ class Learner:
       like: a pytree shaped like the run's parameters (its values are not used).
 
     Returns:
-      A tree like ``like`` (numpy leaves stay numpy, others become jax arrays).
+      A tree like ``like``: numpy leaves stay numpy; ``jax.Array`` leaves come back with
+      the sharding of ``like``'s leaf (in a multi-process job, as global arrays); others
+      become jax arrays.
 
     Raises:
       ValueError: ``like`` does not match the run's schema, or ``step`` was already called.
@@ -436,14 +245,21 @@ class Learner:
     newest = self.run.newest_versions()
     self.step_count = max((self.run.commit_step(f, v) for f, v in newest.items()), default=0)
     self.first_round = self.schedule.first_round_after(self.step_count)
+    futures = {f: self._worker.request(f, v) for f, v in newest.items()}
+    deadline = time.monotonic() + max(self.startup_timeout, self._deadline() - time.monotonic())
     for fragment, version in newest.items():
-      theta = self._worker.theta(fragment, version)
+      self._futures[(fragment, version)] = futures[fragment]
+      theta = self._wait(fragment, version, deadline)
+      del self._futures[(fragment, version)]
       for n in self.manifest.plan[fragment]:
-        flat[n] = self._as_like(theta[n], flat[n])
+        flat[n] = placement.like(theta[n], flat[n])
       self._anchors[fragment] = theta
       self._versions[fragment] = version
     self._beat(step=self.step_count, first_round=self.first_round)
+    if self._beats is not None:
+      self._beats.write().result()
     self._pulled = True
+    self._last_flat = flat
     return schema.unflatten(flat)
 
   def step(self, params: Any, *, tokens: int | None = None, loss: float | None = None) -> Any:
@@ -456,7 +272,7 @@ class Learner:
 
     Returns:
       ``params``, with fragments whose commits were merged replaced by
-      ``mixing·θ + (1 − mixing)·Θ``.
+      ``mixing·θ + (1 − mixing)·Θ`` (with the shardings ``params`` had).
     """
     self._check_open("step")
     if not self._pulled:
@@ -470,20 +286,19 @@ class Learner:
           0.9 * self._step_seconds + 0.1 * seconds)
     self._last_step_time = now
     flat = dict(self._tree_schema.check(params))
+    self._last_flat = flat
     self.step_count += 1
     self.local_step += 1
     count = 1 if tokens is None else int(tokens)
     for f in range(self.fragments):
       self._steps_since[f] += 1
       self._tokens_since[f] += count
-    if loss is not None:
-      with self._heartbeat_lock:
-        self._heartbeat["loss"] = float(loss)
     self._merge_due(flat)
     round_ = self.schedule.round_at(self.step_count)
     if round_ is not None and round_ >= self.first_round:
       self._publish_round(flat, round_, final=False)
       self._merge_due(flat)
+    self._beat(step=self.step_count, **({} if loss is None else {"loss": float(loss)}))
     return self._tree_schema.unflatten(flat)
 
   def _publish_round(self, flat: dict[str, Any], round_: int, *, final: bool,
@@ -495,53 +310,61 @@ class Learner:
     self._bring_to(flat, fragment, version - 1, deadline)
     steps, count = self._steps_since[fragment], self._tokens_since[fragment]
     self._steps_since[fragment] = self._tokens_since[fragment] = 0
-    if final:
-      due = None
-    elif self.schedule.overlap_steps is None:
+    if final or self.schedule.overlap_steps is None:
       due = None
     else:
       due = self.step_count + self.schedule.overlap_steps
-    if states.is_committed(self.store, fragment, version, self.key):
+    names_ = self.manifest.plan[fragment]
+    # Every process gathers the fragment (a collective); only the primary publishes.
+    snapshot = {n: placement.to_host(flat[n]) for n in names_}
+    if self.primary and states.is_committed(self.store, fragment, version, self.key):
       log.info("learner %r: round %d closed before it got there; merging it", self.name,
                round_)
-    else:
-      names = self.manifest.plan[fragment]
-      snapshot = {n: (np.array(flat[n]) if isinstance(flat[n], np.ndarray) else flat[n])
-                  for n in names}
-      delta = _delta({n: self._anchors[fragment][n] for n in names}, snapshot)
+    elif self.primary:
+      delta = placement.delta({n: self._anchors[fragment][n] for n in names_}, snapshot)
       self._worker.publish({
           "round": round_, "fragment": fragment, "base_version": version - 1,
           "delta": delta, "local_step": self.local_step, "steps": steps, "tokens": count,
           "step_seconds": self._step_seconds or 0.0, "final": final,
       })
-    self._worker.want(fragment, version)
+    self._future(fragment, version)
     self._outstanding.append((round_, version, due))
 
   def close(self, params: Any) -> Any:
     """Leaves the run: merges rounds in flight, publishes final contributions
     (``flush_on_close``), waits for them up to the run's timeout, marks the heartbeat
-    closed.
+    closed. Its threads are stopped and its last heartbeat written even when it fails.
 
     Returns:
       ``params`` merged with the newest commits this learner waited for.
+
+    Raises:
+      LearnerClosed: the learner's background work had failed (after cleaning up).
     """
+    return self._leave(params, flush=self.config.flush_on_close)
+
+  def _leave(self, params: Any, *, flush: bool) -> Any:
     if self._closed:
       return params
-    self._check_open("close")
-    flat = dict(self._tree_schema.check(params)) if self._pulled else None
+    flat = None
     try:
-      if flat is not None:
+      self._worker.check()
+      if self._pulled and params is not None:
+        flat = dict(self._tree_schema.check(params))
         while self._outstanding:
           self._merge_due(flat, force=1)
-        if self.config.flush_on_close:
+        if flush:
           self._flush(flat)
     finally:
       self._closed = True
-      self._worker.stopping.set()
-      self._worker.wake.set()
-      self._worker.thread.join(timeout=max(10.0, 3 * self.closer.timeout()))
-      self._beats.join(timeout=10.0)
-      self._beat(status=heartbeats.CLOSED, step=self.step_count, closed_at=utc_now())
+      self._worker.stop(timeout=max(10.0, 3 * self._worker.timeout()))
+      if self._beats is not None:
+        self._beats.stop()
+        self._beat(status=heartbeats.CLOSED, step=self.step_count, closed_at=utc_now())
+        try:
+          self._beats.write().result()
+        except Exception as error:  # pylint: disable=broad-except
+          log.warning("learner %r: closing heartbeat not written: %r", self.name, error)
     self._worker.check()
     return params if flat is None else self._tree_schema.unflatten(flat)
 
@@ -554,10 +377,12 @@ class Learner:
         finals.append(r)
     if not finals:
       return
-    self._beat(status=heartbeats.CLOSING, final_rounds=finals)
+    self._beat(status=heartbeats.CLOSING, final_rounds=tuple(finals))
+    if self._beats is not None:
+      self._beats.write().result()
     # A leaving learner waits for its final rounds (closing them if it is designated)
     # for one run timeout, then goes: the others include its contributions anyway.
-    deadline = time.monotonic() + self.closer.timeout()
+    deadline = time.monotonic() + self._worker.timeout()
     for r in finals:
       try:
         self._publish_round(flat, r, final=True, deadline=deadline)
@@ -567,7 +392,7 @@ class Learner:
     for r, version, _ in list(self._outstanding):
       fragment = self.schedule.fragment_of(r)
       try:
-        theta = self._worker.wait(fragment, version, deadline)
+        theta = self._wait(fragment, version, deadline)
       except RoundTimeout:
         log.info("learner %r: final round %d not committed within the timeout; leaving",
                  self.name, r)
@@ -578,13 +403,20 @@ class Learner:
   def __enter__(self) -> Learner:
     return self
 
-  def __exit__(self, *exc_info: Any) -> None:
-    if not self._closed:
-      self._closed = True
-      self._worker.stopping.set()
-      self._worker.wake.set()
-      self._worker.thread.join(timeout=10.0)
-      self._beat(status=heartbeats.CLOSED, step=self.step_count, closed_at=utc_now())
+  def __exit__(self, kind, value, traceback) -> None:
+    """Leaves the run. On a normal exit it flushes the parameters last passed to (or
+    returned by) ``step`` when ``flush_on_close``; on an exception it only cleans up."""
+    if self._closed:
+      return
+    params = None
+    if self._last_flat is not None:
+      params = self._tree_schema.unflatten(self._last_flat)
+    try:
+      self._leave(params, flush=kind is None and self.config.flush_on_close)
+    except LearnerClosed:
+      if kind is None:
+        raise
+      log.warning("learner %r: background work had failed", self.name)
 
   def __repr__(self) -> str:
     return f"Learner({self.name!r}, step={self.step_count}, versions={self._versions})"

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 
 from gmjax.core.diloco import DiLoCo
+from gmjax.core.schedule import Estimates
 from gmjax.core.schema import Schema
 from gmjax.mail import heartbeats
 from gmjax.mail import layout
@@ -24,6 +25,7 @@ from gmjax.mail import signing
 from gmjax.mail import states
 from gmjax.mail.errors import AuthenticationError, CorruptRecord, RunExists, RunNotFound
 from gmjax.mail.manifest import Manifest, utc_now
+from gmjax.mail.records import RoundRecord, read_round
 from gmjax.mail.store import Store, open_store
 
 
@@ -56,21 +58,30 @@ class Run:
     return self.manifest.plan
 
   def join(self, name: str, *, poll_interval: float = 0.05,
-           wait_timeout: float | None = None):
+           wait_timeout: float | None = None, startup_timeout: float = 60.0,
+           process_index: int | None = None, process_count: int | None = None):
     """Joins the run as learner ``name``.
 
     Args:
-      name: ``[A-Za-z0-9][A-Za-z0-9._-]{0,63}``, unique among the run's learners.
+      name: ``[A-Za-z0-9][A-Za-z0-9._-]{0,63}``, unique among the run's live learners.
       poll_interval: seconds between storage polls; also sets the run's timeout floor
         (``30·poll_interval``).
       wait_timeout: the longest a ``step`` waits for a commit before raising
         ``RoundTimeout``; None is ``max(120 s, 10·timeout)``.
+      startup_timeout: how long transient storage errors are retried until the
+        learner's first round commits (the run's timeout is only a few polls then);
+        afterwards the run's timeout bounds them.
+      process_index: this process's index in a multi-process JAX job that is one
+        learner (default ``jax.process_index()``): process 0 claims the name, beats,
+        publishes and closes rounds; every process reads the commits and gets Θ.
+      process_count: the job's number of processes (default ``jax.process_count()``).
 
     Returns:
       A ``Learner``: call ``pull(params)`` first.
 
     Raises:
-      ValueError/TypeError: a bad name or poll interval.
+      ValueError/TypeError: a bad name, poll interval or timeout.
+      NameTaken: a live learner of the run has this name.
     """
     from gmjax.mail.learner import Learner  # pylint: disable=g-import-not-at-top
 
@@ -83,7 +94,9 @@ class Run:
         raise AuthenticationError(
             f"the manifest of run {self.url!r} changed since it was opened; open the"
             " run again.")
-    return Learner(self, name, poll_interval=poll_interval, wait_timeout=wait_timeout)
+    return Learner(self, name, poll_interval=poll_interval, wait_timeout=wait_timeout,
+                   startup_timeout=startup_timeout, process_index=process_index,
+                   process_count=process_count)
 
   def newest_versions(self) -> dict[int, int]:
     """The newest committed version of each fragment."""
@@ -117,19 +130,31 @@ class Run:
     """The verified commit record of ``version`` of ``fragment``."""
     return states.read_commit(self.store, fragment, version, self.key)
 
-  def rounds(self) -> list[dict[str, Any]]:
-    """The committed rounds' records, ordered by round (version 0 is not a round)."""
+  def round_records(self) -> list[RoundRecord]:
+    """The committed rounds' typed records, ordered by round (version 0 is not a round).
+
+    Raises:
+      CorruptRecord: a commit record does not parse or lacks a field.
+    """
     records = []
     for fragment in range(len(self.plan)):
       for version in states.committed_versions(self.store, fragment):
         if version > 0:
           try:
-            record = dict(self.commit(fragment, version))
+            records.append(read_round(self.store, fragment, version, self.key))
           except FileNotFoundError:
             continue  # damaged (logged): not a committed round until superseded
-          record.pop(signing.SIGNATURE, None)
-          records.append(record)
-    return sorted(records, key=lambda r: r["round"])
+    return sorted(records, key=lambda r: r.round)
+
+  def rounds(self) -> list[dict[str, Any]]:
+    """The committed rounds' records as JSON objects (without their signatures), ordered
+    by round (version 0 is not a round)."""
+    records = []
+    for record in self.round_records():
+      record = record.to_json()
+      record.pop(signing.SIGNATURE, None)
+      records.append(record)
+    return records
 
   def learners(self) -> dict[str, dict[str, Any]]:
     """Every learner's latest heartbeat, by name."""
@@ -137,8 +162,8 @@ class Run:
 
   def status(self) -> dict[str, Any]:
     """A summary: fragments and their versions, rounds, estimates and learners."""
-    rounds = self.rounds()
-    estimates = (rounds[-1].get("estimates") or {}) if rounds else {}
+    rounds = self.round_records()
+    estimates = rounds[-1].estimates.to_json() if rounds else {}
     from gmjax.core.schedule import Estimates  # pylint: disable=g-import-not-at-top
 
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -168,8 +193,8 @@ class Run:
         "signed": self.manifest.auth is not None,
         "versions": self.newest_versions(),
         "rounds": len(rounds),
-        "latest_round": rounds[-1]["round"] if rounds else None,
-        "latest_step": rounds[-1]["step"] if rounds else 0,
+        "latest_round": rounds[-1].round if rounds else None,
+        "latest_step": rounds[-1].step if rounds else 0,
         "estimates": estimates,
         "timeout_seconds": Estimates.from_json(estimates).timeout(0.0) or None,
         "learners": learners,
@@ -227,16 +252,14 @@ def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = N
     nonce = uuid.uuid4().hex[:12]
     files = states.save_state(store, fragment, state, nonce)
     files.update(states.save_theta(store, fragment, 0, nonce, state.theta))
-    record = {
-        "round": None, "fragment": fragment, "version": 0, "step": 0,
-        "participants": [], "rejected": [], "final": [], "outer_step": False,
-        "cosine": None, "estimates": {}, "live": [], "closer": "create",
-        "state": files["state"], "update": None, "theta": files["theta"],
-        "sha256": {"state": files["state_sha256"], "update": None},
-        "state_files": files["state_files"], "state_names": files["state_names"],
-        "theta_sha256": states.theta_digest(state.theta), "committed_at": utc_now(),
-    }
-    if not states.write_commit(store, record, key):
+    record = RoundRecord(
+        round=None, fragment=fragment, version=0, step=0, participants=(), rejected=(),
+        final=(), outer_step=False, cosine=None, estimates=Estimates(), live=(),
+        closer="create", state=files["state"], update=None, theta=files["theta"],
+        state_sha256=files["state_sha256"], update_sha256=None,
+        state_files=files["state_files"], state_names=files["state_names"],
+        theta_sha256=states.theta_digest(state.theta), committed_at=utc_now())
+    if not states.write_commit(store, record.to_json(), key):
       states.remove_state(store, files)
   return Run(url, store, manifest, key)
 

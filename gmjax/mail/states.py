@@ -57,10 +57,24 @@ _ORBAX_LOCK = threading.Lock()
 _CHUNK = 4 << 20
 
 
+def _this_process_only():
+  """Orbax options for a checkpoint this process saves or restores alone.
+
+  Learners save and read states on their own, also when a learner is a multi-process
+  JAX job (only its process 0 closes rounds): Orbax must not wait for the others.
+  """
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  index = jax.process_index()
+  return ocp.options.MultiprocessingOptions(primary_host=index, active_processes={index})
+
+
 def _checkpointer():
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
-  return ocp.PyTreeCheckpointer()
+  alone = _this_process_only()
+  return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(multiprocessing_options=alone),
+                          multiprocessing_options=alone)
 
 
 def _saver():
@@ -80,7 +94,9 @@ def _saver():
         (jax.Array, ocp.type_handlers.ArrayHandler()))  # unused: states hold numpy
   except (AttributeError, TypeError) as error:  # an Orbax without the option: copy
     log.debug("Orbax keeps copying host arrays on save: %r", error)
-  return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**options))
+  alone = _this_process_only()
+  return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(multiprocessing_options=alone, **options),
+                          multiprocessing_options=alone)
 
 
 def sha256(data: bytes) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from gmjax.mail.errors import CorruptRecord
+
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,7 +46,10 @@ def format_status(run, *, last: int | None = 50, problems: Sequence[str] | None 
 
     problems = verify(run, deep=False)
   status = run.status()
-  rounds = run.rounds()
+  try:
+    rounds = run.round_records()
+  except CorruptRecord:
+    rounds = []  # the problems above say which record
   shown = rounds if last is None else rounds[-last:]
   lines = [f"DAMAGED: {len(problems)} problem(s)"] + [f"  {p}" for p in problems] + [
       ""] if problems else []
@@ -58,18 +63,16 @@ def format_status(run, *, last: int | None = 50, problems: Sequence[str] | None 
   ]
   rows = []
   for r in shown:
-    participants = " ".join(f"{p.get('learner')}:{_number(p.get('weight'), 3)}"
-                            for p in r["participants"] if isinstance(p, dict))
-    rejected = " ".join(f"{x.get('learner')}({str(x.get('reason'))[:40]})"
-                        for x in r.get("rejected", []) if isinstance(x, dict))
-    if r.get("repair"):
-      participants = f"(repaired from version {r['repair'].get('from_version')})"
+    participants = " ".join(f"{p.learner}:{p.weight:.3f}" for p in r.participants)
+    rejected = " ".join(f"{x.learner}({x.reason[:40]})" for x in r.rejected)
+    repair = r.extra.get("repair")
+    if isinstance(repair, dict):
+      participants = f"(repaired from version {repair.get('from_version')})"
     rows.append([
-        r["round"], r["fragment"], r["version"], r["step"], len(r["participants"]),
+        r.round, r.fragment, r.version, r.step, len(r.participants),
         participants or "(none: no outer step)", rejected or None,
-        _number(r.get("cosine"), 4),
-        _seconds(r.get("quorum_seconds")), _seconds(r.get("sync_seconds")),
-        r.get("closer"), r.get("committed_at"),
+        _number(r.cosine, 4),
+        _seconds(r.quorum_seconds), _seconds(r.sync_seconds), r.closer, r.committed_at,
     ])
   if rows:
     if len(shown) < len(rounds):

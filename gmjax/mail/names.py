@@ -1,0 +1,110 @@
+"""Unique learner names: ``join`` claims a name, and refuses one that is live.
+
+Each join of a name is an *incarnation*, claimed by creating
+``learners/<name>.claims/<k>`` exclusively (``k`` one more than the newest claim), so of
+two learners joining as one name at once exactly one wins. Before claiming, the joiner
+checks the newest claim's holder, through the name's heartbeat:
+
+* ``closed`` or ``failed``: the name is free;
+* ``live`` or ``closing``: the holder is alive if its heartbeat's ``seq`` changes while
+  the joiner watches for the run's liveness timeout (a live learner beats every few poll
+  intervals), and then the join raises ``NameTaken``; a heartbeat that stays unchanged
+  that long belongs to a dead learner, and the name is free. A holder on this host whose
+  process is gone is dead at once, without the wait;
+* no heartbeat of the newest claim yet: its holder is joining, and gets the same watch.
+
+Observers never compare clocks across machines, only changes they see themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+from gmjax.mail import heartbeats
+from gmjax.mail import layout
+from gmjax.mail.errors import NameTaken
+
+
+def _claims(name: str) -> str:
+  return f"learners/{name}.claims"
+
+
+def _newest_claim(store, name: str) -> tuple[int, str | None]:
+  numbers = [int(e) for e in store.list(_claims(name)) if e.isdigit()]
+  if not numbers:
+    return 0, None
+  newest = max(numbers)
+  try:
+    return newest, store.get(f"{_claims(name)}/{newest}").decode()
+  except FileNotFoundError:
+    return newest, None
+
+
+def _heartbeat(store, name: str, key: bytes | None) -> dict | None:
+  # Bounded and checked like every heartbeat: a planted one cannot crash a join.
+  return heartbeats.read_one(store, name, key)
+
+
+def _gone_here(record: dict) -> bool:
+  """Whether the heartbeat's process ran on this host and has exited."""
+  pid = record.get("pid")
+  if record.get("host") != socket.gethostname() or not isinstance(pid, int):
+    return False
+  if pid == os.getpid():
+    return False
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return True
+  except PermissionError:
+    return False  # someone else's process, alive
+  return False
+
+
+def _holder_state(record: dict | None, incarnation: str | None) -> str:
+  """``free``, ``alive?`` (watch it) or ``absent`` (the claim's heartbeat is not there)."""
+  if record is None or (incarnation is not None and record.get("incarnation") != incarnation):
+    return "absent" if incarnation is not None else "free"
+  if record.get("status") in (heartbeats.LIVE, heartbeats.CLOSING):
+    return "free" if _gone_here(record) else "alive?"
+  return "free"
+
+
+def claim(store, name: str, *, incarnation: str, liveness_timeout: float,
+          poll_interval: float, key: bytes | None = None) -> int:
+  """Claims ``name`` for a new incarnation; returns its number.
+
+  Args:
+    store: the run's store.
+    name: the learner name.
+    incarnation: this join's unique id (its heartbeat carries it).
+    liveness_timeout: how long a holder's heartbeat may stay unchanged before it is
+      presumed dead.
+    poll_interval: seconds between reads of the holder's heartbeat while watching.
+
+  Raises:
+    NameTaken: the name's holder is live, or another learner claimed it concurrently.
+  """
+  number, holder = _newest_claim(store, name)
+  record = _heartbeat(store, name, key)
+  state = _holder_state(record, holder)
+  if state != "free":
+    first = None if record is None else (record.get("seq"), record.get("status"))
+    deadline = time.monotonic() + liveness_timeout
+    while state != "free" and time.monotonic() < deadline:
+      time.sleep(poll_interval)
+      record = _heartbeat(store, name, key)
+      state = _holder_state(record, holder)
+      seen = None if record is None else (record.get("seq"), record.get("status"))
+      if state == "alive?" and seen != first:
+        raise NameTaken(
+            f"learner name {name!r} is taken: its heartbeat ({layout.heartbeat(name)},"
+            f" pid {record.get('pid')} on {record.get('host')!r}) is live; join with"
+            " another name, or wait until that learner closes or its heartbeat stops.")
+  if not store.create(f"{_claims(name)}/{number + 1}", incarnation.encode()):
+    raise NameTaken(f"learner name {name!r} was claimed by another learner joining at the"
+                    " same time; join with another name.")
+  return number + 1

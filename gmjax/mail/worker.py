@@ -1,0 +1,329 @@
+"""A learner's background worker: the one owner of its closer, roster and caches.
+
+The training thread (``Learner``) never touches the closer, the roster or the cached Θ.
+It sends the worker requests through a queue and gets answers as
+``concurrent.futures.Future`` objects:
+
+* ``publish(job)``: encode and upload a contribution, then watch its round;
+* ``request(fragment, version)``: a future of Θ of that version, resolved once it is
+  committed (from memory when this learner closed the round, rebuilt from the update, or
+  read from storage).
+
+The worker loops: take requests, upload, watch the rounds it contributed to (scan,
+decide, close, as ``gmjax.mail.closer`` describes), and resolve the requests whose
+versions are committed. No lock is held while it does storage I/O: its state is its own.
+What the training thread may read is published as immutable values (``live_count``,
+``estimates``). If the worker fails, every pending and later request fails with
+``LearnerClosed``, and ``on_failure`` is called at once (the learner marks its heartbeat
+failed).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from gmjax.core import outer
+from gmjax.core.codec import encode_flat, layout as payload_layout, to_numpy
+from gmjax.core.schedule import Estimates
+from gmjax.mail import contributions
+from gmjax.mail import layout
+from gmjax.mail import recovery
+from gmjax.mail import states
+from gmjax.mail.closer import Closer, Watch
+from gmjax.mail.errors import CorruptRecord, LearnerClosed, RoundTimeout
+from gmjax.mail.heartbeats import Roster
+from gmjax.mail.records import RoundRecord, read_round
+
+log = logging.getLogger(__name__)
+
+Key = tuple[int, int]  # (fragment, version)
+
+
+class _Known:
+  """Learner names with a heartbeat; a miss refreshes the roster once before failing."""
+
+  def __init__(self, roster: Roster):
+    self._roster = roster
+
+  def __contains__(self, name: object) -> bool:
+    if name in self._roster.records:
+      return True
+    self._roster.refresh()
+    return name in self._roster.records
+
+
+class Worker:
+  """The background thread of one learner (see the module docstring).
+
+  Attributes:
+    closer: this learner's closer; only the worker's thread uses it.
+    live_count: learners live when the roster was last read (an int, replaced whole).
+    failure: the exception the worker stopped with, or None.
+  """
+
+  def __init__(self, *, name: str, store, manifest, key: bytes | None, poll_interval: float,
+               on_failure: Callable[[BaseException], None]):
+    self.name = name
+    self.store = store
+    self.manifest = manifest
+    self.key = key
+    self.poll_interval = poll_interval
+    self.closer = Closer(store, manifest, key, name, poll_interval)
+    self.fragment_schemas = [manifest.schema.subset(n) for n in manifest.plan]
+    self._on_failure = on_failure
+    self._roster = Roster(store, key)
+    self._known = _Known(self._roster)
+    self._inbox: queue.Queue = queue.Queue()
+    self._watches: dict[int, Watch] = {}
+    self._requests: dict[Key, list[concurrent.futures.Future]] = {}
+    self._thetas: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
+    self._stopping = False
+    self.live_count = 1
+    self.failure: BaseException | None = None
+    self._thread = threading.Thread(target=self._run, name=f"gmjax-mail-{name}", daemon=True)
+
+  # Called from the training thread: each only puts a message in the inbox.
+
+  def start(self, *, warm: bool = True) -> None:
+    """Starts the thread. With ``warm`` it first compiles the closer for the learners
+    live now, so that the first round does not wait on a compile."""
+    if warm:
+      self._inbox.put(("warm",))
+    self._thread.start()
+
+  def publish(self, job: dict[str, Any]) -> None:
+    self._inbox.put(("publish", job))
+
+  def request(self, fragment: int, version: int) -> concurrent.futures.Future:
+    """A future of Θ of ``version`` of ``fragment``, resolved once it is committed."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    if self.failure is not None:
+      future.set_exception(self._closed_error())
+    else:
+      self._inbox.put(("request", (fragment, version), future))
+    return future
+
+  def stop(self, timeout: float) -> None:
+    """Lets queued uploads go out, then ends the thread (waiting up to ``timeout``)."""
+    self._inbox.put(("stop",))
+    if self._thread.is_alive():
+      self._thread.join(timeout)
+
+  @property
+  def alive(self) -> bool:
+    return self._thread.is_alive()
+
+  @property
+  def estimates(self) -> Estimates:
+    return self.closer.estimates  # an immutable value, replaced whole by the thread
+
+  def timeout(self) -> float:
+    return self.estimates.timeout(self.poll_interval)
+
+  def liveness_timeout(self) -> float:
+    return self.closer.liveness_timeout()
+
+  def wait(self, future: concurrent.futures.Future, deadline: float, what: str) -> Any:
+    """The result of ``future`` (from ``request``), polling for a failure meanwhile.
+
+    Raises:
+      RoundTimeout: not resolved by ``deadline`` (``time.monotonic()``).
+      LearnerClosed: the worker failed or ended.
+    """
+    while True:
+      self.check()
+      if not self.alive and not future.done():
+        raise LearnerClosed(f"learner {self.name!r}: its background thread ended")
+      remaining = deadline - time.monotonic()
+      if remaining <= 0:
+        raise RoundTimeout(
+            f"learner {self.name!r} waited past its wait_timeout for {what}; pass a larger"
+            " wait_timeout to join() or check that the run's learners are alive.")
+      try:
+        return future.result(timeout=min(remaining, self.poll_interval))
+      except concurrent.futures.TimeoutError:
+        continue
+
+  def check(self) -> None:
+    if self.failure is not None:
+      raise self._closed_error()
+
+  def _closed_error(self) -> LearnerClosed:
+    error = LearnerClosed(f"learner {self.name!r} stopped: its background work failed with"
+                          f" {self.failure!r}")
+    error.__cause__ = self.failure
+    return error
+
+  # The thread.
+
+  def _run(self) -> None:
+    try:
+      # On this process's own device: in a multi-process JAX job the default device may
+      # belong to another process, and the closer's work is this process's alone.
+      with jax.default_device(jax.local_devices()[0]):
+        self._loop()
+    except BaseException as error:  # pylint: disable=broad-except
+      log.exception("learner %r: background work failed", self.name)
+      self.failure = error
+      try:
+        self._on_failure(error)
+      finally:
+        self._fail_requests()
+        self._drain_failed()
+
+  def _loop(self) -> None:
+    while True:
+      if not self._take(timeout=self.poll_interval):
+        break
+      self._cycle()
+    self._cycle()  # uploads queued while stopping still go out
+
+  def _take(self, timeout: float) -> bool:
+    """Handles the inbox's messages (waiting up to ``timeout`` for the first); False
+    once asked to stop."""
+    try:
+      message = self._inbox.get(timeout=timeout)
+    except queue.Empty:
+      return not self._stopping
+    while True:
+      kind = message[0]
+      if kind == "publish":
+        self._upload(message[1])
+      elif kind == "request":
+        self._requests.setdefault(message[1], []).append(message[2])
+      elif kind == "warm":
+        self._refresh_roster()
+      elif kind == "stop":
+        self._stopping = True
+      try:
+        message = self._inbox.get_nowait()
+      except queue.Empty:
+        return not self._stopping
+
+  def _refresh_roster(self) -> None:
+    self._roster.refresh()
+    self.live_count = self._roster.live_count(self.closer.liveness_timeout())
+    # Compiles the closer for more contributions as soon as more learners are live,
+    # between rounds rather than while one waits to close.
+    self.closer.grow(max(1, self.live_count))
+
+  def _fail_requests(self) -> None:
+    for futures in self._requests.values():
+      for future in futures:
+        if not future.done():
+          future.set_exception(self._closed_error())
+    self._requests.clear()
+
+  def _drain_failed(self) -> None:
+    """Fails requests that arrive after the failure (the check in ``request`` races)."""
+    while True:
+      try:
+        message = self._inbox.get_nowait()
+      except queue.Empty:
+        return
+      if message[0] == "request" and not message[2].done():
+        message[2].set_exception(self._closed_error())
+
+  def _cycle(self) -> None:
+    now = time.monotonic()
+    if now - self._roster.refreshed >= self.poll_interval * 2:
+      self._refresh_roster()
+    for round_, watch in sorted(self._watches.items()):
+      if self._committed(watch.fragment, watch.version):
+        del self._watches[round_]
+        continue
+      # Only the designated closer reads every contribution as it lands; a follower
+      # lists them, and reads them only when it takes over.
+      self.closer.scan(watch, self._known,
+                       validate=self.closer.designated(watch, self._roster))
+      if self.closer.decide(watch, self._roster):
+        # Decide again on the freshest view before closing: a learner that joined since
+        # the last refresh is live and awaited, and listed contributions get validated.
+        self._roster.refresh()
+        self.closer.scan(watch, self._known)
+        if not self.closer.decide(watch, self._roster):
+          continue
+        record = self.closer.close(watch, self._roster)
+        if record is not None:
+          del self._watches[round_]
+          self._deliver(record)
+    for fragment, version in sorted(self._requests):
+      self._committed(fragment, version)
+
+  def _committed(self, fragment: int, version: int) -> bool:
+    """Whether ``version`` is committed; resolves the requests for its Θ if so."""
+    try:
+      record = read_round(self.store, fragment, version, self.key)
+    except FileNotFoundError:
+      return False
+    self._deliver(record)
+    return True
+
+  def _deliver(self, record: RoundRecord) -> None:
+    self.closer.observe(record)
+    futures = self._requests.pop((record.fragment, record.version), None)
+    if not futures:
+      return
+    theta = self._fetch(record)
+    for future in futures:
+      if not future.done():
+        future.set_result(theta)
+
+  def _fetch(self, record: RoundRecord) -> dict[str, np.ndarray]:
+    """Θ of the version ``record`` commits, by the cheapest verified route: held in
+    memory (this learner closed the round), rebuilt from the update file and the previous
+    Θ, or read from the commit's Θ file. The outer state is never read here."""
+    fragment, version = record.fragment, record.version
+    held = self._thetas.get(fragment)
+    if held is not None and held[0] == version:
+      return held[1]
+    state = self.closer.states.get(fragment)
+    theta = None
+    if state is not None and state.version == version:
+      theta = dict(state.theta)
+    elif record.update and held is not None and held[0] == version - 1:
+      update = states.load_update(self.store, record.to_json())
+      specs = self.fragment_schemas[fragment].parameters
+      rebuilt = outer.rebuild_jit(held[1], update, specs,
+                                  self.manifest.config.commit_precision)
+      rebuilt = {k: np.asarray(v) for k, v in jax.device_get(rebuilt).items()}
+      if states.theta_digest(rebuilt) == record.theta_sha256:
+        theta = rebuilt
+      else:
+        log.warning("rebuilt Θ of fragment %d version %d differs from the closer's;"
+                    " reading the committed Θ instead", fragment, version)
+    if theta is None:
+      try:
+        theta = states.load_theta(self.store, record.to_json())
+      except CorruptRecord as error:  # a damaged state: supersede it (recovery.repair)
+        _, state = recovery.repair(self.store, self.manifest, fragment, version, self.key,
+                                   repr(error))
+        theta = dict(state.theta)
+    self._thetas[fragment] = (version, theta)
+    return theta
+
+  def _upload(self, job: dict[str, Any]) -> None:
+    fragment = job["fragment"]
+    schema = self.fragment_schemas[fragment]
+    precision = self.manifest.config.delta_precision
+    entries = encode_flat(job["delta"], schema, precision)  # ValueError on NaN/Inf
+    entries = to_numpy(entries, payload_layout(schema, precision))
+    data = contributions.dumps(
+        entries, learner=self.name, round_=job["round"], fragment=fragment,
+        base_version=job["base_version"], local_step=job["local_step"],
+        steps=job["steps"], tokens=job["tokens"], step_seconds=job["step_seconds"],
+        final=job["final"], precision=precision, key=self.key)
+    # Not synced to disk: a contribution matters only until its round commits (the
+    # commit's state is synced), and a machine crash that loses or truncates it loses
+    # only this learner's uncommitted steps (a truncated one is rejected).
+    self.store.put(layout.contribution(job["round"], self.name), data, durable=False)
+    self._watches.setdefault(job["round"], self.closer.watch(job["round"]))

@@ -1,0 +1,107 @@
+"""A learner's life: start-up through a storage outage, failure, leaving, timings."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import gmjax
+from gmjax import mail
+from gmjax.mail import layout
+
+import mail_faulty
+import mail_support as ms
+
+
+def _threads_of(name):
+  return [t.name for t in threading.enumerate() if t.is_alive() and t.name.endswith(f"-{name}")]
+
+
+@pytest.mark.timeout(120)
+def test_failed_background_marks_the_heartbeat_and_close_cleans_up(tmp_path):
+  url = str(tmp_path / "run")
+  mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  run = mail.open(url)
+  # Uploading a contribution fails for good (not a transient error): the worker dies.
+  run.store = mail_faulty.FaultyStore(
+      run.store, lambda op, path: op == "put" and path.startswith("rounds/"),
+      error=lambda: PermissionError("injected: bucket is read-only"))
+  learner = run.join("w0", poll_interval=ms.POLL)
+  params = learner.pull(ms.params0())
+  params = learner.step(params)
+  with pytest.raises(mail.LearnerClosed):
+    learner.step(params)  # publishes round 0 and waits for its commit
+  ms.wait_for(lambda: run.learners()["w0"]["status"] == "failed", 30, "a failed heartbeat")
+  assert "PermissionError" in run.learners()["w0"]["error"]
+  with pytest.raises(mail.LearnerClosed):
+    learner.step(params)
+  with pytest.raises(mail.LearnerClosed):
+    learner.close(params)
+  assert _threads_of("w0") == []
+  assert run.learners()["w0"]["status"] == "failed"
+  learner.close(params)  # closing again is a no-op
+
+
+@pytest.mark.timeout(120)
+def test_exit_flushes_and_always_cleans_up(tmp_path):
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  with mail.open(url).join("w0", poll_interval=ms.POLL) as learner:
+    params = learner.pull(ms.params0())
+    for _ in range(3):  # round 0 at step 2, then one step more
+      params = learner.step(ms.inner(params, ms.target(0)))
+  rounds = run.rounds()
+  assert [r["round"] for r in rounds] == [0, 1]
+  assert rounds[1]["final"] == ["w0"] and rounds[1]["participants"][0]["steps"] == 1
+  assert run.learners()["w0"]["status"] == "closed" and _threads_of("w0") == []
+
+  with pytest.raises(RuntimeError, match="training broke"):
+    with mail.open(url).join("w1", poll_interval=ms.POLL) as learner:
+      params = learner.step(learner.pull(ms.params0()))
+      raise RuntimeError("training broke")
+  assert [r["round"] for r in run.rounds()] == [0, 1]  # no flush after an error
+  assert run.learners()["w1"]["status"] == "closed" and _threads_of("w1") == []
+
+
+@pytest.mark.timeout(180)
+def test_quorum_time_excludes_the_grace_period(tmp_path):
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  # A live learner that never trains: every round closes on the quorum of one, after
+  # the grace period (at least 30 polls).
+  idle = mail.open(url).join("idle", poll_interval=ms.POLL)
+  idle.pull(ms.params0())
+  try:
+    ms.train(mail.open(url), "busy", 0, 12)
+  finally:
+    idle.close(ms.params0())
+  rounds = run.rounds()
+  assert [r["round"] for r in rounds] == list(range(6))
+  assert all(r["live"] == ["busy", "idle"] for r in rounds)  # each waited out the grace
+  grace_floor = 30 * ms.POLL
+  assert all(r["quorum_seconds"] is not None and r["quorum_seconds"] < grace_floor
+             for r in rounds)
+  assert all(r["estimates"]["quorum"] < grace_floor for r in rounds)
+
+
+@pytest.mark.timeout(180)
+def test_learner_survives_a_storage_outage_at_start_up(tmp_path):
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  flaky = mail.open(url)
+  # Every storage call fails for 3 s from the learner's first heartbeat on: five times
+  # the run's first timeout (30 polls of 0.02 s), well inside the default
+  # startup_timeout.
+  flaky.store = mail_faulty.FaultyStore(flaky.store, mail_faulty.outage(
+      3.0, starts=lambda op, path: op == "put" and path.startswith("learners/")))
+  out = {}
+  ms.train(flaky, "w0", 0, 4, out=out)
+  assert flaky.store.failures > 0
+  assert [r["round"] for r in run.rounds()] == [0, 1]
+  assert run.learners()["w0"]["status"] == "closed"
+
+
+def test_startup_timeout_is_checked(tmp_path):
+  run = mail.create(str(tmp_path / "run"), ms.params0(), gmjax.DiLoCo(sync_every=2))
+  with pytest.raises(ValueError, match="startup_timeout"):
+    run.join("w0", startup_timeout=0)

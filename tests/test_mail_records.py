@@ -1,0 +1,70 @@
+"""The typed round record: its JSON keeps the commit file's shape, byte for byte."""
+
+import json
+
+import pytest
+
+import gmjax
+from gmjax import mail
+from gmjax.mail import layout
+from gmjax.mail.records import RoundRecord
+
+import mail_support as ms
+
+ROUND_KEYS = [
+    "round", "fragment", "version", "step", "participants", "rejected", "final",
+    "outer_step", "cosine", "estimates", "live", "closer", "state", "update", "theta",
+    "sha256", "state_files", "state_names", "theta_sha256", "opened_at", "quorum_seconds",
+    "sync_seconds", "committed_at",
+]
+CREATE_KEYS = [k for k in ROUND_KEYS if k not in ("opened_at", "quorum_seconds", "sync_seconds")]
+
+
+@pytest.fixture(scope="module", params=[None, "secret"], ids=["plain", "keyed"])
+def trained(request, tmp_path_factory):
+  url = str(tmp_path_factory.mktemp("records") / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, commit_precision="BF16"),
+                    key=request.param)
+  ms.train(mail.open(url, key=request.param), "w0", 0, 4)
+  return mail.open(url, key=request.param), request.param
+
+
+def _raw(run, version):
+  return run.store.get(layout.commit(0, version))
+
+
+def test_round_trip_is_byte_for_byte(trained):
+  run, key = trained
+  signature = ["signature"] if key else []
+  for version in range(3):
+    data = _raw(run, version)
+    parsed = json.loads(data)
+    assert list(parsed) == (CREATE_KEYS if version == 0 else ROUND_KEYS) + signature
+    record = RoundRecord.from_json(parsed)
+    assert json.dumps(record.to_json(), indent=1).encode() == data
+  rounds = run.rounds()
+  assert all(isinstance(r, dict) and "signature" not in r for r in rounds)
+  assert [r["round"] for r in rounds] == [0, 1]
+  typed = run.round_records()
+  assert [r.to_json()["sha256"] for r in typed] == [r["sha256"] for r in rounds]
+  assert typed[0].participants[0].learner == "w0" and typed[0].estimates.sync is not None
+
+
+def test_unknown_fields_are_kept_known_ones_are_checked(trained):
+  run, _ = trained
+  parsed = json.loads(_raw(run, 1))
+  parsed["skipped"] = True
+  record = RoundRecord.from_json(parsed)
+  assert record.extra["skipped"] is True and record.to_json()["skipped"] is True
+  for field, bad in [("version", "1"), ("participants", {}), ("outer_step", 1),
+                     ("cosine", "x"), ("state_files", {"a": 3}), ("estimates", {"step": "x"})]:
+    broken = dict(parsed, **{field: bad})
+    with pytest.raises(mail.CorruptRecord, match=field):
+      RoundRecord.from_json(broken, where=field)
+  for field in ("round", "theta_sha256", "sha256", "quorum_seconds"):
+    broken = {k: v for k, v in parsed.items() if k != field}
+    with pytest.raises(mail.CorruptRecord, match=field):
+      RoundRecord.from_json(broken)
+  broken = dict(parsed, participants=[{"learner": "w0", "steps": 2}])
+  with pytest.raises(mail.CorruptRecord, match="local_step"):
+    RoundRecord.from_json(broken)

@@ -1,0 +1,82 @@
+"""``pull`` and ``step`` keep the parameters' shardings; a learner may be a JAX job."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+import gmjax
+from gmjax import mail
+from gmjax.mail import states
+
+import mail_support as ms
+
+JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mail_jax_job.py")
+
+
+def _same(tree, shardings):
+  return all(tree[k].sharding.is_equivalent_to(shardings[k], tree[k].ndim) for k in tree)
+
+
+@pytest.mark.timeout(120)
+def test_pull_and_step_keep_the_sharding(tmp_path):
+  url = str(tmp_path / "run")
+  mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
+  shardings = {"a": NamedSharding(mesh, PartitionSpec("x")),
+               "b": NamedSharding(mesh, PartitionSpec()),
+               "c": jax.sharding.SingleDeviceSharding(jax.devices()[3])}
+  like = {k: jax.device_put(v, shardings[k]) for k, v in ms.params0().items()}
+  learner = mail.open(url).join("w0", poll_interval=ms.POLL)
+  params = learner.pull(like)
+  assert _same(params, shardings)
+  for _ in range(2):  # round 0 is merged on step 2
+    params = learner.step(jax.tree.map(lambda x: x * 0.5, params))
+  assert learner.versions == {0: 1}
+  assert _same(params, shardings)
+  mixed = learner.close({**params, "c": np.asarray(params["c"])})
+  assert isinstance(mixed["c"], np.ndarray)  # numpy stays numpy
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_two_process_jax_job_is_one_learner(tmp_path):
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  port = _free_port()
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  outs = [str(tmp_path / f"p{i}.json") for i in range(2)]
+  jobs = [subprocess.Popen([sys.executable, JOB, url, str(port), str(i), "5", outs[i]],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                           text=True) for i in range(2)]
+  try:
+    logs = [j.communicate(timeout=240)[0] for j in jobs]
+  finally:
+    for j in jobs:
+      ms.kill(j)
+  assert [j.returncode for j in jobs] == [0, 0], logs
+  seen = [json.load(open(o)) for o in outs]
+  assert [s["primary"] for s in seen] == [True, False]
+  assert all(s["pull_sharding"] and s["step_sharding"] for s in seen)
+  assert seen[0]["final"] == seen[1]["final"]
+  # One learner: one heartbeat, and it alone contributed (rounds 0, 1 and a final 2).
+  assert list(run.learners()) == ["job"]
+  rounds = run.rounds()
+  assert [r["round"] for r in rounds] == [0, 1, 2]
+  assert all([p["learner"] for p in r["participants"]] == ["job"] for r in rounds)
+  theta = states.load_state(run.store, run.commit(0, 3)).theta
+  for name, value in seen[0]["final"].items():
+    np.testing.assert_array_equal(np.asarray(value, np.float32), theta[name])
