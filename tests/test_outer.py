@@ -263,3 +263,22 @@ def test_token_counts_exact_past_two_to_the_24():
   assert (a.tokens, b.tokens) == (big + 1, big)  # not rounded to F32 (both 2**24 there)
   assert a.weight == (big + 1) / (2 * big + 1) and b.weight == big / (2 * big + 1)
   assert a.weight > b.weight
+
+
+def test_close_round_compiles_once_per_shape():
+  from gmjax.core import diloco
+  algorithm, schema, aggregator, state = make(outer="adam")
+  rng = np.random.default_rng(7)
+
+  def close(aggregator, state):
+    deltas = [{k: rng.standard_normal(v.shape).astype(np.float32)
+               for k, v in state.theta.items()} for _ in range(2)]
+    return aggregator.close_round(
+        state, [contribution(schema, n, d, 1, None) for n, d in zip("ab", deltas)]).state
+
+  state = close(aggregator, state)
+  compiled = diloco._close._cache_size()
+  state = close(aggregator, state)
+  # An equal configuration (another closer) builds the same transformation.
+  close(gmjax.DiLoCo(sync_every=4, outer="adam").aggregator(schema, schema.names), state)
+  assert diloco._close._cache_size() == compiled
