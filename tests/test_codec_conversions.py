@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from gmjax.core import codec
+from gmjax.core import kernels
 
 
 def neighbourhood(values):
@@ -22,16 +22,16 @@ def test_f8_e4m3_matches_ml_dtypes():
   x = neighbourhood(grid[np.isfinite(grid)])
   x = np.concatenate([x[np.abs(x) <= 448], [0.0, -0.0, 1e-30, -1e-30, 2.0**-10, 2.0**-9]])
   x = x.astype(np.float32)
-  got = np.asarray(codec._f8_e4m3(jnp.asarray(x))).view(np.uint8)
+  got = np.asarray(kernels.f8_e4m3_codes(jnp.asarray(x))).view(np.uint8)
   want = x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
   np.testing.assert_array_equal(got, want)
-  nan = np.asarray(codec._f8_e4m3(jnp.asarray([np.nan], jnp.float32))).astype(np.float32)
+  nan = np.asarray(kernels.f8_e4m3_codes(jnp.asarray([np.nan], jnp.float32))).astype(np.float32)
   assert np.isnan(nan).all()
 
 
 def test_f8_e4m3_values_match_ml_dtypes():
   codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
-  got = np.asarray(codec._f8_e4m3_values(jnp.asarray(codes)))
+  got = np.asarray(kernels.f8_e4m3_values(jnp.asarray(codes)))
   want = codes.astype(np.float32)
   finite = np.isfinite(want)
   np.testing.assert_array_equal(got[finite].view(np.uint32), want[finite].view(np.uint32))
@@ -40,9 +40,9 @@ def test_f8_e4m3_values_match_ml_dtypes():
 
 def test_nibbles_pack_and_unpack():
   nibbles = np.random.default_rng(0).integers(0, 16, 4096).astype(np.int32)
-  packed = np.asarray(codec._pack_nibbles(jnp.asarray(nibbles)))
+  packed = np.asarray(kernels.pack_nibbles(jnp.asarray(nibbles)))
   np.testing.assert_array_equal(packed, (nibbles[0::2] | (nibbles[1::2] << 4)).astype(np.uint8))
-  np.testing.assert_array_equal(np.asarray(codec._unpack_nibbles(jnp.asarray(packed))), nibbles)
+  np.testing.assert_array_equal(np.asarray(kernels.unpack_nibbles(jnp.asarray(packed))), nibbles)
 
 
 def test_f4_nibbles_match_ml_dtypes():
@@ -50,6 +50,6 @@ def test_f4_nibbles_match_ml_dtypes():
   x = neighbourhood(np.concatenate([grid, -grid]))
   x = np.concatenate([x[np.abs(x) <= 6], [0.0, -0.0, 1e-30, -1e-30, 2.0**-126, 2.0**-149]])
   x = x.astype(np.float32)
-  got = np.asarray(codec._f4_nibbles(jnp.asarray(x)))
+  got = np.asarray(kernels.f4_codes(jnp.asarray(x)))
   want = (x.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0x0F).astype(np.int32)
   np.testing.assert_array_equal(got, want)

@@ -1,10 +1,17 @@
-"""gmjax.DiLoCo: eager validation, JSON round trip, the fragment plan."""
+"""gmjax.DiLoCo: eager validation, JSON round trip, the outer optimizer, the fragment plan."""
+
+import functools
+import json
 
 import hypothesis
 import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import gmjax
+from gmjax.core import outer, outer_records
 
 
 @pytest.mark.parametrize(
@@ -65,3 +72,106 @@ def test_plan(leaves, fragments):
   loads = [sum(schema[n].nbytes for n in part) for part in plan]
   # Greedy balance: no fragment exceeds the lightest by more than the largest leaf.
   assert max(loads) - min(loads) <= max(spec.nbytes for spec in schema)
+
+
+@pytest.mark.parametrize(
+    "outer, options, match",
+    [("nonsense", None, "outer must name an optax optimizer"),
+     ("_src", None, "outer must name"),
+     (3, None, "outer must name"),
+     ("tree_utils", None, "outer must name"),
+     ("adam", {"bogus": 1.0}, "outer_options do not fit optax.adam"),
+     ("adam", [("b1", 0.9)], "outer_options must be None or a dict"),
+     ("adam", {1: 0.9}, "outer_options must be None or a dict"),
+     ("adam", {"b1": object()}, "outer_options must be JSON"),
+     ("adam", {"b1": float("nan")}, "outer_options must be JSON"),
+     ("sgd", {"learning_rate": {"schedule": "nope"}}, "schedule='nope' is not an optax"),
+     ("sgd", {"learning_rate": {"schedule": "cosine_decay_schedule", "bad": 1}},
+      "outer_options.learning_rate"),
+    ],
+)
+def test_bad_outer_named(outer, options, match):
+  with pytest.raises(ValueError, match=match):
+    gmjax.DiLoCo(sync_every=4, outer=outer, outer_options=options)
+
+
+SCHEDULED_ADAM = dict(
+    outer="adam",
+    outer_options={"b1": 0.8, "learning_rate": {
+        "schedule": "warmup_cosine_decay_schedule", "init_value": 0.0, "peak_value": 0.5,
+        "warmup_steps": 2, "decay_steps": 10}},
+)
+
+
+def test_outer_json_round_trip_hash_and_eq():
+  options = {"b1": 0.8, "learning_rate": dict(SCHEDULED_ADAM["outer_options"]["learning_rate"])}
+  config = gmjax.DiLoCo(sync_every=4, outer="adam", outer_options=options)
+  options["b1"] = 0.1  # the config holds its own frozen copy
+  record = config.to_json()
+  assert record["outer"] == "adam" and record["outer_options"]["b1"] == 0.8
+  assert json.loads(json.dumps(record)) == record
+  again = gmjax.DiLoCo.from_json(json.loads(json.dumps(record)))
+  assert again == config and hash(again) == hash(config)
+  assert {config: 1}[again] == 1
+  other = gmjax.DiLoCo(sync_every=4, outer="adam", outer_options={"b1": 0.7})
+  assert other != config
+  assert gmjax.DiLoCo(sync_every=4) != gmjax.DiLoCo(sync_every=4, outer="adam")
+  with pytest.raises(TypeError):
+    config.outer_options["b1"] = 0.5
+  # An old record, from before the outer optimizer was configurable, is the default SGD.
+  old = {k: v for k, v in gmjax.DiLoCo(sync_every=4).to_json().items()
+         if k not in ("outer", "outer_options")}
+  assert gmjax.DiLoCo.from_json(old) == gmjax.DiLoCo(sync_every=4)
+
+
+def test_outer_arguments_defaults():
+  config = gmjax.DiLoCo(sync_every=4, outer_learning_rate=0.5, outer_momentum=0.8,
+                        nesterov=False)
+  assert config.outer_arguments() == {"learning_rate": 0.5, "momentum": 0.8,
+                                      "nesterov": False}
+  adam = gmjax.DiLoCo(sync_every=4, outer_learning_rate=0.5, outer="adam",
+                      outer_options={"b2": 0.95})
+  assert adam.outer_arguments() == {"learning_rate": 0.5, "b2": 0.95}
+  override = gmjax.DiLoCo(sync_every=4, outer_options={"momentum": None})
+  assert override.outer_arguments()["momentum"] is None
+  state = override.outer_transform().init({"w": jnp.zeros(3)})
+  assert jax.tree.leaves(state) == []  # plain SGD keeps no state
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("lr, mu", [(0.7, 0.9), (0.3, 0.0), (1.3, 0.55)])
+def test_default_outer_is_bit_identical_to_the_formula(nesterov, lr, mu):
+  config = gmjax.DiLoCo(sync_every=4, outer_learning_rate=lr, outer_momentum=mu,
+                        nesterov=nesterov)
+  transform = config.outer_transform()
+  rng = np.random.default_rng(0)
+  master = {"w": rng.standard_normal((33, 7)).astype(np.float32),
+            "b": (rng.standard_normal(5) * 1e3).astype(np.float32)}
+  state = transform.init(master)
+  momentum = {k: jnp.zeros_like(v) for k, v in master.items()}
+  mine, formula = dict(master), dict(master)
+  via_optax = jax.jit(lambda g, s, m: outer.apply_outer(transform, g, s, m))
+  via_formula = jax.jit(functools.partial(outer.outer_step, learning_rate=lr,
+                                          momentum_coef=mu, nesterov=nesterov))
+  for _ in range(4):
+    gradient = {k: (rng.standard_normal(v.shape) * 10.0 ** rng.integers(-6, 3)).astype(
+        np.float32) for k, v in master.items()}
+    mine, state = via_optax(gradient, state, mine)
+    formula, momentum = via_formula(gradient, momentum, formula)
+    trace = outer_records.flatten(state, outer_records.seed_aliases("sgd"))
+    for k in master:
+      assert np.asarray(mine[k]).tobytes() == np.asarray(formula[k]).tobytes()
+      assert np.asarray(trace[f"momentum.{k}"]).tobytes() == np.asarray(momentum[k]).tobytes()
+
+
+def test_schedule_counts():
+  config = gmjax.DiLoCo(sync_every=12, fragments=4)
+  two_leaves = gmjax.Schema.from_tree({"a": jnp.zeros(3), "b": jnp.zeros(4)})
+  assert config.schedule(two_leaves).fragments == 2  # the plan has only two fragments
+  assert config.schedule(two_leaves).step_of(0) == config.schedule(2).step_of(0) == 6
+  assert config.schedule().fragments == 4  # the configured count, for >= 4 leaves
+  many = gmjax.Schema.from_tree({f"p{i}": jnp.zeros(3) for i in range(9)})
+  assert config.schedule(many) == config.schedule()
+  for bad in (0, 5, 2.0, True, "2"):
+    with pytest.raises(ValueError, match="DiLoCo.schedule"):
+      config.schedule(bad)

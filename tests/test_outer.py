@@ -1,5 +1,8 @@
 """close_round against a plain numpy outer step; the commit update rebuilds Θ exactly."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -156,3 +159,126 @@ def test_align():
                                 [3.0, 4.0])
   np.testing.assert_allclose(np.asarray(outer.align(theta, anchor, 0.5)["w"], np.float32),
                              [2.0, 3.0])
+
+
+def numpy_adam(master, mu, nu, count, gradient, lr, b1=0.9, b2=0.999, eps=1e-8):
+  """Adam (Kingma & Ba) in float64, as a gradient step: bias-corrected moments."""
+  g = gradient.astype(np.float64)
+  mu = b1 * mu + (1 - b1) * g
+  nu = b2 * nu + (1 - b2) * g * g
+  count += 1
+  step = (mu / (1 - b1**count)) / (np.sqrt(nu / (1 - b2**count)) + eps)
+  return master - lr * step, mu, nu, count
+
+
+@pytest.mark.parametrize("dtype", ["F32", "BF16"])
+def test_close_round_adam_matches_numpy(dtype):
+  lr, b1 = 0.05, 0.8
+  algorithm, schema, aggregator, state = make(
+      dtype, outer="adam", outer_options={"learning_rate": lr, "b1": b1})
+  assert sorted(state.outer) == sorted(
+      ["outer.0.count"] + [f"outer.0.{m}.{k}" for m in ("mu", "nu") for k in schema.names]
+      + ([master_name(k) for k in schema.names] if dtype != "F32" else []))
+  assert state.outer["outer.0.count"] == 0 and state.outer["outer.0.count"].dtype == np.int32
+  master = {k: state.theta[k].astype(np.float64) for k in schema.names}
+  mu = {k: np.zeros(v.shape) for k, v in master.items()}
+  nu = {k: np.zeros(v.shape) for k, v in master.items()}
+  count = 0
+  rng = np.random.default_rng(4)
+  for round_ in range(5):
+    deltas = [{k: rng.standard_normal(v.shape).astype(np.float32) for k, v in master.items()}
+              for _ in range(2)]
+    tokens = (3, 1)
+    result = aggregator.close_round(
+        state, [contribution(schema, n, d, t, "F32") for n, d, t in zip("ab", deltas, tokens)])
+    step_count = count
+    for k in schema.names:
+      gradient = np.float32(0.75) * deltas[0][k] + np.float32(0.25) * deltas[1][k]
+      master[k], mu[k], nu[k], count = numpy_adam(master[k], mu[k], nu[k], step_count,
+                                                  gradient, lr, b1=b1)
+      got = result.state.outer.get(master_name(k), result.state.theta[k])
+      np.testing.assert_allclose(got, master[k], rtol=1e-5, atol=1e-5, err_msg=k)
+      np.testing.assert_allclose(result.state.outer[f"outer.0.mu.{k}"], mu[k], rtol=1e-5,
+                                 atol=1e-7)
+      np.testing.assert_allclose(result.state.outer[f"outer.0.nu.{k}"], nu[k], rtol=1e-5,
+                                 atol=1e-9)
+      assert momentum_name(k) not in result.state.outer
+    assert int(result.state.outer["outer.0.count"]) == round_ + 1
+    state = result.state
+
+
+def test_close_round_schedule_counts_outer_steps():
+  # Plain momentum with a learning rate that halves every outer step of the fragment.
+  options = {"learning_rate": {"schedule": "exponential_decay", "init_value": 0.8,
+                               "transition_steps": 1, "decay_rate": 0.5},
+             "nesterov": False}
+  algorithm, schema, aggregator, state = make(outer_options=options)
+  assert sorted(state.outer) == sorted(
+      ["outer.1.count"] + [momentum_name(k) for k in schema.names])
+  master = {k: np.asarray(v, np.float64) for k, v in state.theta.items()}
+  momentum = {k: np.zeros(v.shape) for k, v in master.items()}
+  rng = np.random.default_rng(5)
+  for round_ in range(4):
+    delta = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in master.items()}
+    result = aggregator.close_round(state, [contribution(schema, "a", delta, 1, None)])
+    lr = 0.8 * 0.5**round_
+    for k in schema.names:
+      momentum[k] = MU * momentum[k] + delta[k]
+      master[k] = master[k] - lr * momentum[k]
+      np.testing.assert_allclose(result.state.theta[k], master[k], rtol=1e-5, atol=1e-6)
+      np.testing.assert_allclose(result.state.outer[momentum_name(k)], momentum[k],
+                                 rtol=1e-5, atol=1e-6)
+    assert int(result.state.outer["outer.1.count"]) == round_ + 1
+    state = result.state
+
+
+def test_close_round_default_is_bit_identical_to_the_formula():
+  algorithm, schema, aggregator, state = make()
+  momentum = {k: jnp.zeros(v.shape, jnp.float32) for k, v in state.theta.items()}
+  master = {k: jnp.asarray(v) for k, v in state.theta.items()}
+  formula = jax.jit(functools.partial(outer.outer_step, learning_rate=LR, momentum_coef=MU,
+                                      nesterov=True))
+  rng = np.random.default_rng(6)
+  for _ in range(3):
+    deltas = [{k: rng.standard_normal(v.shape).astype(np.float32) for k, v in master.items()}
+              for _ in range(3)]
+    result = aggregator.close_round(
+        state, [contribution(schema, n, d, t, None) for n, d, t in zip("abc", deltas, (5, 2, 9))])
+    weights = [np.float32(t / 16) for t in (5, 2, 9)]
+    gradient = jax.jit(outer.weighted_sum)(deltas, weights)
+    master, momentum = formula(gradient, momentum, master)
+    for k in schema.names:
+      assert result.state.theta[k].tobytes() == np.asarray(master[k]).tobytes()
+      assert result.state.outer[momentum_name(k)].tobytes() == np.asarray(momentum[k]).tobytes()
+    state = result.state
+
+
+def test_token_counts_exact_past_two_to_the_24():
+  algorithm, schema, aggregator, state = make()
+  big = 2**24
+  delta = {k: np.ones(s.shape, np.float32) for k, s in zip(schema.names, schema)}
+  result = aggregator.close_round(state, [contribution(schema, "a", delta, big + 1, None),
+                                          contribution(schema, "b", delta, big, None)])
+  a, b = result.participants
+  assert (a.tokens, b.tokens) == (big + 1, big)  # not rounded to F32 (both 2**24 there)
+  assert a.weight == (big + 1) / (2 * big + 1) and b.weight == big / (2 * big + 1)
+  assert a.weight > b.weight
+
+
+def test_close_round_compiles_once_per_shape():
+  from gmjax.core import diloco
+  algorithm, schema, aggregator, state = make(outer="adam")
+  rng = np.random.default_rng(7)
+
+  def close(aggregator, state):
+    deltas = [{k: rng.standard_normal(v.shape).astype(np.float32)
+               for k, v in state.theta.items()} for _ in range(2)]
+    return aggregator.close_round(
+        state, [contribution(schema, n, d, 1, None) for n, d in zip("ab", deltas)]).state
+
+  state = close(aggregator, state)
+  compiled = diloco._close._cache_size()
+  state = close(aggregator, state)
+  # An equal configuration (another closer) builds the same transformation.
+  close(gmjax.DiLoCo(sync_every=4, outer="adam").aggregator(schema, schema.names), state)
+  assert diloco._close._cache_size() == compiled

@@ -62,7 +62,9 @@ def test_nnx_state():
     [{"w": jnp.zeros(2), "momentum.w": jnp.zeros(2)},
      {"w": jnp.zeros(2), "master.w": jnp.zeros(2)},
      {"w": jnp.zeros(2), "w.scale": jnp.zeros(2)},
-     {"a/b": jnp.zeros(2), "a": {"b": jnp.zeros(2)}}],
+     {"a/b": jnp.zeros(2), "a": {"b": jnp.zeros(2)}},
+     {"w": jnp.zeros(2), "outer.0.mu.w": jnp.zeros(2)},
+     {"outer.0.count": jnp.zeros(())}],
 )
 def test_colliding_names_rejected(tree):
   with pytest.raises(ValueError, match="rename"):
@@ -91,3 +93,51 @@ def test_json_and_subset():
     schema.flatten({"a": jnp.zeros((2, 2))})
   with pytest.raises(ValueError):
     again.unflatten({})
+
+
+class CountingName(str):
+  """A leaf name that counts the comparisons made with it."""
+
+  comparisons = 0
+
+  def _count(self, other, compare):
+    CountingName.comparisons += 1
+    return compare(str(self), other)
+
+  def __eq__(self, other):
+    return self._count(other, str.__eq__)
+
+  def __lt__(self, other):
+    return self._count(other, str.__lt__)
+
+  def __gt__(self, other):
+    return self._count(other, str.__gt__)
+
+  __hash__ = str.__hash__
+
+
+def test_building_and_lookups_are_indexed():
+  n = 3000
+  rng = np.random.default_rng(0)
+  names = [CountingName(f"layers/{i}/w") for i in rng.permutation(n)]
+  specs = tuple(gmjax.ParameterSpec(name, "F32", (2,)) for name in names)
+  CountingName.comparisons = 0
+  schema = gmjax.Schema(specs)
+  # A sort (n·log2(n) comparisons) and a linear pass; counting duplicates name by name
+  # (n² = 9,000,000) would be far above this.
+  assert CountingName.comparisons <= 2 * n * np.log2(n) + 4 * n
+  CountingName.comparisons = 0
+  for name in names:
+    assert schema[str(name)].name == name and str(name) in schema
+  assert CountingName.comparisons <= 4 * n
+  assert "layers/x" not in schema
+  with pytest.raises(KeyError):
+    schema["layers/x"]
+
+
+def test_many_leaves():
+  tree = {f"block{i}": {"w": np.zeros(2, np.float32), "b": np.zeros(1, np.float32)}
+          for i in range(10_000)}
+  schema = gmjax.Schema.from_tree(tree)
+  assert len(schema) == 20_000 and schema["block9999/w"].shape == (2,)
+  assert schema.unflatten(schema.flatten(tree)).keys() == tree.keys()

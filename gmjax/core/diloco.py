@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gmjax.core import outer
+from gmjax.core import outer, outer_records
 from gmjax.core.codec import check_precision, decode_values, encode_flat, layout
 from gmjax.core.records import (
     Contribution,
@@ -31,7 +31,7 @@ from gmjax.core.records import (
     RoundResult,
 )
 from gmjax.core.schedule import RoundSchedule
-from gmjax.core.schema import NUMPY_DTYPES, ParameterSpec, Schema, master_name, momentum_name
+from gmjax.core.schema import NUMPY_DTYPES, ParameterSpec, Schema, master_name
 from gmjax.core.stats import cosine_from_gram, gram
 
 
@@ -175,11 +175,41 @@ class DiLoCo:
 
   # The seed's Algorithm protocol.
 
-  def schedule(self, fragments: int | None = None) -> RoundSchedule:
-    """The schedule for the effective fragment count ``plan`` produced."""
+  def schedule(self, fragments: int | Schema | None = None) -> RoundSchedule:
+    """The round schedule of a fragment plan.
+
+    The plan has ``min(P, #leaves)`` fragments, so a model with fewer leaves than
+    ``fragments`` syncs on fewer, more widely spaced, rounds: pass the schema (or the
+    plan's length) to get the schedule runtimes follow.
+
+    Args:
+      fragments: a ``Schema``: the schedule of ``plan(schema)``; an int: the count of a
+        plan, in ``[1, fragments]`` (``len(plan)``); None: the configured ``fragments``
+        itself, which is the plan's count only for parameters with at least that many
+        leaves.
+
+    Returns:
+      The ``RoundSchedule`` (``sync_every``, that count, ``in_flight``, ``overlap_steps``).
+
+    Raises:
+      ValueError: a count outside ``[1, fragments]``, or neither a count nor a Schema.
+    """
+    if fragments is None:
+      count = self.fragments
+    elif isinstance(fragments, Schema):
+      count = len(self.plan(fragments))
+    elif isinstance(fragments, bool) or not isinstance(fragments, int) or not (
+        1 <= fragments <= self.fragments):
+      raise ValueError(
+          f"DiLoCo.schedule(fragments={fragments!r}): pass the Schema of the parameters,"
+          f" or the number of fragments of the plan, an int in [1, {self.fragments}]"
+          " (len(config.plan(schema)))."
+      )
+    else:
+      count = fragments
     return RoundSchedule(
         sync_every=self.sync_every,
-        fragments=self.fragments if fragments is None else fragments,
+        fragments=count,
         in_flight=self.in_flight,
         overlap_steps=self.overlap_steps,
     )
@@ -226,15 +256,21 @@ class DiLoCo:
     return dtype != "F32" or self.commit_precision is not None
 
   def initial_state(self, schema: Schema, names: Sequence[str], theta: Mapping[str, Any]) -> FragmentState:
-    """Version 0 of a fragment: the creator's parameters, zero momentum, exact master."""
+    """Version 0 of a fragment: the creator's parameters, the outer optimizer's initial
+    state (``tx.init`` of the F32 master: zero momentum for the default SGD) as named
+    records (``gmjax.core.outer_records``), and the exact master where one is kept."""
     fragment = schema.subset(names)
-    theta0, outer0 = {}, {}
+    theta0, master0 = {}, {}
     for spec in fragment.parameters:
       value = np.asarray(jax.device_get(theta[spec.name]))
       theta0[spec.name] = value.astype(_numpy_dtype(spec), copy=True)
-      outer0[momentum_name(spec.name)] = np.zeros(spec.shape, np.float32)
+      master0[spec.name] = theta0[spec.name].astype(np.float32)
+    state = _outer_transform(self).init({n: jnp.asarray(v) for n, v in master0.items()})
+    records = outer_records.flatten(state, outer_records.seed_aliases(self.outer))
+    outer0 = {n: np.array(v) for n, v in jax.device_get(records).items()}
+    for spec in fragment.parameters:
       if self.keeps_master(spec.dtype):
-        outer0[master_name(spec.name)] = theta0[spec.name].astype(np.float32)
+        outer0[master_name(spec.name)] = master0[spec.name]
     return FragmentState(version=0, theta=theta0, outer=outer0)
 
   def to_json(self) -> dict[str, Any]:
@@ -260,27 +296,34 @@ def _numpy_dtype(spec: ParameterSpec):
   return NUMPY_DTYPES[spec.dtype]
 
 
+@functools.lru_cache(maxsize=64)
+def _outer_transform(config: DiLoCo) -> optax.GradientTransformation:
+  # One transformation per configuration: ``_close`` takes it as a static argument, which
+  # jit compares by its functions' identity, so a fresh one per round would recompile.
+  return config.outer_transform()
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("specs", "delta_precision", "commit_precision", "learning_rate",
-                     "momentum_coef", "nesterov", "keep_master"),
+    static_argnames=("specs", "delta_precision", "commit_precision", "transform",
+                     "aliases", "keep_master"),
 )
 def _close(theta, outer_state, contributions, weights, *, specs, delta_precision,
-           commit_precision, learning_rate, momentum_coef, nesterov, keep_master):
+           commit_precision, transform, aliases, keep_master):
   deltas = [decode_values(c, specs, delta_precision) for c in contributions]
   gradient = outer.weighted_sum(deltas, list(weights))
-  momentum = {s.name: outer_state[momentum_name(s.name)] for s in specs}
   master = {
       s.name: (outer_state[master_name(s.name)] if keep_master[i]
                else theta[s.name].astype(jnp.float32))
       for i, s in enumerate(specs)
   }
-  master, momentum = outer.outer_step(
-      gradient, momentum, master, learning_rate=learning_rate,
-      momentum_coef=momentum_coef, nesterov=nesterov,
-  )
+  # The optimizer's state structure, shapes and dtypes come from its own init (traced
+  # for shapes only); the values from the stored records.
+  template = jax.eval_shape(transform.init, master)
+  state = outer_records.unflatten(outer_state, template, aliases)
+  master, state = outer.apply_outer(transform, gradient, state, master)
   new_theta, update = outer.publish(master, theta, specs, commit_precision)
-  new_outer = {momentum_name(s.name): momentum[s.name] for s in specs}
+  new_outer = outer_records.flatten(state, aliases)
   for i, s in enumerate(specs):
     if keep_master[i]:
       new_outer[master_name(s.name)] = master[s.name]
@@ -292,8 +335,10 @@ class DiLoCoAggregator:
   """Closes rounds of one fragment: weighted mean of deltas, outer step, publish.
 
   ``g = Σ_m w_m · decode(Δ_m)`` with ``w_m = tokens_m / Σ tokens`` (equal weights when no
-  tokens were counted), summed in sorted learner order, then ``outer_step`` and
-  ``publish``.
+  tokens were counted; token counts are Python ints, exact at any size, each weight is
+  their ratio in float64 as the record lists it, and F32 in the sum), summed in sorted learner order, then the
+  config's outer optimizer (``apply_outer``) and ``publish``. The outer state travels as
+  named records (``gmjax.core.outer_records``).
   """
 
   config: DiLoCo
@@ -342,9 +387,8 @@ class DiLoCoAggregator:
         specs=specs,
         delta_precision=self.config.delta_precision,
         commit_precision=self.config.commit_precision,
-        learning_rate=float(self.config.outer_learning_rate),
-        momentum_coef=float(self.config.outer_momentum),
-        nesterov=self.config.nesterov,
+        transform=_outer_transform(self.config),
+        aliases=outer_records.seed_aliases(self.config.outer),
         keep_master=tuple(self.config.keeps_master(s.dtype) for s in specs),
     )
     participants = tuple(

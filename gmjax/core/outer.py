@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gmjax.core.codec import _JNP, decode_values, _encode_values
+from gmjax.core.codec import JNP_DTYPES, decode_values, encode_values
 from gmjax.core.records import Precision
 from gmjax.core.schema import ParameterSpec
 
@@ -74,7 +74,7 @@ def rebuild(
   decoded = decode_values(update, specs, precision)
   return {
       spec.name: (theta[spec.name].astype(jnp.float32) + decoded[spec.name]).astype(
-          _JNP[spec.dtype]
+          JNP_DTYPES[spec.dtype]
       )
       for spec in specs
   }
@@ -92,9 +92,9 @@ def publish(
   ``encode(master − Θ_old, commit_precision)`` and ``Θ = rebuild(Θ_old, update)``.
   """
   if commit_precision is None:
-    return {s.name: master[s.name].astype(_JNP[s.dtype]) for s in specs}, None
+    return {s.name: master[s.name].astype(JNP_DTYPES[s.dtype]) for s in specs}, None
   change = {s.name: master[s.name] - theta[s.name].astype(jnp.float32) for s in specs}
-  update, _ = _encode_values(change, {s.name: s.dtype for s in specs}, commit_precision)
+  update, _ = encode_values(change, {s.name: s.dtype for s in specs}, commit_precision)
   return rebuild(theta, update, specs, commit_precision), update
 
 

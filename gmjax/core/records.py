@@ -31,9 +31,12 @@ Tensor = Any
 class FragmentState:
   """A fragment as last committed: its version, the published anchor and the outer state.
 
-  ``theta`` maps leaf names to the published Θ at the schema dtype. ``outer`` holds
-  ``momentum.<name>`` in F32, and ``master.<name>`` in F32 when the published tensor is not
-  the master (the schema dtype is not F32, or commits carry an update).
+  ``theta`` maps leaf names to the published Θ at the schema dtype. ``outer`` holds the
+  outer optimizer's state as named records (``gmjax.core.outer_records``):
+  ``momentum.<name>`` (F32) for the default SGD, ``outer.<k>.<field>.<name>`` and
+  ``outer.<k>.<field>`` for other optimizers' leaves, and ``master.<name>`` in F32 when the
+  published tensor is not the master (the schema dtype is not F32, or commits carry an
+  update).
   """
 
   version: int
@@ -103,7 +106,9 @@ class Aggregator(Protocol):
 class Algorithm(Protocol):
   """A synchronization algorithm as the runtimes drive it."""
 
-  def schedule(self, fragments: int) -> RoundSchedule: ...
+  def schedule(self, fragments: int) -> RoundSchedule:
+    """The schedule of a plan of ``fragments`` fragments."""
+    ...
 
   def plan(self, schema) -> tuple[tuple[str, ...], ...]: ...
 

@@ -30,6 +30,9 @@ PARAMETER_DTYPES = ("F32", "F16", "BF16")
 MOMENTUM = "momentum."
 MASTER = "master."
 SCALE = ".scale"
+# Records of an outer optimizer's state other than the default SGD's momentum
+# (``gmjax.core.outer_records``): every name under this prefix is reserved.
+OUTER = "outer."
 
 
 def dtype_code(dtype: Any, *, what: str = "leaf") -> str:
@@ -107,26 +110,37 @@ class Schema:
       default=None, compare=False, repr=False
   )
   payload: bool = dataclasses.field(default=False, compare=False, repr=False)
+  _index: Mapping[str, int] = dataclasses.field(
+      default=None, init=False, compare=False, repr=False
+  )
 
   def __post_init__(self):
-    names = [p.name for p in self.parameters]
-    if names != sorted(names):
-      object.__setattr__(
-          self, "parameters", tuple(sorted(self.parameters, key=lambda p: p.name))
-      )
-      names = sorted(names)
-    duplicates = sorted({n for n in names if names.count(n) > 1})
+    # Linear work after the sort: a name→position index, one pass for duplicates (the
+    # names are sorted, so equal names are neighbours) and set lookups for derived
+    # names. ``from_tree`` runs on every trace of a training step.
+    parameters = tuple(self.parameters)
+    if any(a.name > b.name for a, b in zip(parameters, parameters[1:])):
+      parameters = tuple(sorted(parameters, key=lambda p: p.name))
+    object.__setattr__(self, "parameters", parameters)
+    names = [p.name for p in parameters]
+    duplicates = sorted({a for a, b in zip(names, names[1:]) if a == b})
     if duplicates:
       raise ValueError(
           f"Schema has duplicate leaf names {duplicates}; keys containing '/' can collide"
           " with nested keys, rename them."
       )
+    object.__setattr__(self, "_index", {name: i for i, name in enumerate(names)})
     if self.payload:
       return  # a payload layout holds derived names (``<name>.scale``) by design
-    present = set(names)
     for name in names:
+      if name.startswith(OUTER):
+        raise ValueError(
+            f"Schema leaf name {name!r} starts with {OUTER!r}, which gmjax reserves for"
+            " the records of the outer optimizer's state ('outer.<path>.<name>',"
+            " 'outer.<path>'); rename the leaf."
+        )
       for base in _derived_bases(name):
-        if base in present:
+        if base in self._index:
           raise ValueError(
               f"Schema leaf name {name!r} collides with a name gmjax derives from leaf"
               f" {base!r} ('momentum.<name>', 'master.<name>', '<name>.scale'); rename"
@@ -167,18 +181,15 @@ class Schema:
     return len(self.parameters)
 
   def __contains__(self, name: object) -> bool:
-    return any(p.name == name for p in self.parameters)
+    return name in self._index
 
   def __getitem__(self, name: str) -> ParameterSpec:
-    for p in self.parameters:
-      if p.name == name:
-        return p
-    raise KeyError(name)
+    return self.parameters[self._index[name]]
 
   def subset(self, names: Iterable[str]) -> Schema:
     """The specs of ``names`` (a fragment), as a schema of its own."""
     wanted = set(names)
-    missing = wanted - set(self.names)
+    missing = wanted - self._index.keys()
     if missing:
       raise KeyError(f"names not in the schema: {sorted(missing)}")
     return Schema(tuple(p for p in self.parameters if p.name in wanted))

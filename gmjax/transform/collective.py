@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from gmjax.core import outer
-from gmjax.core.codec import _encode_values, decode_values
+from gmjax.core.codec import decode_values, encode_values
 from gmjax.core.records import Precision
 from gmjax.core.schema import ParameterSpec
 
@@ -87,7 +87,7 @@ def aggregate(
     pairwise cosine of the decoded deltas (NaN with fewer than two nonzero deltas).
   """
   dtypes = {s.name: s.dtype for s in specs}
-  entries, _ = _encode_values(dict(delta), dtypes, precision)
+  entries, _ = encode_values(dict(delta), dtypes, precision)
   if axis_name is None:
     return decode_values(entries, specs, precision), jnp.float32(jnp.nan)
   if travels_as_f32(specs, precision):

@@ -23,7 +23,7 @@ import optax
 from jax import lax
 
 from gmjax.core import outer
-from gmjax.core.codec import _JNP
+from gmjax.core.codec import JNP_DTYPES
 from gmjax.core.diloco import DiLoCo
 from gmjax.core.schedule import RoundSchedule
 from gmjax.core.schema import Schema
@@ -104,7 +104,7 @@ class _Layout:
     """
     flat = self.flatten(tree)
     return self.unflatten(
-        {n: jnp.array(v, _JNP[self.schema[n].dtype], copy=True) for n, v in flat.items()}
+        {n: jnp.array(v, JNP_DTYPES[self.schema[n].dtype], copy=True) for n, v in flat.items()}
     )
 
 
