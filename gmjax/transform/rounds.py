@@ -33,7 +33,14 @@ def vary_like(new: Any, old: Any) -> Any:
 
   def one(n, o):
     missing = tuple(sorted(_varying(o) - _varying(n), key=str))
-    return lax.pcast(n, missing, to="varying") if missing else n
+    n = lax.pcast(n, missing, to="varying") if missing else n
+    # Under explicit sharding the branches must also agree on each value's sharding.
+    old, new = (getattr(jax.typeof(v), "sharding", None) for v in (o, n))
+    if (old is not None and new is not None and getattr(old, "spec", None) is not None
+        and old.spec != new.spec and any(
+            t == jax.sharding.AxisType.Explicit for t in old.mesh.axis_types)):
+      n = jax.sharding.reshard(n, old.spec)
+    return n
 
   return jax.tree.map(one, new, old)
 

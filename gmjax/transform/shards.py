@@ -36,11 +36,31 @@ def shard_shape(shape: tuple[int, ...], learners: int) -> tuple[int, int]:
   return (row_count(math.prod(shape), learners), BLOCK)
 
 
+def _explicit_axes(x: jax.Array) -> tuple:
+  """The explicitly sharded mesh axes of a 1-D ``x``'s only dimension (empty if none)."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if not spec or spec[0] is None:
+    return ()
+  return spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+
+
 def to_rows(x: jax.Array, learners: int) -> jax.Array:
-  """``x`` in F32, flattened, zero-padded and viewed as rows ``(R, learners, 32)``."""
+  """``x`` in F32, flattened, zero-padded and viewed as rows ``(R, learners, 32)``.
+
+  Under explicit sharding a flat leaf split over other axes keeps that split on the rows
+  when every device holds whole rows; a leaf too small for that (fewer than
+  ``32·M`` elements a device) is replicated over those axes first.
+  """
   flat = jnp.ravel(x).astype(jnp.float32)
   rows = row_count(flat.size, learners)
   pad = rows * learners * BLOCK - flat.size
+  axes = _explicit_axes(flat)
+  if axes:
+    mesh = jax.typeof(flat).sharding.mesh
+    devices = math.prod(mesh.shape[a] for a in axes)
+    if pad or rows % devices:
+      flat = jax.sharding.reshard(flat, jax.sharding.PartitionSpec(None))
   if pad:
     flat = jnp.pad(flat, (0, pad))
   return flat.reshape(rows * learners, BLOCK).reshape(rows, learners, BLOCK)
