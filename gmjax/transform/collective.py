@@ -31,6 +31,7 @@ from gmjax.core import outer
 from gmjax.core.codec import _encode_values, decode_values
 from gmjax.core.records import Precision
 from gmjax.core.schema import ParameterSpec
+from gmjax.transform import explicit
 from gmjax.transform import tokens as token_counts
 
 AxisName = Any
@@ -112,14 +113,20 @@ def aggregate(
     decoded = decode_values(entries, specs, precision)
     learners = lax.psum(1, axis_name)
     total = token_counts.as_float(
-        token_counts.normalized(*lax.psum((tokens[0], tokens[1]), axis_name)))
+        token_counts.normalized(*explicit.psum((tokens[0], tokens[1]), axis_name)))
     mine = token_counts.as_float(tokens)
     weight = jnp.where(total > 0, mine / jnp.where(total > 0, total, 1), 1.0 / learners)
     unit, nonzero = _unit(decoded)
     weighted = {k: weight * v for k, v in decoded.items()}
-    gradient, unit_sum, count = lax.psum((weighted, unit, nonzero), axis_name)
+    gradient, unit_sum, count = explicit.psum((weighted, unit, nonzero), axis_name)
     return gradient, mean_cosine(unit_sum, count)
-  gathered, all_tokens = lax.all_gather((_as_bytes(entries), tokens), axis_name)
+  mine = (_as_bytes(entries), tokens)
+  # Under vmap's spmd_axis_name the gathered dimension comes out split over the
+  # learners' axis; every learner needs all of it.
+  gathered, all_tokens = jax.tree.map(
+      lambda g, x: explicit.pin(g, None if explicit.spec(x) is None
+                                else (None, *explicit.spec(x))),
+      lax.all_gather(mine, axis_name), mine)
   gathered = _from_bytes(gathered, entries)
   learners = all_tokens.shape[0]
   weights = token_counts.weights(all_tokens)

@@ -23,7 +23,7 @@ import optax
 from jax import lax
 
 from gmjax.core.diloco import DiLoCo
-from gmjax.transform import elementwise, rounds
+from gmjax.transform import elementwise, explicit, rounds
 from gmjax.transform import tokens as token_counts
 from gmjax.transform.state import DiLoCoState, RoundState, initial_statistics
 
@@ -76,6 +76,21 @@ def _axis_size(axis_name: Any) -> int:
     ) from None
 
 
+def _unbatched(count: jax.Array, axis_name: Any) -> jax.Array:
+  """The step count, as a value ``lax.cond`` can branch on without a select.
+
+  Under ``shard_map`` and ``pmap`` the learners' axis is a manual mesh axis and each
+  learner's count is a plain scalar. Under ``vmap`` it is batched, and a batched
+  predicate turns every ``lax.cond`` into a select that computes the rare steps on every
+  step (and, on an explicit mesh, cannot select between FSDP-sharded values). Every
+  learner holds the same count, so its maximum over the axis is the count, unbatched:
+  one scalar all-reduce a step keeps the rare work rare.
+  """
+  if axis_name is None or explicit.manual(axis_name):
+    return count
+  return explicit.pmax(count, axis_name)
+
+
 def diloco(
     inner: optax.GradientTransformation,
     config: DiLoCo,
@@ -126,8 +141,9 @@ def diloco(
   F32 deltas: one ``psum`` of ``(w·Δ, Δ/‖Δ‖)``, ``≈ 2·2(M−1)/M·4n``; other precisions
   all-gather the encoded deltas, ``(M−1)·b_delta·n``.
 
-  The outer work sits under ``lax.cond``/``lax.switch``: under ``shard_map``/``pmap`` the
-  other steps skip it; under ``vmap`` a batched ``count`` turns it into a select.
+  The outer work sits under ``lax.cond``/``lax.switch``, and the other steps skip it:
+  under ``vmap`` the (batched) count is replaced by its maximum over the axis, one scalar
+  all-reduce a step, so that the predicate is not batched.
   Between merges the returned updates are exactly the inner optimizer's; on a merge
   they are ``θ_new − params`` at the updates' dtype, so with 16-bit parameters
   ``params + updates`` matches Θ up to one rounding, which the next delta absorbs.
@@ -179,15 +195,15 @@ def diloco(
   def init_fn(params):
     layout = layout_of(params)
     anchor = layout.cast(params)
-    master = layout.unflatten({
-        n: layout.zeros(n) if layout.keep[n] else optax.MaskedNode() for n in layout.names
-    })
+    zeros = {n: layout.zeros(n, p) for n, p in layout.flatten(params).items()}
+    master = layout.unflatten(
+        {n: zeros[n] if layout.keep[n] else optax.MaskedNode() for n in layout.names})
     return DiLoCoState(
         inner_state=inner.init(params),
         count=jnp.zeros([], jnp.int32),
         anchor=anchor,
         master=master,
-        outer_state=layout.outer_init(tx),
+        outer_state=layout.outer_init(tx, zeros),
         pending=jnp.zeros([len(layout.plan)], jnp.int32),
         tokens=token_counts.zeros(len(layout.plan)),
         stats=initial_statistics(),
@@ -202,14 +218,15 @@ def diloco(
     layout = layout_of(params)
     step_tokens = token_counts.step_tokens(tokens)
     learner = lax.axis_index(axis_name) if sharded else None
-    first = state.count == 0
+    count = _unbatched(state.count, axis_name)
+    first = count == 0
     # The inner step takes each learner's own parameters, where its gradients were
     # taken; on the first step the result is moved onto learner 0's start (in ``rare``),
     # so the common step carries no alignment at all.
     inner_updates, inner_state = inner.update(
         updates, state.inner_state, params, **extra_args
     )
-    t = optax.safe_int32_increment(state.count)
+    t = optax.safe_int32_increment(count)
     sync_index = rounds.lookup(layout.table, t % sync_every)
     merge_index = jnp.where(t > tau, rounds.lookup(layout.table, (t - tau) % sync_every), 0)
     round_state = RoundState(state.anchor, state.master, state.outer_state, state.pending,

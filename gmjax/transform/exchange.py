@@ -35,7 +35,7 @@ from gmjax.core.codec import _JNP, QUANTIZED, dequantize, quantize
 from gmjax.core.records import Precision
 from gmjax.core.schema import ParameterSpec
 from gmjax.core.stats import gram
-from gmjax.transform import shards
+from gmjax.transform import explicit, shards
 
 _UINT = {2: jnp.uint16}
 
@@ -79,6 +79,12 @@ def _from_wire(arrays: Sequence[jax.Array], code: str) -> jax.Array:
   return values.reshape(*blocks, 32)
 
 
+def _gathered_spec(shard: jax.Array) -> tuple | None:
+  """The layout of ``all_gather(shard, axis=1)``: ``shard``'s, the learner dim whole."""
+  entries = explicit.spec(shard)
+  return None if entries is None else (entries[0], None, *entries[1:])
+
+
 def aggregate(
     delta_rows: Mapping[str, jax.Array],
     weights: jax.Array,
@@ -104,7 +110,10 @@ def aggregate(
   received = {}
   for spec in specs:
     wire = _to_wire(delta_rows[spec.name], wire_code(spec, precision))
-    received[spec.name] = lax.all_to_all(wire, axis_name, 1, 1, tiled=True)
+    # Under vmap's spmd_axis_name the exchanged dimension comes out split over the
+    # learners' axis; each learner needs every learner's encoding of its shard.
+    received[spec.name] = [explicit.pin(r, explicit.spec(w)) for r, w in
+                           zip(lax.all_to_all(wire, axis_name, 1, 1, tiled=True), wire)]
   deltas = [
       {s.name: _from_wire([a[:, m] for a in received[s.name]], wire_code(s, precision))
        for s in specs}
@@ -142,13 +151,16 @@ def publish(
       code = commit_precision
       old = shards.own(shards.to_rows(anchor[spec.name], learners), learner)
       keep = shards.valid(spec.shape, learners, learner)
-      value = jnp.where(keep, master[spec.name] - old, jnp.float32(0))
+      value = explicit.where(keep, master[spec.name] - old, jnp.float32(0))
     wire = _to_wire(value, code)
     mine = _from_wire(wire, code)
     if commit_precision is None:
       mine = mine.astype(dtype)
     bad = bad + jnp.sum(~jnp.isfinite(mine)).astype(jnp.float32)
-    gathered = lax.all_gather(wire, axis_name, axis=1, tiled=False)
+    # Under vmap's spmd_axis_name the gathered dimension comes out split over the
+    # learners' axis; every learner needs all of it, laid out as its own shard's rows.
+    gathered = [explicit.pin(g, _gathered_spec(w)) for g, w in
+                zip(lax.all_gather(wire, axis_name, axis=1, tiled=False), wire)]
     values = shards.from_rows(_from_wire(gathered, code), spec.shape)
     if commit_precision is None:
       theta[spec.name] = values.astype(dtype)

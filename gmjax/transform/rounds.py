@@ -1,7 +1,7 @@
 """The rare steps of ``gmjax.diloco``: the first update, a fragment's sync, its merge.
 
 Everything here runs under ``lax.cond``/``lax.switch`` in the step, so the common step
-pays nothing for it (under ``shard_map``/``pmap``; ``vmap`` turns it into a select).
+pays nothing for it (under ``vmap`` too: the step count it branches on is unbatched).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from gmjax.core.codec import _JNP
 from gmjax.core.diloco import DiLoCo
 from gmjax.core.schedule import RoundSchedule
 from gmjax.core.schema import Schema
-from gmjax.transform import collective, exchange, shards
+from gmjax.transform import collective, exchange, explicit, shards
 from gmjax.transform import tokens as token_counts
 from gmjax.transform.state import MERGE, NOTHING, RESET, DiLoCoStatistics, RoundState
 
@@ -112,11 +112,18 @@ class Layout:
       return jnp.array(theta, jnp.float32, copy=True)
     return shards.own(shards.to_rows(theta, self.learners), learner)
 
-  def zeros(self, name: str) -> jax.Array:
+  def zeros(self, name: str, like: jax.Array) -> jax.Array:
+    """F32 zeros of leaf ``name``'s master: whole, or one learner's shard.
+
+    ``like`` is the leaf's parameter: on an explicit mesh the zeros take the layout that
+    the rare steps give the master (the parameter's, or its rows'), so that ``lax.cond``
+    finds the same sharding on both sides and never has to gather one.
+    """
     spec = self.schema[name]
-    shape = spec.shape if self.learners is None else shards.shard_shape(spec.shape,
-                                                                        self.learners)
-    return jnp.zeros(shape, jnp.float32)
+    if self.learners is None:
+      return explicit.zeros(spec.shape, jnp.float32, explicit.spec(like))
+    return explicit.zeros(shards.shard_shape(spec.shape, self.learners), jnp.float32,
+                          shards.shard_spec(like, self.learners))
 
   def masters(self, theta: Any, learner: Any) -> Any:
     """The master tree of Θ: kept leaves' F32 values or shards, ``MaskedNode`` elsewhere."""
@@ -126,12 +133,9 @@ class Layout:
         for n, v in flat.items()
     })
 
-  def outer_init(self, tx: optax.GradientTransformation, values: Any = None) -> tuple:
+  def outer_init(self, tx: optax.GradientTransformation, values: dict[str, Any]) -> tuple:
     """Per fragment, ``tx.init`` over the fragment's leaves (``values``: name → array)."""
-    return tuple(
-        tx.init(tuple(self.zeros(n) if values is None else values[n] for n in names))
-        for names in self.plan
-    )
+    return tuple(tx.init(tuple(values[n] for n in names)) for names in self.plan)
 
 
 def start(layout: Layout, tx, axis_name: Any, learner: Any):
@@ -148,7 +152,7 @@ def start(layout: Layout, tx, axis_name: Any, learner: Any):
       source = lax.axis_index(axis_name) == 0
       # A masked sum is a broadcast from learner 0 that is exact in any dtype.
       shared = jax.tree.map(
-          lambda p: lax.psum(jnp.where(source, p, jnp.zeros_like(p)), axis_name), params
+          lambda p: explicit.psum(jnp.where(source, p, jnp.zeros_like(p)), axis_name), params
       )
     theta = layout.cast(shared)
     flat = layout.flatten(theta)
@@ -192,7 +196,8 @@ def _sync_sharded(layout, config, tx, axis_name, learner, fragment, names, ancho
                         learners)
       for n in names
   }
-  weights = token_counts.weights(lax.all_gather(counts, axis_name))
+  every = lax.all_gather(counts, axis_name)
+  weights = token_counts.weights(explicit.pin(every, (None,) * every.ndim))
   gradient, partial_gram = exchange.aggregate(
       rows, weights, specs, config.delta_precision, axis_name)
   old = tuple(master[n] if layout.keep[n] else layout.master_value(n, anchor[n], learner)
@@ -204,7 +209,7 @@ def _sync_sharded(layout, config, tx, axis_name, learner, fragment, names, ancho
       config.commit_precision, axis_name, learners, learner)
   bad = bad_theta + _finite_count([*gradient.values(), *new_master])
   squared = sum(jnp.sum(jnp.square(g)) for g in gradient.values())
-  summed = lax.psum(
+  summed = explicit.psum(
       jnp.concatenate([partial_gram.reshape(-1), jnp.stack([squared, bad])]), axis_name)
   size = learners * learners
   cosine = exchange.mean_cosine(summed[:size].reshape(learners, learners))
@@ -244,10 +249,10 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
         result = _sync_sharded(layout, config, tx, axis_name, learner, *common)
       theta, new_master, new_state, squared, finite, cosine = result
       for i, n in enumerate(names):
-        anchor[n] = jnp.where(finite, theta[n], anchor[n])
+        anchor[n] = explicit.where(finite, theta[n], anchor[n])
         if layout.keep[n]:
-          master[n] = jnp.where(finite, new_master[i], master[n])
-      kept = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_state,
+          master[n] = explicit.where(finite, new_master[i], master[n])
+      kept = jax.tree.map(lambda a, b: explicit.where(finite, a, b), new_state,
                           outer_states[fragment])
       outer_states = tuple(kept if f == fragment else s for f, s in enumerate(outer_states))
       stats = DiLoCoStatistics(
@@ -279,7 +284,8 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
       return dict(flat_updates), pending
     # The first update moves every learner onto learner 0's start.
     updates = {
-        n: jnp.where(first, difference(n, theta_of(n)), u) for n, u in flat_updates.items()
+        n: explicit.where(first, difference(n, theta_of(n)), u)
+        for n, u in flat_updates.items()
     }
     return vary_like((updates, pending), (flat_updates, pending))
 
@@ -294,9 +300,9 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
       for n in layout.names:
         theta = theta_of(n)
         if n in current:
-          theta = jnp.where(
-              code == MERGE, mixed[n], jnp.where(code == RESET, reset[n], current[n])
-          )
+          theta = explicit.where(
+              code == MERGE, mixed[n],
+              explicit.where(code == RESET, reset[n], current[n]))
         updates[n] = difference(n, theta)
       return vary_like(
           (updates, pending.at[fragment].set(NOTHING)), (flat_updates, pending)

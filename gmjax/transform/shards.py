@@ -22,8 +22,10 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from gmjax.core.codec import BLOCK
+from gmjax.transform import explicit
 
 
 def row_count(size: int, learners: int) -> int:
@@ -36,31 +38,71 @@ def shard_shape(shape: tuple[int, ...], learners: int) -> tuple[int, int]:
   return (row_count(math.prod(shape), learners), BLOCK)
 
 
-def _explicit_axes(x: jax.Array) -> tuple:
-  """The explicitly sharded mesh axes of a 1-D ``x``'s only dimension (empty if none)."""
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  spec = getattr(sharding, "spec", None)
-  if not spec or spec[0] is None:
+def _leading(x: jax.Array) -> jax.Array:
+  """``x`` with its explicit sharding, if any, on the leading dimension only.
+
+  The rows are cut from the row-major flattening, which keeps a split of the leading
+  dimension local to each device; a split of another dimension (tensor parallel) is
+  moved there by one all-to-all (each device keeps ``1/F`` of the leaf), or, when the
+  leading dimension does not divide, undone.
+  """
+  entries = explicit.spec(x)
+  if entries is None or all(e is None for e in entries[1:]):
+    return x
+  axes = tuple(a for e in entries if e is not None
+               for a in (e if isinstance(e, tuple) else (e,)))
+  mesh = jax.typeof(x).sharding.mesh
+  devices = math.prod(mesh.shape[a] for a in axes)
+  lead = axes if x.shape[0] % devices == 0 else None
+  return jax.sharding.reshard(x, P(lead, *([None] * (x.ndim - 1))))
+
+
+def _kept_axes(x: jax.Array, learners: int) -> tuple:
+  """The explicit mesh axes that split the rows of ``x`` (its leading dimension's).
+
+  Empty when ``x`` is not explicitly sharded, or when a device's piece of the leaf is not
+  whole rows of ``32·M`` elements (the rows are then replicated over those axes).
+  """
+  entries = explicit.spec(x)
+  if entries is None or not entries or entries[0] is None:
     return ()
-  return spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+  axes = entries[0] if isinstance(entries[0], tuple) else (entries[0],)
+  size = math.prod(x.shape)
+  rows = row_count(size, learners)
+  devices = math.prod(jax.typeof(x).sharding.mesh.shape[a] for a in axes)
+  if rows * learners * BLOCK != size or rows % devices:
+    return ()
+  return axes
+
+
+def shard_spec(x: jax.Array, learners: int) -> tuple | None:
+  """The explicit sharding of a learner's shard ``(R, 32)`` of ``x`` (None: not explicit).
+
+  The state's shards (master, outer state) are created with it, so that the rare steps
+  produce values laid out as the state they replace.
+  """
+  x = _leading(x)
+  if explicit.spec(x) is None:
+    return None
+  axes = _kept_axes(x, learners)
+  return (axes or None, None)
 
 
 def to_rows(x: jax.Array, learners: int) -> jax.Array:
   """``x`` in F32, flattened, zero-padded and viewed as rows ``(R, learners, 32)``.
 
-  Under explicit sharding a flat leaf split over other axes keeps that split on the rows
-  when every device holds whole rows; a leaf too small for that (fewer than
-  ``32·M`` elements a device) is replicated over those axes first.
+  Under explicit sharding a leaf split over other axes along its leading dimension keeps
+  that split on the rows when every device holds whole rows; a leaf too small for that
+  (or whose pieces are not whole rows: fewer than ``32·M`` elements a device, or a size
+  that needs padding) is replicated over those axes first.
   """
+  x = _leading(x)
+  axes = _kept_axes(x, learners)
   flat = jnp.ravel(x).astype(jnp.float32)
+  if explicit.spec(flat) is not None and not axes and explicit.spec(flat)[0] is not None:
+    flat = jax.sharding.reshard(flat, P(None))
   rows = row_count(flat.size, learners)
   pad = rows * learners * BLOCK - flat.size
-  axes = _explicit_axes(flat)
-  if axes:
-    mesh = jax.typeof(flat).sharding.mesh
-    devices = math.prod(mesh.shape[a] for a in axes)
-    if pad or rows % devices:
-      flat = jax.sharding.reshard(flat, jax.sharding.PartitionSpec(None))
   if pad:
     flat = jnp.pad(flat, (0, pad))
   return flat.reshape(rows * learners, BLOCK).reshape(rows, learners, BLOCK)
@@ -83,7 +125,7 @@ def own(rows: jax.Array, learner: jax.Array) -> jax.Array:
   (``shard_map``, ``pmap``) or batched (``vmap``).
   """
   mine = lax.broadcasted_iota(jnp.int32, (1, rows.shape[1], 1), 1) == learner
-  return jnp.sum(jnp.where(mine, rows, jnp.zeros_like(rows)), axis=1)
+  return jnp.sum(explicit.where(mine, rows, jnp.zeros_like(rows)), axis=1)
 
 
 def valid(shape: tuple[int, ...], learners: int, learner: jax.Array) -> jax.Array:
