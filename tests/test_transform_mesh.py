@@ -92,39 +92,3 @@ def test_pmap_matches_numpy():
     params, state = jax.block_until_ready(
         step(params, state, targets, curvature, harness.tokens_at(setup, t)))
   _check(setup, params, state)
-
-
-def _explicit_fsdp_step(mode):
-  """4 learners × 2 FSDP on an explicit mesh, parameters sharded over ``fsdp``."""
-  from jax.sharding import AxisType
-  mesh = jax.make_mesh((LEARNERS, 2), ("learner", "fsdp"),
-                       axis_types=(AxisType.Explicit,) * 2)
-  config = gmjax.DiLoCo(sync_every=2, delta_precision="F8_E4M3")
-  optimizer = gmjax.diloco(optax.sgd(0.1), config, axis_name="learner")
-
-  def step(p, s):
-    updates, s = optimizer.update(jax.tree.map(lambda x: 0.1 * x + 0.01, p), s, p)
-    return optax.apply_updates(p, updates), s
-
-  params = jax.device_put({"w": jnp.ones((LEARNERS, 64, 32))},
-                          NamedSharding(mesh, P("learner", "fsdp")))
-  with jax.set_mesh(mesh):
-    state = jax.vmap(optimizer.init, axis_name="learner", spmd_axis_name="learner")(params)
-    if mode == "vmap":
-      f = jax.jit(jax.vmap(step, axis_name="learner", spmd_axis_name="learner"))
-    else:
-      f = jax.jit(jax.shard_map(
-          lambda p, s: jax.tree.map(lambda x: x[None], step(*_first((p, s)))),
-          mesh=mesh, in_specs=P("learner"), out_specs=P("learner"),
-          axis_names={"learner"}))
-    for _ in range(3):
-      params, state = jax.block_until_ready(f(params, state))
-  return params
-
-
-# The issue's report, reproduced: under explicit sharding the rare branches still mix
-# values of different shardings (a select of a replicated and an fsdp-sharded value).
-@pytest.mark.xfail(strict=True, reason="explicit sharding inside the rare branches: issue 8")
-@pytest.mark.parametrize("mode", ["vmap", "shard_map"])
-def test_explicit_mesh_with_fsdp_parameters(mode):
-  _explicit_fsdp_step(mode)

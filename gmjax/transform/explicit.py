@@ -80,6 +80,43 @@ def where(condition: Any, on_true: Any, on_false: Any) -> jax.Array:
   return jnp.where(condition, on_true, on_false)
 
 
+def flatten(x: jax.Array, block: int) -> jax.Array:
+  """``jnp.ravel(x)`` whose pieces on an explicit mesh are whole blocks of ``block``.
+
+  The row-major flattening keeps a split of the leading dimension; a leaf split over
+  another dimension, or whose pieces are not whole blocks (the codec's blocks of 32
+  values, or rows of ``32·M``), is first replicated over its mesh axes, the one case
+  that gathers a parameter (for the round only; the state keeps its layout).
+  """
+  entries = spec(x)
+  flat = jnp.ravel(x)
+  if entries is None or all(e is None for e in entries):
+    return flat
+  mesh = jax.typeof(x).sharding.mesh
+  lead = entries[0]
+  devices = 1
+  if lead is not None:
+    for axis in lead if isinstance(lead, tuple) else (lead,):
+      devices *= mesh.shape[axis]
+  whole = lead is not None and all(e is None for e in entries[1:]) and (
+      flat.size % (devices * block) == 0)
+  if whole:
+    return flat
+  return jax.sharding.reshard(jnp.ravel(jax.sharding.reshard(x, PartitionSpec())),
+                              PartitionSpec(None))
+
+
+def unflatten(flat: jax.Array, reference: jax.Array) -> jax.Array:
+  """``flat`` (``reference``'s size) in ``reference``'s shape and layout."""
+  entries = spec(reference)
+  if entries is None:
+    return flat.reshape(reference.shape)
+  if spec(flat) == (entries[0],) and all(e is None for e in entries[1:]):
+    # Splitting the leading dimension keeps the split where it lies.
+    return jnp.reshape(flat, reference.shape, out_sharding=PartitionSpec(*entries))
+  return like(flat.reshape(reference.shape), reference)
+
+
 def zeros(shape: tuple[int, ...], dtype: Any, entries: tuple | None) -> jax.Array:
   """F32 (``dtype``) zeros of ``shape`` sharded as ``entries`` (None: replicated)."""
   if entries is None or all(e is None for e in entries):

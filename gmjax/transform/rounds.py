@@ -6,6 +6,7 @@ pays nothing for it (under ``vmap`` too: the step count it branches on is unbatc
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -15,11 +16,11 @@ import optax
 from jax import lax
 
 from gmjax.core import outer
-from gmjax.core.codec import _JNP
+from gmjax.core.codec import _JNP, BLOCK
 from gmjax.core.diloco import DiLoCo
 from gmjax.core.schedule import RoundSchedule
 from gmjax.core.schema import Schema
-from gmjax.transform import collective, exchange, explicit, shards
+from gmjax.transform import exchange, explicit, replicated, shards
 from gmjax.transform import tokens as token_counts
 from gmjax.transform.state import MERGE, NOTHING, RESET, DiLoCoStatistics, RoundState
 
@@ -173,15 +174,24 @@ def _finite_count(values) -> jax.Array:
 
 def _sync_replicated(layout, config, tx, axis_name, fragment, names, anchor, master,
                      outer_state, counts, theta_of):
-  specs = layout.schema.subset(names).parameters
-  delta = {n: anchor[n].astype(jnp.float32) - theta_of(n).astype(jnp.float32) for n in names}
-  gradient, cosine = collective.aggregate(
+  # The codec runs on flat leaves, whose row-major pieces stay where an FSDP split of
+  # the leading dimension put them (the codec's own reshapes to the leaf's shape would
+  # not, on an explicit mesh).
+  specs = [dataclasses.replace(s, shape=(s.size,))
+           for s in layout.schema.subset(names).parameters]
+  flat = lambda x: explicit.flatten(x, BLOCK)
+  delta = {n: flat(anchor[n].astype(jnp.float32) - theta_of(n).astype(jnp.float32))
+           for n in names}
+  gradient, cosine = replicated.aggregate(
       delta, counts, specs, config.delta_precision, axis_name)
+  gradient = {n: explicit.unflatten(gradient[n], anchor[n]) for n in names}
   old = tuple(master[n] if layout.keep[n] else anchor[n].astype(jnp.float32) for n in names)
   new_master, new_state = outer.apply_outer(
       tx, tuple(gradient[n] for n in names), outer_state, old)
-  theta, _ = outer.publish(dict(zip(names, new_master)), {n: anchor[n] for n in names},
-                           specs, config.commit_precision)
+  theta, _ = outer.publish({n: flat(m) for n, m in zip(names, new_master)},
+                           {n: flat(anchor[n]) for n in names}, specs,
+                           config.commit_precision)
+  theta = {n: explicit.unflatten(theta[n], anchor[n]) for n in names}
   bad = _finite_count([*gradient.values(), *new_master, *theta.values()])
   squared = sum(jnp.sum(jnp.square(g)) for g in gradient.values())
   return theta, new_master, new_state, squared, bad == 0, cosine

@@ -94,10 +94,11 @@ def aggregate(
   """The outer gradient ``g = Σ_m w_m · decode(Δ_m)`` across ``axis_name``, and the cosine.
 
   Args:
-    delta: this learner's F32 delta ``anchor − θ`` of one fragment, by leaf name.
+    delta: this learner's F32 delta ``anchor − θ`` of one fragment, by leaf name, each
+      flattened to 1-D (an FSDP split of the leading dimension stays on it).
     tokens: tokens this learner trained since its last delta of the fragment, an int32
       pair (see ``gmjax.transform.tokens``).
-    specs: the fragment's parameter specs, sorted by name.
+    specs: the fragment's parameter specs, sorted by name, with the flat shapes.
     precision: ``delta_precision``.
     axis_name: the learners' mapped axis, or None for a single learner.
 
@@ -120,18 +121,21 @@ def aggregate(
     weighted = {k: weight * v for k, v in decoded.items()}
     gradient, unit_sum, count = explicit.psum((weighted, unit, nonzero), axis_name)
     return gradient, mean_cosine(unit_sum, count)
-  mine = (_as_bytes(entries), tokens)
-  # Under vmap's spmd_axis_name the gathered dimension comes out split over the
-  # learners' axis; every learner needs all of it.
-  gathered, all_tokens = jax.tree.map(
-      lambda g, x: explicit.pin(g, None if explicit.spec(x) is None
-                                else (None, *explicit.spec(x))),
-      lax.all_gather(mine, axis_name), mine)
+  # Flat entries gather along a new last dimension: an FSDP split of their only
+  # dimension stays where it lies (gathered in front, JAX's type would move it to the
+  # learners' dimension). Under vmap's spmd_axis_name the learners' dimension comes out
+  # split over the learners' axis, and every learner needs all of it.
+  wire = _as_bytes(entries)
+  gathered = {n: explicit.pin(g, None if explicit.spec(wire[n]) is None
+                              else (*explicit.spec(wire[n]), None))
+              for n, g in lax.all_gather(wire, axis_name, axis=1).items()}
+  every = lax.all_gather(tokens, axis_name)
+  all_tokens = explicit.pin(every, (None,) * every.ndim)
   gathered = _from_bytes(gathered, entries)
   learners = all_tokens.shape[0]
   weights = token_counts.weights(all_tokens)
   deltas = [
-      decode_values({k: v[m] for k, v in gathered.items()}, specs, precision)
+      decode_values({k: v[:, m] for k, v in gathered.items()}, specs, precision)
       for m in range(learners)
   ]
   gradient = outer.weighted_sum(deltas, [weights[m] for m in range(learners)])
