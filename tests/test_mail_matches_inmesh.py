@@ -2,7 +2,8 @@
 
 SPEC: with all learners contributing, ``overlap_steps=0`` and no faults, learners that
 meet through storage end where ``gmjax.diloco`` learners on a mapped axis end (up to
-float summation order).
+float summation order), with the in-mesh outer step sharded over the learners (the
+default) and any outer optimizer.
 """
 
 import dataclasses
@@ -41,7 +42,7 @@ def in_mesh(config):
 
   step = jax.jit(jax.vmap(step, axis_name="learner"))
   params = jax.tree.map(lambda v: jnp.stack([v] * LEARNERS), ms.params0())
-  state = jax.vmap(optimizer.init)(params)
+  state = jax.vmap(optimizer.init, axis_name="learner")(params)
   tokens = jnp.asarray(TOKENS, jnp.float32)
   for _ in range(STEPS):
     params, state = jax.block_until_ready(step(params, state, goal, tokens))
@@ -82,8 +83,10 @@ def by_mail(config, tmp_path):
         gmjax.DiLoCo(sync_every=4, fragments=2, delta_precision="F8_E4M3", mixing=0.5),
         gmjax.DiLoCo(sync_every=6, fragments=3, delta_precision="I4", commit_precision="BF16",
                      nesterov=False),
+        gmjax.DiLoCo(sync_every=4, fragments=2, delta_precision="BF16", outer="adam",
+                     outer_options={"learning_rate": 0.05, "b2": 0.99}),
     ],
-    ids=["diloco", "streaming-f8-mixing", "streaming-i4-bf16-commits"],
+    ids=["diloco", "streaming-f8-mixing", "streaming-i4-bf16-commits", "outer-adam"],
 )
 def test_mail_learners_end_where_in_mesh_learners_end(config, tmp_path):
   config = dataclasses.replace(config, flush_on_close=False)

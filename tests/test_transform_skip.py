@@ -19,7 +19,7 @@ def test_non_finite_round_is_skipped_and_learners_reset(overlap):
   learners = 3
   start = {"w": jnp.linspace(-1.0, 1.0, 6), "b": jnp.ones(2)}
   params = jax.tree.map(lambda p: jnp.stack([p] * learners), start)
-  state = jax.vmap(optimizer.init)(params)
+  state = jax.vmap(optimizer.init, axis_name="learner")(params)
 
   def one(params, state, poison):
     grads = jax.tree.map(lambda p: jnp.where(poison, -1e6, p), params)
@@ -36,7 +36,6 @@ def test_non_finite_round_is_skipped_and_learners_reset(overlap):
   assert not np.isfinite(stats.delta_norm)
   for name, value in start.items():
     np.testing.assert_array_equal(state.anchor[name][0], value)  # no outer step
-    np.testing.assert_array_equal(state.momentum[name][0], np.zeros_like(value))
     for m in range(learners):  # reset, not mixed
       np.testing.assert_allclose(params[name][m], value, atol=1e-2 if m == 1 else 1e-7)
 
@@ -45,3 +44,33 @@ def test_non_finite_round_is_skipped_and_learners_reset(overlap):
   assert int(state.stats.rounds[0]) == 2 and int(state.stats.skipped[0]) == 1
   assert all(np.all(np.isfinite(v)) for v in jax.tree.leaves(params))
   assert step._cache_size() == 1
+
+
+@pytest.mark.parametrize("shard_outer", [True, False], ids=["sharded", "replicated"])
+def test_non_finite_outer_result_is_skipped(shard_outer):
+  # Every delta is finite (g = 2 everywhere), but the outer step η·(g + μ·u) with
+  # η = 3e38 overflows the F32 master to -inf: the round is dropped after the step.
+  config = gmjax.DiLoCo(sync_every=2, outer_learning_rate=3e38, overlap_steps=0)
+  optimizer = gmjax.diloco(optax.sgd(1.0), config, axis_name="learner",
+                           shard_outer=shard_outer)
+  learners = 2
+  start = {"w": jnp.linspace(-1.0, 1.0, 40, dtype=jnp.float32)}
+  params = jax.tree.map(lambda p: jnp.stack([p] * learners), start)
+  state = jax.vmap(optimizer.init, axis_name="learner")(params)
+  initial_outer = state.outer_state
+
+  def one(params, state):
+    updates, state = optimizer.update(jax.tree.map(jnp.ones_like, params), state, params)
+    return optax.apply_updates(params, updates), state
+
+  step = jax.jit(jax.vmap(one, axis_name="learner"))
+  for _ in range(2):
+    params, state = jax.block_until_ready(step(params, state))
+  assert int(state.stats.rounds[0]) == 1 and int(state.stats.skipped[0]) == 1
+  np.testing.assert_allclose(state.stats.delta_norm[0], 2.0 * np.sqrt(40), rtol=1e-6)
+  np.testing.assert_array_equal(state.anchor["w"][0], start["w"])  # anchor kept
+  for kept, initial in zip(jax.tree.leaves(state.outer_state), jax.tree.leaves(initial_outer)):
+    np.testing.assert_array_equal(kept, initial)  # no outer step kept
+  for m in range(learners):  # reset to the anchor, by an additive update (one rounding)
+    np.testing.assert_allclose(params["w"][m], start["w"], rtol=0, atol=1e-6)
+  assert all(np.all(np.isfinite(v)) for v in jax.tree.leaves(state))

@@ -1,0 +1,201 @@
+"""``gmjax.diloco`` with 4 learners × 2 FSDP: parameters sharded over ``fsdp`` on explicit
+and Auto meshes, under ``vmap(spmd_axis_name=...)`` and under ``shard_map`` with only the
+learner axis manual (XLA partitions ``fsdp``).
+
+Every run must equal the numpy reference loop, and the same steps run unsharded on one
+device; the compiled step must never gather a sharded parameter over ``fsdp``.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gmjax
+import transform_harness as harness
+import transform_reference as reference
+from gmjax.transform import hlo
+
+LEARNERS, FSDP, STEPS = 4, 2, 6
+# "w" holds whole rows of 32·M values on each fsdp device (2048 = 2 × 8 rows of 128);
+# "u" (384 values, 3 rows) does not, so its rows are replicated over fsdp for a round;
+# "b" is not sharded at all.
+SHAPES = {"w": (64, 32), "u": (16, 24), "b": (40,)}
+SHARDED = {"w": True, "u": True, "b": False}
+
+
+def _setup(delta_precision, commit_precision=None, outer="sgd"):
+  rng = np.random.default_rng(1)
+  draw = lambda scale: {n: (scale * rng.standard_normal(s)).astype(np.float32)
+                        for n, s in SHAPES.items()}
+  config = gmjax.DiLoCo(sync_every=3, fragments=2, overlap_steps=1, mixing=0.5,
+                        delta_precision=delta_precision, commit_precision=commit_precision,
+                        **({"outer": "adam", "outer_learning_rate": 0.05} if outer == "adam"
+                           else {}))
+  theta0 = [draw(1.0) for _ in range(LEARNERS)]
+  plan = [tuple(f) for f in config.plan(gmjax.Schema.from_tree(theta0[0]))]
+  setup = reference.Setup(
+      theta0=theta0, targets=[draw(2.0) for _ in range(LEARNERS)],
+      curvature=[0.5 + 0.25 * m for m in range(LEARNERS)], plan=plan, sync_every=3,
+      delta_precision=delta_precision, commit_precision=commit_precision, mixing=0.5,
+      overlap=1, outer=outer, outer_lr=0.05 if outer == "adam" else 0.7,
+  )
+  return setup, config
+
+
+def _stacked(trees):
+  return {n: jnp.stack([jnp.asarray(t[n]) for t in trees]) for n in SHAPES}
+
+
+def _mesh(axis_type):
+  return jax.make_mesh((LEARNERS, FSDP), ("learner", "fsdp"), axis_types=(axis_type,) * 2)
+
+
+def _place(mesh, tree):
+  """Stacked leaves on the mesh: learners over ``learner``, sharded leaves' rows over
+  ``fsdp``."""
+  # Full-length specs, as the step's outputs carry them: no second trace for P("learner")
+  # against the equivalent P("learner", None).
+  return {n: jax.device_put(v, NamedSharding(mesh, P(
+      "learner", "fsdp" if SHARDED[n] else None, *[None] * (v.ndim - 2))))
+          for n, v in tree.items()}
+
+
+def _first(tree):
+  return jax.tree.map(lambda x: jax.lax.squeeze(x, (0,)), tree)
+
+
+def _stack(tree):
+  return jax.tree.map(lambda x: jax.lax.expand_dims(x, (0,)), tree)
+
+
+def _build(optimizer, mesh, mode):
+  """``(init, step)`` for ``mode``: "vmap", "shard_map", or "plain" (no mesh)."""
+  step = harness.learner_step(optimizer, with_tokens=False)
+  if mode == "plain":
+    return (jax.vmap(optimizer.init, axis_name="learner"),
+            jax.jit(jax.vmap(step, axis_name="learner")))
+  if mode == "vmap":
+    return (jax.vmap(optimizer.init, axis_name="learner", spmd_axis_name="learner"),
+            jax.jit(jax.vmap(step, axis_name="learner", spmd_axis_name="learner")))
+  manual = functools.partial(jax.shard_map, mesh=mesh, in_specs=P("learner"),
+                             out_specs=P("learner"), axis_names={"learner"})
+  return (jax.jit(manual(lambda p: _stack(optimizer.init(_first(p))))),
+          jax.jit(manual(lambda p, s, t, c, k: _stack(step(*_first((p, s, t, c, k)))))))
+
+
+def _run(setup, config, mode, axis_type=None, shard_outer=True):
+  """``STEPS`` steps; returns ``(params, state, step)`` on the host (and the step)."""
+  optimizer = gmjax.diloco(optax.sgd(setup.lr), config, axis_name="learner",
+                           shard_outer=shard_outer)
+  params, targets = _stacked(setup.theta0), _stacked(setup.targets)
+  curvature = jnp.asarray(setup.curvature, jnp.float32)
+  tokens = jnp.ones(LEARNERS, jnp.float32)
+  if mode == "plain":
+    init, step = _build(optimizer, None, mode)
+    state = init(params)
+    for _ in range(STEPS):
+      params, state = jax.block_until_ready(step(params, state, targets, curvature, tokens))
+    assert step._cache_size() == 1
+    return jax.device_get((params, state)), step
+  mesh = _mesh(axis_type)
+  with jax.set_mesh(mesh):
+    params, targets = _place(mesh, params), _place(mesh, targets)
+    curvature, tokens = jax.device_put((curvature, tokens), NamedSharding(mesh, P("learner")))
+    init, step = _build(optimizer, mesh, mode)
+    state = init(params)
+    for t in range(STEPS):
+      params, state = jax.block_until_ready(step(params, state, targets, curvature, tokens))
+      if t == 1:
+        compiled = step._cache_size()
+    # On an explicit mesh the state's layout is in its type from init on: one trace.
+    # On an Auto mesh XLA picks the step's output layouts, which the eager init cannot
+    # know: the second call compiles once more, and then no more.
+    assert step._cache_size() == compiled == (1 if axis_type == AxisType.Explicit else 2)
+    if axis_type == AxisType.Explicit:
+      for name, leaf in params.items():  # the parameters stay as they were laid out
+        want = ("learner", "fsdp" if SHARDED[name] else None)
+        assert tuple(jax.typeof(leaf).sharding.spec)[:2] == want, name
+    return jax.device_get((params, state)), step
+
+
+@functools.cache
+def _plain(delta_precision, shard_outer):
+  setup, config = _setup(delta_precision)
+  return _run(setup, config, "plain", shard_outer=shard_outer)[0]
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto],
+                         ids=["explicit", "auto"])
+@pytest.mark.parametrize("mode,delta_precision,shard_outer", [
+    ("vmap", "F8_E4M3", True), ("shard_map", "F8_E4M3", True),
+    ("vmap", "I4", False), ("shard_map", "I4", False),
+])
+def test_fsdp_learners_match_numpy_and_the_unsharded_run(axis_type, mode, delta_precision,
+                                                          shard_outer):
+  setup, config = _setup(delta_precision)
+  (params, state), step = _run(setup, config, mode, axis_type, shard_outer)
+  expected = reference.run(setup, STEPS)
+  for m in range(LEARNERS):
+    harness.assert_tree_close({n: v[m] for n, v in params.items()}, expected["theta"][m],
+                              what=f"learner {m}")
+  harness.assert_tree_close({n: v[0] for n, v in state.anchor.items()}, expected["anchor"],
+                            what="anchor")
+  assert int(state.stats.rounds[0]) == len(expected["log"]) and int(state.stats.skipped[0]) == 0
+  # Elementwise arithmetic in the same order: the sharded layout changes no bit of the
+  # parameters, anchors, masters or outer state (only reductions, e.g. the cosine, may
+  # round differently).
+  plain_params, plain_state = _plain(delta_precision, shard_outer)
+  for got, want in ((params, plain_params), (state.anchor, plain_state.anchor),
+                    (state.master, plain_state.master),
+                    (state.outer_state, plain_state.outer_state)):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(a, b)
+
+
+def _fsdp_gathers(axis_type, mode, shard_outer):
+  """All-gathers of the compiled step over groups other than the learners' (fsdp)."""
+  shapes = {"w": (64, 32), "b": (40,)}  # "w" holds whole rows on each fsdp device
+  setup, config = _setup("F8_E4M3")
+  setup.theta0 = [{n: t[n] for n in shapes} for t in setup.theta0]
+  setup.targets = [{n: t[n] for n in shapes} for t in setup.targets]
+  optimizer = gmjax.diloco(optax.sgd(setup.lr), config, axis_name="learner",
+                           shard_outer=shard_outer)
+  mesh = _mesh(axis_type)
+  with jax.set_mesh(mesh):
+    place = lambda trees: _place(mesh, {n: jnp.stack([jnp.asarray(t[n]) for t in trees])
+                                        for n in shapes})
+    params, targets = place(setup.theta0), place(setup.targets)
+    curvature, tokens = jax.device_put((jnp.asarray(setup.curvature, jnp.float32),
+                                        jnp.ones(LEARNERS, jnp.float32)),
+                                       NamedSharding(mesh, P("learner")))
+    init, step = _build(optimizer, mesh, mode)
+    state = init(params)
+    text = step.lower(params, state, targets, curvature, tokens).compile().as_text()
+  return [c for c in hlo.collective_bytes(text)
+          if c.op == "all-gather" and c.group_size != LEARNERS]
+
+
+@pytest.mark.parametrize("shard_outer", [True, False], ids=["sharded", "replicated"])
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto],
+                         ids=["explicit", "auto"])
+def test_vmap_step_gathers_nothing_over_fsdp(axis_type, shard_outer):
+  assert _fsdp_gathers(axis_type, "vmap", shard_outer) == []
+
+
+# Under shard_map with only the learner axis manual, XLA (jax 0.10.2) gathers over fsdp
+# on its own, with or without gmjax: an explicit mesh's shard_map boundary replicates
+# the non-manual axes of every operand (even for `lambda x: 2 * x`), and on both kinds
+# of mesh an all_to_all / all_gather over the manual axis of an fsdp-sharded operand is
+# preceded by an all-gather over fsdp. This records it: the test passes when XLA stops.
+@pytest.mark.xfail(strict=True, reason="XLA gathers non-manual axes around collectives "
+                   "over a manual axis (and at an explicit shard_map's boundary)")
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto],
+                         ids=["explicit", "auto"])
+def test_partially_manual_shard_map_step_gathers_nothing_over_fsdp(axis_type):
+  assert _fsdp_gathers(axis_type, "shard_map", True) == []
