@@ -128,3 +128,51 @@ def test_malformed_payloads_rejected(data):
 def test_unsupported_dtype_not_written():
   with pytest.raises(ValueError, match="'x'"):
     payload.dumps({"x": np.zeros(2, np.float64)})
+
+
+def test_deeply_nested_header_is_a_rejection_not_a_crash():
+  deep = b"[" * 200_000 + b"]" * 200_000
+  data = struct.pack("<Q", len(deep)) + deep
+  with pytest.raises(payload.PayloadError, match="nest"):
+    payload.loads(data)
+  inside = {"__metadata__": {"learner": "a"}, "a": {"dtype": "F32", "shape": [[[[[[2]]]]]],
+                                                    "data_offsets": [0, 8]}}
+  with pytest.raises(payload.PayloadError, match="nest"):
+    payload.loads(with_header(inside, b"\0" * 8))
+
+
+@pytest.mark.parametrize("text", [
+    b'{"a": 1e999999}', b'{"a": ' + b"9" * 5000 + b"}", b'"just a string"', b"null",
+    b"\xc3\x28{}", b'{"a": "\\ud800"}',
+])
+def test_any_parse_failure_is_a_rejection(text):
+  with pytest.raises(payload.PayloadError):
+    payload.loads(struct.pack("<Q", len(text)) + text)
+
+
+def test_header_size_is_bounded_by_the_reader():
+  data = payload.dumps({"a": np.ones(2, np.float32)}, {"learner": "x" * 5000})
+  assert payload.loads(data)[1]["learner"] == "x" * 5000
+  with pytest.raises(payload.PayloadError, match="max_header_bytes=1024"):
+    payload.loads(data, max_header_bytes=1024)
+
+
+def test_errors_quote_a_short_escaped_prefix_of_hostile_text():
+  name = "\u00e9\n" * 100_000
+  data = with_header({name: {"dtype": "F64", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8)
+  with pytest.raises(payload.PayloadError) as caught:
+    payload.loads(data)
+  message = str(caught.value)
+  assert len(message) < 300 and message.isascii() and "\n" not in message
+
+
+def test_bound_of_a_layout_covers_every_honest_payload():
+  entries, schema = sample_entries()
+  layout = gmjax.layout(schema, "F4")
+  host = codec.to_numpy(entries, layout)
+  metadata = {"learner": "w" * 64, "round": 2**62, "signature": "f" * 64, "tokens": 2**62}
+  data = payload.dumps(host, metadata)
+  header_bound, total_bound = payload.bounds(layout)
+  assert len(data) <= total_bound and total_bound - header_bound - 8 == sum(
+      s.nbytes for s in layout.parameters)
+  payload.loads(data, max_header_bytes=header_bound)

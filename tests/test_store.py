@@ -146,3 +146,33 @@ def test_get_verified_hashes_what_it_reads(store):
     store.get_verified("blob.bin", hashlib.sha256(b"other").hexdigest())
   with pytest.raises(FileNotFoundError):
     store.get_verified("missing.bin", "0" * 64)
+
+
+def test_bounded_read(store):
+  store.put("r/small.bin", b"x" * 100)
+  assert store.read("r/small.bin", 100) == b"x" * 100
+  assert store.size("r/small.bin") == 100
+  with pytest.raises(store_lib.BadObject, match="more than 99 bytes"):
+    store.read("r/small.bin", 99)
+  with pytest.raises(FileNotFoundError):
+    store.read("r/missing.bin", 10)
+  with pytest.raises(FileNotFoundError):
+    store.size("r/missing.bin")
+
+
+def test_bounded_read_refuses_what_is_not_a_regular_file(tmp_path):
+  local = store_lib.open_store(str(tmp_path / "run"))
+  local.put("r/keep.bin", b"1")
+  folder = tmp_path / "run" / "r"
+  os.mkfifo(folder / "fifo.bin")                     # reading would block
+  os.symlink("/dev/zero", folder / "zero.bin")       # reading would never end
+  os.symlink(folder / "keep.bin", folder / "link.bin")
+  os.mkdir(folder / "dir.bin")
+  with open(folder / "sparse.bin", "wb") as f:       # 3 GiB that occupy nothing on disk
+    f.truncate(3 << 30)
+  for name in ("fifo.bin", "zero.bin", "link.bin", "dir.bin"):
+    with pytest.raises(store_lib.BadObject, match="not a regular file"):
+      local.read(f"r/{name}", 1 << 20)
+  with pytest.raises(store_lib.BadObject, match="holds 3221225472 bytes"):
+    local.read("r/sparse.bin", 1 << 20)
+  assert issubclass(store_lib.BadObject, ValueError)

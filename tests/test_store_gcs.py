@@ -57,6 +57,12 @@ def test_store_operations(bucket):
   assert store.get("c/0.commit.json") == b"mine"
   store.delete("a/b")
   assert store.list("a") == ["two.bin"]
+  assert store.read("a/two.bin", 1) == b"2" and store.size("a/two.bin") == 1
+  store.put("a/big.bin", b"z" * 5000)
+  with pytest.raises(store_lib.BadObject, match="more than 4096 bytes"):
+    store.read("a/big.bin", 4096)
+  with pytest.raises(FileNotFoundError):
+    store.read("a/nothing", 10)
 
 
 @pytest.mark.timeout(60)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -31,11 +32,20 @@ def _status(args: argparse.Namespace) -> int:
   import gmjax  # pylint: disable=g-import-not-at-top
   from gmjax.mail.status import format_status  # pylint: disable=g-import-not-at-top
 
-  run = gmjax.mail.open(args.run)
+  key = args.key
+  if key is None and args.key_env:
+    key = os.environ.get(args.key_env) or None
+  run = gmjax.mail.open(args.run, key=key)
+  problems = gmjax.mail.verify(run, deep=args.verify)
   if args.json:
-    print(json.dumps({"status": run.status(), "rounds": run.rounds()}, indent=2, default=str))
+    print(json.dumps({"status": run.status(), "rounds": run.rounds(), "problems": problems},
+                     indent=2, default=str))
   else:
-    print(format_status(run))
+    print(format_status(run, problems=problems))
+  if problems:
+    print(f"gmjax status: run {args.run} is damaged: {len(problems)} problem(s)"
+          f"{' (checked every file)' if args.verify else ''}", file=sys.stderr)
+    return 1
   return 0
 
 
@@ -50,11 +60,17 @@ def main(argv: list[str] | None = None) -> int:
   status = commands.add_parser("status", help="print a run's rounds and learners")
   status.add_argument("run", help="the run's URL or directory")
   status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+  status.add_argument("--verify", action="store_true",
+                      help="re-read every commit, state and update and check every sha256;"
+                      " exit 1 on any problem")
+  status.add_argument("--key", help="the run's key (checks signatures)")
+  status.add_argument("--key-env", metavar="VAR",
+                      help="read the run's key from this environment variable instead")
   status.set_defaults(func=_status)
   args = parser.parse_args(argv)
   try:
     return args.func(args)
-  except (FileNotFoundError, ValueError) as error:
+  except (FileNotFoundError, ValueError, PermissionError) as error:
     print(f"gmjax {args.command}: {error}", file=sys.stderr)
     return 2
 

@@ -9,11 +9,27 @@ References:
 from __future__ import annotations
 
 import dataclasses
-from typing import Self
+import math
+from typing import Any, Self
 
 _EMA_DECAY = 0.1
 _TIMEOUT_FACTOR = 3.0
 _TIMEOUT_FLOOR_POLLS = 30
+MAX_ESTIMATE_SECONDS = 86400.0
+"""Each estimate is clamped to ``[0, MAX_ESTIMATE_SECONDS]`` (a day): a timeout built from
+them stays finite and below ``9`` days whatever a record or a peer reports."""
+
+
+def _clamp(seconds: Any) -> float | None:
+  """An estimate as a number in ``[0, MAX_ESTIMATE_SECONDS]``; None if it is not one."""
+  if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+    try:
+      seconds = float(seconds)
+    except (TypeError, ValueError, OverflowError):
+      return None
+  if math.isnan(seconds):
+    return None
+  return min(max(float(seconds), 0.0), MAX_ESTIMATE_SECONDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +128,7 @@ class Estimates:
       sync: float | None = None,
   ) -> Self:
     def ema(old: float | None, new: float | None) -> float | None:
+      new = None if new is None else _clamp(new)
       if new is None:
         return old
       if old is None:
@@ -138,6 +155,6 @@ class Estimates:
 
   @classmethod
   def from_json(cls, record) -> Self:
-    record = record or {}
-    return cls(**{k: (None if record.get(k) is None else float(record[k]))
+    record = record if isinstance(record, dict) else {}
+    return cls(**{k: (None if record.get(k) is None else _clamp(record[k]))
                   for k in ("step", "quorum", "sync")})

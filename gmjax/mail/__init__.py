@@ -14,6 +14,7 @@ from gmjax.mail.errors import RoundTimeout as RoundTimeout
 from gmjax.mail.errors import RunExists as RunExists
 from gmjax.mail.errors import RunNotFound as RunNotFound
 from gmjax.mail.errors import StorageUnavailable as StorageUnavailable
+from gmjax.mail.errors import UnsupportedStorage as UnsupportedStorage
 from gmjax.mail.learner import Learner as Learner
 from gmjax.mail.run import Run as Run
 from gmjax.mail.run import create as create
@@ -21,6 +22,7 @@ from gmjax.mail.run import open as open  # pylint: disable=redefined-builtin
 from gmjax.mail.status import format_status as format_status
 from gmjax.mail.store import Store as Store
 from gmjax.mail.store import open_store as open_store
+from gmjax.mail.verify import verify as verify
 
 __all__ = (
     "AuthenticationError",
@@ -34,8 +36,10 @@ __all__ = (
     "RunNotFound",
     "StorageUnavailable",
     "Store",
+    "UnsupportedStorage",
     "create",
     "format_status",
     "open",
     "open_store",
+    "verify",
 )

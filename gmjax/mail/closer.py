@@ -2,7 +2,7 @@
 
 Every learner watches the rounds it contributed to. For each it lists
 ``rounds/<r>/`` and decides as below. The designated closer reads and validates each new
-contribution (``contributions.loads``) as it appears; a follower only notes the names it
+contribution (``contributions.check``) as it appears; a follower only notes the names it
 lists, counting each as a contribution that may be valid, and reads and validates them
 when it is about to take over (and then decides again on what it validated):
 
@@ -16,30 +16,40 @@ when it is about to take over (and then decides again on what it validated):
 * a **follower** closes the round itself once it has been closable for
   ``Estimates.timeout(poll_interval)`` without a commit.
 
-Closing runs the core aggregator (weighted mean, outer step, publish), saves the new
-state with Orbax and the update file, and only then creates the commit record
-exclusively: whoever races, one commit per version exists; a loser deletes its files
-and adopts the winner's record.
+Closing first screens the round's valid contributions (``screen``): a delta whose norm
+per step is an outlier (``gmjax.core.guards.outliers``: more than ``OUTLIER_FACTOR``
+times the lower median of the others') is rejected, and tokens per step above that
+factor times the others' lower median are clamped (and recorded). It then runs the core
+aggregator (weighted mean, outer step, publish); an outer step whose result is not finite
+is skipped (recorded as ``skipped``: the version commits with Θ and the outer state
+unchanged). It saves the new state with Orbax and the update file, and only then creates
+the commit record exclusively: whoever races, one commit per version exists; a loser
+deletes its files and adopts the winner's record.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 import uuid
 from typing import Any
 
+import numpy as np
+
+from gmjax.core import guards
 from gmjax.core.records import Contribution, FragmentState
 from gmjax.core.schedule import Estimates
 from gmjax.core.codec import layout as payload_layout
 from gmjax.mail import contributions
 from gmjax.mail import layout
+from gmjax.mail import recovery
 from gmjax.mail import states
-from gmjax.mail.errors import ContributionRejected
+from gmjax.mail.errors import ContributionRejected, CorruptRecord
 from gmjax.mail.heartbeats import Roster
 from gmjax.mail.manifest import Manifest, utc_now
-from gmjax.mail.store import Store
+from gmjax.mail.store import BadObject, Store
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +67,8 @@ class Watch:
   found: dict[str, Contribution | ContributionRejected] = dataclasses.field(
       default_factory=dict)
   listed: set[str] = dataclasses.field(default_factory=set)  # seen, not yet validated
+  norms: dict[str, float] = dataclasses.field(default_factory=dict)  # per step, by learner
+  clamped: list[dict[str, Any]] = dataclasses.field(default_factory=list)
   opened: float | None = None
   opened_at: str | None = None
   quorum_seen: float | None = None
@@ -97,11 +109,13 @@ class Closer:
     self.estimates = Estimates()
     self._estimates_round = -1
     self._aggregators = {}
-    self._payload_schemas = {}
+    self._schemas = {}
+    self._max_bytes = {}
     for fragment, names in enumerate(manifest.plan):
       self._aggregators[fragment] = manifest.config.aggregator(manifest.schema, names)
-      self._payload_schemas[fragment] = payload_layout(
-          manifest.schema.subset(names), manifest.config.delta_precision)
+      self._schemas[fragment] = manifest.schema.subset(names)
+      self._max_bytes[fragment] = contributions.max_bytes(payload_layout(
+          self._schemas[fragment], manifest.config.delta_precision))
 
   def timeout(self) -> float:
     return self.estimates.timeout(self.poll_interval)
@@ -144,19 +158,66 @@ class Closer:
     for entry in entries:
       watch.listed.discard(entry)
       try:
-        data = self.store.get(f"{layout.round_dir(watch.round)}/{entry}")
-      except (FileNotFoundError, IsADirectoryError):
-        continue
-      try:
-        found = contributions.loads(
-            data, file_name=entry, round_=watch.round, fragment=watch.fragment,
-            base_version=watch.version - 1,
-            payload_schema=self._payload_schemas[watch.fragment],
-            precision=self.manifest.config.delta_precision, known=known, key=self.key)
+        found = self._validate(watch, entry, known)
+      except FileNotFoundError:
+        continue  # gone since the listing (or a prefix, not an object, on object stores)
       except ContributionRejected as rejected:
         log.warning("round %d: %s", watch.round, rejected)
         found = rejected
       watch.found[entry] = found
+
+  def _validate(self, watch: Watch, entry: str, known: set[str]) -> Contribution:
+    """Reads (within the size the layout implies) and checks one contribution."""
+    name = contributions.label(contributions.learner_of(entry))
+    try:
+      data = self.store.read(f"{layout.round_dir(watch.round)}/{entry}",
+                             self._max_bytes[watch.fragment])
+    except BadObject as error:
+      raise ContributionRejected(name, f"unreadable file: {error.reason}") from None
+    checked = contributions.check(
+        data, file_name=entry, round_=watch.round, fragment=watch.fragment,
+        base_version=watch.version - 1, schema=self._schemas[watch.fragment],
+        precision=self.manifest.config.delta_precision, known=known, key=self.key,
+        max_steps=self.schedule.sync_every)
+    watch.norms[checked.contribution.learner] = checked.norm_per_step
+    watch.clamped.extend(checked.clamped)
+    return checked.contribution
+
+  def screen(self, watch: Watch) -> tuple[list[Contribution], list[ContributionRejected],
+                                          list[dict[str, Any]]]:
+    """The round's contributions as they are aggregated: outliers rejected, tokens clamped.
+
+    Returns:
+      ``(valid, rejected, clamped)``: the contributions to aggregate (sorted by learner,
+      tokens clamped), every rejection (outliers included) and every clamp, as the round
+      record lists them.
+    """
+    valid = sorted(watch.valid, key=lambda c: c.learner)
+    rejected = list(watch.rejected)
+    clamped = [c for c in watch.clamped if c["learner"] in {v.learner for v in valid}]
+    norms = np.asarray([watch.norms[c.learner] for c in valid], np.float64)
+    references = guards.reference(norms)
+    kept = []
+    for contribution, norm, reference, outlier in zip(
+        valid, norms, references, guards.outliers(norms, guards.OUTLIER_FACTOR)):
+      if outlier:
+        rejected.append(ContributionRejected(
+            contribution.learner,
+            f"delta norm per step {norm:.3g} is an outlier: more than"
+            f" {guards.OUTLIER_FACTOR:g}x {reference:.3g}, the lower median of the others'"))
+        log.warning("round %d: %s", watch.round, rejected[-1])
+      else:
+        kept.append(contribution)
+    per_step = np.asarray([c.tokens / c.steps for c in kept], np.float64)
+    valid = []
+    for contribution, reference in zip(kept, guards.reference(per_step)):
+      cap = guards.OUTLIER_FACTOR * reference * contribution.steps
+      if not math.isnan(reference) and contribution.tokens > cap:
+        clamped.append({"learner": contribution.learner, "field": "tokens",
+                        "reported": contribution.tokens, "used": int(cap)})
+        contribution = dataclasses.replace(contribution, tokens=int(cap))
+      valid.append(contribution)
+    return valid, rejected, clamped
 
   def designated(self, watch: Watch, roster: Roster) -> bool:
     """Whether this observer is the designated closer of ``watch`` for the live set now."""
@@ -199,9 +260,12 @@ class Closer:
       return held
     try:
       record = states.read_commit(self.store, fragment, version, self.key)
+      state = states.load_state(self.store, record)
+    except (states.DamagedCommit, CorruptRecord) as error:
+      _, state = recovery.repair(self.store, self.manifest, fragment, version, self.key,
+                                 repr(error))
     except FileNotFoundError:
       return None
-    state = states.load_state(self.store, record)
     self.states[fragment] = state
     return state
 
@@ -215,8 +279,17 @@ class Closer:
     state = self.base_state(watch.fragment, watch.version - 1)
     if state is None:
       return None
-    valid = sorted(watch.valid, key=lambda c: c.learner)
-    result = self._aggregators[watch.fragment].close_round(state, valid)
+    valid, rejected, clamped = self.screen(watch)
+    aggregator = self._aggregators[watch.fragment]
+    result = aggregator.close_round(state, valid)
+    participants = result.participants
+    skipped = None
+    if valid and not _finite(result):
+      # Finite deltas can still overflow the outer step (a sum near the F32 maximum);
+      # commit the version with the fragment unchanged, so the run goes on.
+      skipped = "the outer step's result is not finite: Θ and the outer state are unchanged"
+      log.warning("round %d: %s", watch.round, skipped)
+      result = aggregator.close_round(state, [])
     nonce = uuid.uuid4().hex[:12]
     files = states.save_state(self.store, watch.fragment, result.state, nonce)
     if result.update is not None:
@@ -232,19 +305,20 @@ class Closer:
     quorum_seconds = None
     if watch.opened is not None and watch.closable_since is not None:
       quorum_seconds = max(0.0, watch.closable_since - watch.opened)
-    step_seconds = [c.step_seconds for c in valid if c.step_seconds > 0]
+    # The lower median: one learner's report cannot move the run's timeouts.
+    step_seconds = sorted(c.step_seconds for c in valid if c.step_seconds > 0)
     estimates = self.estimates.updated(
-        step=sum(step_seconds) / len(step_seconds) if step_seconds else None,
+        step=step_seconds[(len(step_seconds) - 1) // 2] if step_seconds else None,
         quorum=quorum_seconds, sync=sync_seconds)
     record = {
         "round": watch.round,
         "fragment": watch.fragment,
         "version": result.state.version,
         "step": self.schedule.step_of(watch.round),
-        "participants": [p.to_json() for p in result.participants],
-        "rejected": [{"learner": r.learner, "reason": r.reason} for r in watch.rejected],
+        "participants": [p.to_json() for p in participants],
+        "rejected": [{"learner": r.learner, "reason": r.reason} for r in rejected],
         "final": sorted(c.learner for c in valid if c.final),
-        "outer_step": bool(valid),
+        "outer_step": bool(valid) and skipped is None,
         "cosine": result.cosine,
         "estimates": estimates.to_json(),
         "live": sorted(roster.live_for(watch.round, self.liveness_timeout())),
@@ -263,6 +337,10 @@ class Closer:
     }
     if not valid:
       record["note"] = "no valid contribution: no outer step, the fragment is unchanged"
+    if skipped is not None:
+      record["skipped"] = skipped
+    if clamped:
+      record["clamped"] = clamped
     if states.write_commit(self.store, record, self.key):
       self.states[watch.fragment] = result.state
       self.observe(record)
@@ -271,3 +349,10 @@ class Closer:
       return record
     states.remove_state(self.store, files)
     return states.read_commit(self.store, watch.fragment, watch.version, self.key)
+
+
+def _finite(result) -> bool:
+  """Whether every array of the round's new state (and update) is finite."""
+  parts = [result.state.theta, result.state.outer, result.update or {}]
+  return all(np.isfinite(np.asarray(v, np.float32)).all() for part in parts
+             for v in part.values())

@@ -34,6 +34,10 @@ class CorruptRecord(ValueError):
   not parse."""
 
 
+class UnsupportedStorage(ValueError):
+  """The run's URL names a storage protocol whose exclusive create is not atomic."""
+
+
 class StorageUnavailable(TimeoutError):
   """A storage call kept failing with transient errors until its retry budget (for a
   learner, the run's timeout) ran out; the last error is its ``__cause__``."""

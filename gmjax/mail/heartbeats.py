@@ -8,58 +8,175 @@ holds a learner dead once that is older than the run's timeout.
 Who is live for round ``r``: a ``live`` learner whose ``first_round <= r``, and a
 ``closing`` learner for the rounds in its ``final_rounds``; in both cases only while its
 heartbeat is fresh.
+
+A heartbeat is untrusted: it is read with a size bound (``MAX_HEARTBEAT_BYTES``) and
+checked field by field (``parse``); with a run key it must carry a valid HMAC-SHA256
+signature (``signing.sign_record``). A heartbeat that fails is ignored (its learner is
+neither known nor live) and reported: logged once per reason, and listed by
+``Roster.bad`` and ``run.status()["bad_heartbeats"]``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
+from gmjax.core.guards import quote
 from gmjax.mail import layout
-from gmjax.mail.store import Store
+from gmjax.mail import signing
+from gmjax.mail.store import BadObject, Store
 
 log = logging.getLogger(__name__)
 
 LIVE, CLOSING, CLOSED = "live", "closing", "closed"
+MAX_HEARTBEAT_BYTES = 1 << 20
+"""A learner's heartbeat takes a few hundred bytes, plus a few per fragment."""
+MAX_COUNT = 2**53
+"""Rounds, steps and sequence numbers stay below this (exact as JSON numbers anywhere)."""
+MAX_TEXT = 256  # status, host, times: short strings
 
 
-def read_all(store: Store) -> dict[str, dict[str, Any]]:
-  """Every learner's heartbeat by name; unreadable ones are skipped (and logged)."""
-  records = {}
+class BadHeartbeat(ValueError):
+  """A heartbeat that is malformed, unsigned or forged; ``reason`` says which."""
+
+  def __init__(self, name: str, reason: str):
+    super().__init__(f"heartbeat of {name} ignored: {reason}")
+    self.name = name
+    self.reason = reason
+
+
+def dumps(record: Mapping[str, Any], key: bytes | None) -> bytes:
+  """A heartbeat's bytes, signed when the run has a key."""
+  record = {k: v for k, v in record.items() if k != signing.SIGNATURE}
+  if key is not None:
+    record[signing.SIGNATURE] = signing.sign_record(key, record)
+  return json.dumps(record).encode()
+
+
+def _count(record: Mapping[str, Any], field: str, name: str) -> None:
+  value = record[field]
+  if type(value) is not int or not 0 <= value < MAX_COUNT:  # bool is no count
+    raise BadHeartbeat(name, f"{field}={quote(value)} is not an int in [0, 2**53)")
+
+
+def parse(name: str, data: bytes, key: bytes | None) -> dict[str, Any]:
+  """The heartbeat ``learners/<name>.json``, checked.
+
+  Required: ``name`` (this file's), ``status`` (a short string: ``live``, ``closing``,
+  ``closed`` or another word that counts as not live) and ``seq``; when present,
+  ``first_round``, ``step`` (ints in ``[0, 2**53)``), ``final_rounds`` (a list of such
+  ints), ``versions`` (fragment -> version), ``loss`` (a number or null) and short strings
+  for the times and host. Other fields are kept as they are.
+
+  Raises:
+    BadHeartbeat: with the reason it is ignored.
+  """
+  try:
+    record = json.loads(data.decode("utf-8"))
+  except (ValueError, RecursionError) as error:  # bad UTF-8 or JSON, nesting, huge ints
+    raise BadHeartbeat(name, f"not JSON: {quote(str(error))}") from None
+  if not isinstance(record, dict):
+    raise BadHeartbeat(name, f"not a JSON object but {type(record).__name__}")
+  if key is not None and not signing.record_signature_ok(key, record):
+    raise BadHeartbeat(name, "bad or missing HMAC-SHA256 signature")
+  for field in ("name", "status", "seq"):
+    if field not in record:
+      raise BadHeartbeat(name, f"no {field!r} field")
+  if record["name"] != name:
+    raise BadHeartbeat(name, f"name={quote(record['name'])} is not its file's")
+  for field in ("status", "last_seen", "joined_at", "closed_at", "host"):
+    value = record.get(field, "")
+    if not isinstance(value, str) or len(value) > MAX_TEXT:
+      raise BadHeartbeat(name, f"{field}={quote(value)} is not a short string")
+  for field in ("seq", "first_round", "step"):
+    if field in record:
+      _count(record, field, name)
+  rounds = record.get("final_rounds", [])
+  if not isinstance(rounds, list) or not all(
+      type(r) is int and 0 <= r < MAX_COUNT for r in rounds):
+    raise BadHeartbeat(name, f"final_rounds={quote(rounds)} is not a list of rounds")
+  versions = record.get("versions", {})
+  if not isinstance(versions, dict) or not all(
+      type(v) is int and 0 <= v < MAX_COUNT for v in versions.values()):
+    raise BadHeartbeat(name, f"versions={quote(versions)} is not fragment -> version")
+  loss = record.get("loss")
+  if loss is not None and type(loss) not in (int, float):  # NaN and inf are losses too
+    raise BadHeartbeat(name, f"loss={quote(loss)} is not a number")
+  return record
+
+
+@dataclasses.dataclass(frozen=True)
+class Heartbeats:
+  """What one read of ``learners/`` found: valid heartbeats, and why others were ignored.
+
+  Attributes:
+    records: heartbeats by learner name.
+    bad: reasons by (quoted) file name, for heartbeats that were ignored.
+  """
+
+  records: dict[str, dict[str, Any]]
+  bad: dict[str, str]
+
+
+def scan(store: Store, key: bytes | None = None) -> Heartbeats:
+  """Reads and checks every heartbeat of the run."""
+  records, bad = {}, {}
   for entry in store.list("learners"):
     if not entry.endswith(".json"):
       continue
     name = entry[: -len(".json")]
     if not layout.is_valid_name(name):
+      bad[quote(name)] = f"not a valid learner name ({layout.NAME_PATTERN.pattern})"
       continue
     try:
-      record = json.loads(store.get(layout.heartbeat(name)))
+      records[name] = parse(name, store.read(layout.heartbeat(name), MAX_HEARTBEAT_BYTES),
+                            key)
     except FileNotFoundError:
-      continue  # removed between list and get
-    except ValueError as error:
-      log.warning("heartbeat of %r does not parse, ignoring it: %r", name, error)
-      continue
-    if isinstance(record, dict):
-      records[name] = record
-  return records
+      continue  # removed between list and read
+    except BadObject as error:
+      bad[name] = error.reason
+    except BadHeartbeat as error:
+      bad[name] = error.reason
+  return Heartbeats(records, bad)
+
+
+def read_all(store: Store, key: bytes | None = None) -> dict[str, dict[str, Any]]:
+  """Every learner's valid heartbeat by name; ignored ones are logged."""
+  found = scan(store, key)
+  for name, reason in found.bad.items():
+    log.warning("heartbeat of %s ignored: %s", name, reason)
+  return found.records
 
 
 class Roster:
-  """An observer's view of the learners: their heartbeats and when each last changed."""
+  """An observer's view of the learners: their heartbeats and when each last changed.
 
-  def __init__(self, store: Store):
+  Attributes:
+    records: valid heartbeats by name.
+    bad: why the others were ignored, by (quoted) name.
+  """
+
+  def __init__(self, store: Store, key: bytes | None = None):
     self._store = store
+    self._key = key
     self.records: dict[str, dict[str, Any]] = {}
+    self.bad: dict[str, str] = {}
     self._changed: dict[str, tuple[Any, float]] = {}
     self.refreshed = float("-inf")
 
   def refresh(self) -> None:
     now = time.monotonic()
-    self.records = read_all(self._store)
+    found = scan(self._store, self._key)
+    for name, reason in found.bad.items():
+      if self.bad.get(name) != reason:  # once per reason, not once per poll
+        log.warning("heartbeat of %s ignored: %s", name, reason)
+    self.records, self.bad = found.records, found.bad
     for name, record in self.records.items():
-      seq = (record.get("seq"), record.get("status"))
+      seq = (record["seq"], record["status"])
       if name not in self._changed or self._changed[name][0] != seq:
         self._changed[name] = (seq, now)
     self.refreshed = now
@@ -74,16 +191,16 @@ class Roster:
     for name, record in self.records.items():
       if not self.fresh(name, timeout):
         continue
-      status = record.get("status")
-      if status == LIVE and int(record.get("first_round", 0)) <= round_:
+      status = record["status"]
+      if status == LIVE and record.get("first_round", 0) <= round_:
         live.add(name)
-      elif status == CLOSING and round_ in (record.get("final_rounds") or ()):
+      elif status == CLOSING and round_ in record.get("final_rounds", ()):
         live.add(name)
     return live
 
   def live_count(self, timeout: float) -> int:
     return sum(1 for name, record in self.records.items()
-               if record.get("status") == LIVE and self.fresh(name, timeout))
+               if record["status"] == LIVE and self.fresh(name, timeout))
 
   @property
   def known(self) -> set[str]:

@@ -9,6 +9,7 @@
   <run>/fragments/<f>/<v>-<nonce>/theta.safetensors    its Θ alone, for learners
   <run>/fragments/<f>/<v>-<nonce>.update.safetensors
   <run>/fragments/<f>/<v>.commit.json              the round record: the commit
+  <run>/fragments/<f>/<v>.commit-<k>.json          supersedes damaged earlier records of v
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ FORMAT = "gmjax/1"
 MANIFEST = "manifest.json"
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _COMMIT = re.compile(r"(0|[1-9][0-9]*)\.commit\.json")
+_SUPERSEDING = re.compile(r"(0|[1-9][0-9]*)\.commit-([1-9][0-9]*)\.json")
 CONTRIBUTION_SUFFIX = ".safetensors"
 
 
@@ -77,3 +79,22 @@ def commit_version(entry: str) -> int | None:
   """The version a ``<v>.commit.json`` entry names, or None for other entries."""
   match = _COMMIT.fullmatch(entry)
   return int(match.group(1)) if match else None
+
+
+def commit_slot(fragment: int, version: int, slot: int) -> str:
+  """Slot 0 is the commit; slot ``k > 0`` is created only once slots ``< k`` are damaged."""
+  if slot == 0:
+    return commit(fragment, version)
+  return f"fragments/{fragment}/{version}.commit-{slot}.json"
+
+
+def slot_version(entry: str) -> int | None:
+  """The version a commit or superseding record names, or None for other entries."""
+  match = _COMMIT.fullmatch(entry) or _SUPERSEDING.fullmatch(entry)
+  return int(match.group(1)) if match else None
+
+
+def state_version(entry: str) -> int | None:
+  """The version of a ``<v>-<nonce>`` state directory or update file entry, else None."""
+  head, sep, _ = entry.partition("-")
+  return int(head) if sep and head.isdigit() and "commit" not in entry else None

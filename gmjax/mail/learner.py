@@ -37,9 +37,10 @@ from gmjax.core.schema import Schema
 from gmjax.mail import contributions
 from gmjax.mail import heartbeats
 from gmjax.mail import layout
+from gmjax.mail import recovery
 from gmjax.mail import states
 from gmjax.mail.closer import HEARTBEAT_POLLS, Closer, Watch
-from gmjax.mail.errors import LearnerClosed, RoundTimeout
+from gmjax.mail.errors import CorruptRecord, LearnerClosed, RoundTimeout
 from gmjax.mail.heartbeats import Roster
 from gmjax.mail.manifest import utc_now
 
@@ -69,7 +70,7 @@ class _Worker:
     self.learner = learner
     self.store = learner.store
     self.closer = learner.closer
-    self.roster = Roster(learner.store)
+    self.roster = Roster(learner.store, learner.key)
     self.known = _Known(self.roster)
     self.jobs: queue.Queue = queue.Queue()
     self.watches: dict[int, Watch] = {}
@@ -232,7 +233,12 @@ class _Worker:
         log.warning("rebuilt Θ of fragment %d version %d differs from the closer's;"
                     " reading the committed Θ instead", fragment, version)
     if theta is None:
-      theta = states.load_theta(self.store, record)
+      try:
+        theta = states.load_theta(self.store, record)
+      except CorruptRecord as error:  # a damaged state: supersede it (recovery.repair)
+        _, state = recovery.repair(self.store, self.learner.manifest, fragment, version,
+                                   self.learner.key, repr(error))
+        theta = dict(state.theta)
     self.thetas[fragment] = (version, theta)
     return theta
 
@@ -319,9 +325,7 @@ class Learner:
       self._heartbeat["seq"] += 1
       self._heartbeat["last_seen"] = utc_now()
       self._heartbeat["versions"] = {str(f): v for f, v in self._versions.items()}
-      import json  # pylint: disable=g-import-not-at-top
-
-      data = json.dumps(self._heartbeat).encode()
+      data = heartbeats.dumps(self._heartbeat, self.key)  # signed with the run's key
       # A periodic beat (the step count alone) is superseded within a few polls and
       # stale after a machine crash anyway: no fsync, which would also flush the large
       # files being written alongside. Beats that say more (joined, closing, closed) are.
@@ -497,7 +501,7 @@ class Learner:
       due = None
     else:
       due = self.step_count + self.schedule.overlap_steps
-    if self.store.exists(layout.commit(fragment, version)):
+    if states.is_committed(self.store, fragment, version, self.key):
       log.info("learner %r: round %d closed before it got there; merging it", self.name,
                round_)
     else:

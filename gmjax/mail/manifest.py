@@ -1,4 +1,11 @@
-"""The run's manifest: format, schema, algorithm configuration, fragment plan and auth."""
+"""The run's manifest: format, schema, algorithm configuration, fragment plan and auth.
+
+A keyed run's manifest carries ``signature``: HMAC-SHA256 with the run's key over the
+canonical JSON of every other field as stored, so a changed learning rate, schedule,
+precision, plan or schema (or a removed signature) is refused with
+``AuthenticationError`` when the run is opened, joined or created again. An unkeyed
+run's manifest has no signature and is trusted like its storage.
+"""
 
 from __future__ import annotations
 
@@ -31,18 +38,28 @@ class Manifest:
   plan: tuple[tuple[str, ...], ...]
   auth: dict[str, str] | None = None
   created_at: str = ""
+  # The fields as stored (with the signature), which the signature is checked over.
+  stored: dict[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
 
   @classmethod
   def new(cls, schema: Schema, config: DiLoCo, key: bytes | None) -> Self:
-    return cls(
+    manifest = cls(
         schema=Schema(schema.parameters),
         config=config,
         plan=tuple(tuple(names) for names in config.plan(schema)),
         auth=None if key is None else signing.new_auth(key),
         created_at=utc_now(),
     )
+    record = manifest.to_json()
+    if key is not None:
+      # Signed over the JSON as it will be parsed back, so readers check the same bytes.
+      record = json.loads(json.dumps(record))
+      record[signing.SIGNATURE] = signing.sign_record(key, record)
+    return dataclasses.replace(manifest, stored=record)
 
   def to_json(self) -> dict[str, Any]:
+    if self.stored is not None:
+      return dict(self.stored)
     return {
         "format": layout.FORMAT,
         "schema": self.schema.to_json(),
@@ -64,12 +81,15 @@ class Manifest:
             f"manifest format is {record.get('format')!r}, this gmjax reads"
             f" {layout.FORMAT!r}"
         )
+      if record.get("auth") is not None and not isinstance(record["auth"], dict):
+        raise CorruptRecord(f"manifest auth is {type(record['auth']).__name__}, not an object")
       return cls(
           schema=Schema.from_json(record["schema"]),
           config=DiLoCo.from_json(record["algorithm"]),
           plan=tuple(tuple(str(n) for n in names) for names in record["plan"]),
           auth=record.get("auth"),
           created_at=str(record.get("created_at", "")),
+          stored=record,
       )
     except CorruptRecord:
       raise
@@ -86,7 +106,7 @@ class Manifest:
     if self.plan != other.plan:
       differences.append("plan")
     if (self.auth is None) != (key is None) or (
-        key is not None and not signing.key_matches(self.auth, key)):
+        key is not None and not self.key_matches(key)):
       differences.append("key")
     return differences
 
@@ -101,10 +121,31 @@ class Manifest:
       return
     if key is None:
       raise AuthenticationError(
-          f"run {url!r} is signed with {self.auth.get('scheme')}; pass its key with key=."
+          f"run {url!r} is signed with"
+          f" {self.auth.get('scheme') if isinstance(self.auth, dict) else 'a key'};"
+          " pass its key with key=."
       )
-    if not signing.key_matches(self.auth, key):
+    if not self.key_matches(key):
       raise AuthenticationError(f"key= is not the key of run {url!r}.")
+    self.check_signature(key, url)
+
+  def key_matches(self, key: bytes) -> bool:
+    """Whether this keyed manifest's auth check accepts ``key``."""
+    return isinstance(self.auth, dict) and "salt" in self.auth and signing.key_matches(
+        self.auth, key)
+
+  def check_signature(self, key: bytes, url: str) -> None:
+    """Raises AuthenticationError unless the stored fields verify under ``key``."""
+    stored = self.stored if self.stored is not None else self.to_json()
+    if signing.SIGNATURE not in stored:
+      raise AuthenticationError(
+          f"the manifest of keyed run {url!r} carries no signature: it was edited (or"
+          " written by a gmjax that did not sign manifests); recreate the run.")
+    if not signing.record_signature_ok(key, stored):
+      raise AuthenticationError(
+          f"the manifest of run {url!r} does not match its signature: it was edited"
+          " after the run was created (schema, algorithm, plan or another field);"
+          " restore it or recreate the run.")
 
   @property
   def schedule(self):

@@ -22,7 +22,7 @@ from gmjax.mail import heartbeats
 from gmjax.mail import layout
 from gmjax.mail import signing
 from gmjax.mail import states
-from gmjax.mail.errors import RunExists, RunNotFound
+from gmjax.mail.errors import AuthenticationError, CorruptRecord, RunExists, RunNotFound
 from gmjax.mail.manifest import Manifest, utc_now
 from gmjax.mail.store import Store, open_store
 
@@ -75,6 +75,14 @@ class Run:
     from gmjax.mail.learner import Learner  # pylint: disable=g-import-not-at-top
 
     layout.check_name(name)
+    if self.key is not None:
+      # The manifest may have changed on storage since this run was opened.
+      stored = _read_manifest(self.store, self.url)
+      stored.check_key(self.key, self.url)
+      if stored != self.manifest:
+        raise AuthenticationError(
+            f"the manifest of run {self.url!r} changed since it was opened; open the"
+            " run again.")
     return Learner(self, name, poll_interval=poll_interval, wait_timeout=wait_timeout)
 
   def newest_versions(self) -> dict[int, int]:
@@ -85,7 +93,18 @@ class Run:
       if not versions:
         raise RunNotFound(f"run {self.url!r} has no version 0 of fragment {fragment};"
                           " it was not created completely: create it again.")
-      newest[fragment] = versions[-1]
+      # The newest version with an intact record; a version whose records are all
+      # damaged counts as not committed (its round is closed again, see recovery).
+      for version in reversed(versions):
+        try:
+          states.read_commit(self.store, fragment, version, self.key)
+        except FileNotFoundError:
+          continue
+        newest[fragment] = version
+        break
+      else:
+        raise CorruptRecord(f"run {self.url!r}: every commit of fragment {fragment} is"
+                            " damaged; create the run again.")
     return newest
 
   def commit_step(self, fragment: int, version: int) -> int:
@@ -104,24 +123,28 @@ class Run:
     for fragment in range(len(self.plan)):
       for version in states.committed_versions(self.store, fragment):
         if version > 0:
-          record = self.commit(fragment, version)
+          try:
+            record = dict(self.commit(fragment, version))
+          except FileNotFoundError:
+            continue  # damaged (logged): not a committed round until superseded
           record.pop(signing.SIGNATURE, None)
           records.append(record)
     return sorted(records, key=lambda r: r["round"])
 
   def learners(self) -> dict[str, dict[str, Any]]:
     """Every learner's latest heartbeat, by name."""
-    return heartbeats.read_all(self.store)
+    return heartbeats.read_all(self.store, self.key)
 
   def status(self) -> dict[str, Any]:
     """A summary: fragments and their versions, rounds, estimates and learners."""
     rounds = self.rounds()
-    estimates = rounds[-1]["estimates"] if rounds else {}
+    estimates = (rounds[-1].get("estimates") or {}) if rounds else {}
     from gmjax.core.schedule import Estimates  # pylint: disable=g-import-not-at-top
 
     now = datetime.datetime.now(datetime.timezone.utc)
     learners = []
-    for name, record in sorted(self.learners().items()):
+    found = heartbeats.scan(self.store, self.key)
+    for name, record in sorted(found.records.items()):
       age = None
       try:
         age = (now - datetime.datetime.fromisoformat(record["last_seen"])).total_seconds()
@@ -150,6 +173,7 @@ class Run:
         "estimates": estimates,
         "timeout_seconds": Estimates.from_json(estimates).timeout(0.0) or None,
         "learners": learners,
+        "bad_heartbeats": [{"learner": n, "reason": r} for n, r in sorted(found.bad.items())],
     }
 
   def __repr__(self) -> str:
@@ -187,6 +211,8 @@ def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = N
   manifest = Manifest.new(schema, config, key)
   if not store.create(layout.MANIFEST, manifest.dumps()):
     existing = _read_manifest(store, url)
+    if key is not None and existing.key_matches(key):
+      existing.check_signature(key, url)
     differences = existing.same_run(manifest, key)
     if differences:
       raise RunExists(

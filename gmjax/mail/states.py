@@ -37,9 +37,17 @@ import numpy as np
 from gmjax.core import payload
 from gmjax.core.records import FragmentState
 from gmjax.mail import layout
-from gmjax.mail import signing
-from gmjax.mail.errors import AuthenticationError, CorruptRecord
+from gmjax.mail.errors import CorruptRecord
 from gmjax.mail.store import Store
+# The commit records, here for the modules that read states and commits together.
+from gmjax.mail.commits import DamagedCommit as DamagedCommit  # pylint: disable=g-bad-import-order
+from gmjax.mail.commits import commit_slots as commit_slots
+from gmjax.mail.commits import committed_versions as committed_versions
+from gmjax.mail.commits import is_committed as is_committed
+from gmjax.mail.commits import read_commit as read_commit
+from gmjax.mail.commits import record_problem as record_problem
+from gmjax.mail.commits import remove_orphans as remove_orphans
+from gmjax.mail.commits import write_commit as write_commit
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +121,24 @@ def _file_digests(directory: str) -> dict[str, str]:
 
 
 def _fsync_tree(directory: str) -> None:
-  for root, _, files in os.walk(directory):
+  """fsyncs every file and directory under ``directory``, then its parent: a file's
+  data, and the directory entries that name it, are on disk before the commit is."""
+  for root, _, files in os.walk(directory, topdown=False):
     for name in files:
       with open(os.path.join(root, name), "rb") as f:
         os.fsync(f.fileno())
+    _fsync_dir(root)
+  _fsync_dir(os.path.dirname(directory))
+
+
+def _fsync_dir(directory: str) -> None:
+  fd = os.open(directory, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  except OSError as error:  # some filesystems refuse fsync on a directory
+    log.debug("fsync of directory %s failed: %r", directory, error)
+  finally:
+    os.close(fd)
 
 
 def save_state(store: Store, fragment: int, state: FragmentState, nonce: str
@@ -256,40 +278,6 @@ def load_update(store: Store, record: Mapping[str, Any]) -> dict[str, np.ndarray
   data = store.get_verified(rel, (record.get("sha256") or {}).get("update") or "")
   entries, _ = payload.loads(data)
   return entries
-
-
-def write_commit(store: Store, record: dict[str, Any], key: bytes | None) -> bool:
-  """Creates the commit record exclusively; True if this call made the commit."""
-  if key is not None:
-    record = {**record, signing.SIGNATURE: signing.sign_record(key, record)}
-  path = layout.commit(record["fragment"], record["version"])
-  return store.create(path, json.dumps(record, indent=1).encode())
-
-
-def read_commit(store: Store, fragment: int, version: int, key: bytes | None
-                ) -> dict[str, Any]:
-  """The commit record of ``version`` of ``fragment``; FileNotFoundError if uncommitted.
-
-  Raises:
-    CorruptRecord: it does not parse. AuthenticationError: its signature is wrong.
-  """
-  path = layout.commit(fragment, version)
-  data = store.get(path)
-  try:
-    record = json.loads(data)
-  except ValueError as error:
-    raise CorruptRecord(f"{path} is not JSON: {error}") from error
-  if not isinstance(record, dict) or record.get("version") != version or record.get(
-      "fragment") != fragment:
-    raise CorruptRecord(f"{path} does not describe version {version} of fragment {fragment}")
-  if key is not None and not signing.record_signature_ok(key, record):
-    raise AuthenticationError(f"{path} is not signed with the run's key")
-  return record
-
-
-def committed_versions(store: Store, fragment: int) -> list[int]:
-  versions = (layout.commit_version(e) for e in store.list(layout.fragment_dir(fragment)))
-  return sorted(v for v in versions if v is not None)
 
 
 def remove_state(store: Store, fragment_record: Mapping[str, Any]) -> None:

@@ -14,26 +14,41 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
   return lines
 
 
+def _number(value: Any, digits: int) -> str | None:
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    return None if value is None else repr(value)[:20]
+  return f"{float(value):.{digits}f}"
+
+
 def _seconds(value: Any) -> str | None:
-  return None if value is None else f"{float(value):.2f}"
+  return _number(value, 2)
 
 
-def format_status(run, *, last: int | None = 50) -> str:
+def format_status(run, *, last: int | None = 50, problems: Sequence[str] | None = None
+                  ) -> str:
   """The run's summary, its rounds (the ``last`` ones; None for all) and its learners.
 
   Args:
     run: a ``gmjax.mail.Run`` (``gmjax.mail.open(url)``).
     last: how many of the newest rounds to list.
+    problems: what ``gmjax.mail.verify`` found; None runs its quick check (records, and
+      the newest version's files). A damaged run says so first.
 
   Returns:
     Text: a header, a rounds table (round, fragment, version, step, participants with
     their weights, rejected, cosine, quorum and sync seconds, closer, commit time) and a
     learners table (status, step, versions, loss, seconds since the last heartbeat).
   """
+  if problems is None:
+    from gmjax.mail.verify import verify  # pylint: disable=g-import-not-at-top
+
+    problems = verify(run, deep=False)
   status = run.status()
   rounds = run.rounds()
   shown = rounds if last is None else rounds[-last:]
-  lines = [
+  lines = [f"DAMAGED: {len(problems)} problem(s)"] + [f"  {p}" for p in problems] + [
+      ""] if problems else []
+  lines += [
       f"run {status['run']}: {status['parameters']:,} parameters in {status['leaves']}"
       f" leaves, {status['fragments']} fragment(s), sync every {status['sync_every']}"
       f" steps{', signed' if status['signed'] else ''}",
@@ -43,12 +58,16 @@ def format_status(run, *, last: int | None = 50) -> str:
   ]
   rows = []
   for r in shown:
-    participants = " ".join(f"{p['learner']}:{p['weight']:.3f}" for p in r["participants"])
-    rejected = " ".join(f"{x['learner']}({x['reason'][:40]})" for x in r.get("rejected", []))
+    participants = " ".join(f"{p.get('learner')}:{_number(p.get('weight'), 3)}"
+                            for p in r["participants"] if isinstance(p, dict))
+    rejected = " ".join(f"{x.get('learner')}({str(x.get('reason'))[:40]})"
+                        for x in r.get("rejected", []) if isinstance(x, dict))
+    if r.get("repair"):
+      participants = f"(repaired from version {r['repair'].get('from_version')})"
     rows.append([
         r["round"], r["fragment"], r["version"], r["step"], len(r["participants"]),
         participants or "(none: no outer step)", rejected or None,
-        None if r.get("cosine") is None else f"{r['cosine']:.4f}",
+        _number(r.get("cosine"), 4),
         _seconds(r.get("quorum_seconds")), _seconds(r.get("sync_seconds")),
         r.get("closer"), r.get("committed_at"),
     ])
@@ -63,7 +82,7 @@ def format_status(run, *, last: int | None = 50) -> str:
   learner_rows = [
       [l["name"], l["status"], l["step"], l["first_round"],
        " ".join(f"{f}:{v}" for f, v in sorted((l.get("versions") or {}).items())) or None,
-       None if l.get("loss") is None else f"{l['loss']:.4f}",
+       _number(l.get("loss"), 4),
        _seconds(l["seconds_since_seen"])]
       for l in status["learners"]
   ]

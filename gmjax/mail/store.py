@@ -2,7 +2,9 @@
 
 A ``Store`` offers the few operations the mail protocol needs, each atomic: ``put``
 (the object appears complete or not at all), ``create`` (exclusive: exactly one of any
-number of racing writers succeeds), ``get``, ``list`` and ``delete``. Transient errors
+number of racing writers succeeds), ``get``, ``list`` and ``delete``; and for objects
+anyone may have planted, ``read(path, max_bytes)``, which reads at most ``max_bytes``
+(and locally only a regular file) or raises ``BadObject``. Transient errors
 (connection resets, timeouts, HTTP 429/5xx) are retried with exponential backoff and
 jitter for at most the store's retry budget, then ``StorageUnavailable`` is raised. A
 learner's store takes its budget from the run's current timeout
@@ -16,9 +18,13 @@ Exclusive create, by backend:
   ``os.link`` it to the final name, which fails if the name exists; the name never
   shows a partial file.
 * ``gs://`` (gcsfs): one upload request with ``ifGenerationMatch=0``.
+* ``s3://`` (s3fs, ``gmjax.mail.store_s3``): one ``PutObject`` with ``If-None-Match: *``.
 * ``memory://``: a lock around check-and-write (the memory filesystem lives in one
   process).
-* other fsspec URLs: the filesystem's ``mode="create"`` upload.
+
+Other fsspec URLs are refused (``UnsupportedStorage``): fsspec's generic
+``mode="create"`` is an ``exists()`` followed by a write, so two closers could both
+commit one version.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import hashlib
 import logging
 import os
 import random
+import stat
 import threading
 import time
 import uuid
@@ -38,7 +45,7 @@ from typing import Any, TypeVar
 
 import fsspec
 
-from gmjax.mail.errors import CorruptRecord, StorageUnavailable
+from gmjax.mail.errors import CorruptRecord, StorageUnavailable, UnsupportedStorage
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +55,28 @@ _MEMORY_LOCK = threading.Lock()
 _TRANSIENT_ERRNOS = frozenset(
     {errno.EAGAIN, errno.EBUSY, errno.EINTR, errno.ETIMEDOUT, errno.ECONNRESET,
      errno.ECONNABORTED, errno.ECONNREFUSED, errno.EPIPE}
+    # s3fs maps HTTP 500 (InternalError) to EREMOTEIO, 409/503 (conflict, SlowDown) to EBUSY.
+    | ({errno.EREMOTEIO} if hasattr(errno, "EREMOTEIO") else set())
 )
 _TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
 _CHUNK = 4 << 20  # read and hash in 4 MiB pieces: each is hashed while still in cache
+# URL schemes whose exclusive create is atomic and tested against a real server.
+SUPPORTED_PROTOCOLS = ("file", "memory", "gs", "gcs", "s3", "s3a")
+
+
+class BadObject(ValueError):
+  """An object ``read`` refuses: not a regular file (locally: a FIFO, a device, a
+  directory, a symbolic link), or larger than the reader's bound. Never transient.
+
+  Attributes:
+    path: the object's path in the store.
+    reason: what is wrong with it, without the path.
+  """
+
+  def __init__(self, path: str, reason: str):
+    super().__init__(f"{path} {reason}")
+    self.path = path
+    self.reason = reason
 
 
 def is_transient(error: BaseException) -> bool:
@@ -128,6 +154,17 @@ class Store(abc.ABC):
       digest.update(view[start:start + _CHUNK])
     return data
 
+  def _read(self, path: str, max_bytes: int) -> bytes:
+    """At most ``max_bytes`` of ``path``, else BadObject; backends override this to
+    stop reading at the bound (this default reads the whole object first)."""
+    data = self._get(path)
+    if len(data) > max_bytes:
+      raise BadObject(path, f"holds {len(data)} bytes, more than {max_bytes} bytes")
+    return data
+
+  def _size(self, path: str) -> int:
+    return len(self._get(path))
+
   @abc.abstractmethod
   def _list(self, prefix: str) -> list[str]:
     """The names directly under ``prefix``, sorted."""
@@ -201,6 +238,22 @@ class Store(abc.ABC):
   def get(self, path: str) -> bytes:
     """The bytes at ``path``; FileNotFoundError if there are none."""
     return self._retry("get", path, lambda: self._get(path))
+
+  def read(self, path: str, max_bytes: int) -> bytes:
+    """The bytes at ``path`` if they are at most ``max_bytes``, read with that bound.
+
+    For objects that anyone with write access may have planted (contributions,
+    heartbeats): it never blocks on a FIFO, never reads a device or past the bound.
+
+    Raises:
+      FileNotFoundError: nothing is at ``path``.
+      BadObject: ``path`` is not a regular file, or holds more than ``max_bytes``.
+    """
+    return self._retry("read", path, lambda: self._read(path, int(max_bytes)))
+
+  def size(self, path: str) -> int:
+    """The size in bytes of the object at ``path``; FileNotFoundError if there is none."""
+    return self._retry("size", path, lambda: self._size(path))
 
   def get_verified(self, path: str, sha256: str) -> bytes:
     """The bytes at ``path``, hashed as they are read and checked against ``sha256``.
@@ -315,6 +368,35 @@ class LocalStore(Store):
         chunks.append(chunk)
     return b"".join(chunks)
 
+  def _read(self, path: str, max_bytes: int) -> bytes:
+    target = self._path(path)
+    try:
+      # O_NONBLOCK: opening a FIFO must not wait for a writer; O_NOFOLLOW: the store
+      # writes no links, so a link here (to /dev/zero, say) was planted.
+      fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError as error:
+      if error.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+        raise BadObject(path, f"is not a regular file ({error.strerror})") from None
+      raise
+    try:
+      info = os.fstat(fd)
+      if not stat.S_ISREG(info.st_mode):
+        raise BadObject(path, "is not a regular file"
+                        f" (mode {stat.filemode(info.st_mode)})")
+      if info.st_size > max_bytes:
+        raise BadObject(path, f"holds {info.st_size} bytes, more than {max_bytes} bytes")
+    except BaseException:
+      os.close(fd)
+      raise
+    with os.fdopen(fd, "rb") as f:
+      data = f.read(max_bytes + 1)  # it may have grown since fstat
+    if len(data) > max_bytes:
+      raise BadObject(path, f"holds more than {max_bytes} bytes")
+    return data
+
+  def _size(self, path: str) -> int:
+    return os.stat(self._path(path)).st_size
+
   def _list(self, prefix: str) -> list[str]:
     try:
       names = os.listdir(self._path(prefix))
@@ -374,10 +456,23 @@ class FsspecStore(Store):
           raise FileExistsError(target)
         self.fs.pipe_file(target, data)
       return
+    # gcsfs sends one upload with ifGenerationMatch=0 (open_store admits no other
+    # protocol here; S3 has its own store).
     self.fs.pipe_file(target, data, mode="create")
 
   def _get(self, path: str) -> bytes:
     return self.fs.cat_file(self._path(path))
+
+  def _read(self, path: str, max_bytes: int) -> bytes:
+    # A ranged read (an HTTP Range request on object stores) that asks for one byte past
+    # the bound: a larger object shows itself without being downloaded.
+    data = self.fs.cat_file(self._path(path), start=0, end=max_bytes + 1)
+    if len(data) > max_bytes:
+      raise BadObject(path, f"holds more than {max_bytes} bytes")
+    return data
+
+  def _size(self, path: str) -> int:
+    return int(self.fs.size(self._path(path)))
 
   def _list(self, prefix: str) -> list[str]:
     target = self._path(prefix)
@@ -414,12 +509,26 @@ def open_store(url: str, *, retry_seconds: float = 30.0,
 
   Raises:
     TypeError: ``url`` is not a string.
+    UnsupportedStorage: the URL's protocol has no atomic exclusive create
+      (``SUPPORTED_PROTOCOLS`` lists those that do).
   """
   if not isinstance(url, (str, os.PathLike)):
     raise TypeError(f"url must be a path or URL string, got {type(url).__name__}: {url!r}")
   url = os.fspath(url)
-  if "://" not in url or url.startswith("file://"):
+  if "://" not in url and "::" not in url or url.startswith("file://"):
     return LocalStore(url, retry_seconds=retry_seconds)
+  protocol = url.split("://", 1)[0] if "://" in url else url.split("::", 1)[0]
+  if protocol not in SUPPORTED_PROTOCOLS:
+    raise UnsupportedStorage(
+        f"url={url!r}: protocol {protocol!r} is not supported for a run, because its"
+        " exclusive create (the commit of each version) is not known to be atomic:"
+        " fsspec's generic create is an exists() check then a write, which two closers"
+        f" can both pass. Use one of {', '.join(p + '://' for p in SUPPORTED_PROTOCOLS)}"
+        " or a local directory.")
+  if protocol in ("s3", "s3a"):
+    from gmjax.mail.store_s3 import S3Store  # pylint: disable=g-import-not-at-top
+
+    return S3Store(url, retry_seconds=retry_seconds, storage_options=storage_options)
   return FsspecStore(url, retry_seconds=retry_seconds, storage_options=storage_options)
 
 

@@ -1,0 +1,86 @@
+"""Pure guards against hostile or broken input: short quotes and the outlier rule.
+
+Both runtimes judge what learners report by the same rules: the mail closer before it
+aggregates a round, and the in-mesh transformation can call ``reference``/``outliers``
+inside a jitted step (pass ``xp=jax.numpy``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+QUOTE_CHARS = 64
+"""The most characters of attacker-controlled text a message or record quotes."""
+
+OUTLIER_FACTOR = 10.0
+"""A value more than this many times its reference (``reference``) is an outlier."""
+
+
+def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
+  """A short, escaped, ASCII rendering of untrusted ``value`` for messages and records.
+
+  Args:
+    value: text (or any object: its ``repr``) that came from storage or a peer.
+    limit: how many characters of it to keep.
+
+  Returns:
+    ``ascii()`` of at most ``limit`` characters, followed by ``...(N chars)`` when the
+    text was longer: never a newline, a control character or megabytes of it.
+  """
+  if not isinstance(value, str):
+    # A repr can be huge (a list of a million items); render only its start.
+    text = _short_repr(value, limit)
+    return text.encode("ascii", "backslashreplace").decode("ascii")[: 4 * limit]
+  if len(value) <= limit:
+    return ascii(value)
+  return f"{ascii(value[:limit])}...({len(value)} chars)"
+
+
+def _short_repr(value: Any, limit: int) -> str:
+  import reprlib  # pylint: disable=g-import-not-at-top
+
+  short = reprlib.Repr()
+  short.maxstring = short.maxother = short.maxlong = limit
+  return short.repr(value)
+
+
+def reference(values: Any, *, xp: Any = np) -> Any:
+  """For each value, the lower median of the *other* positive, finite values.
+
+  With ``M`` values, value ``i`` is judged against the others only, so that it cannot
+  pull its own reference up: with ``M = 2`` each is compared with the other, and with
+  ``M = 1`` there is nothing to compare with (NaN). The *lower* median (the
+  ``⌊(n−1)/2⌋``-th smallest of ``n``) keeps two colluding outliers among three from
+  vouching for each other. Zeros and non-finite values are no reference for anyone.
+
+  Args:
+    values: a 1-d array of ``M`` values (e.g. delta norms per step).
+    xp: ``numpy`` or ``jax.numpy`` (jittable: static shapes, no data-dependent control).
+
+  Returns:
+    An array of ``M`` references, NaN where value ``i`` has no other to compare with.
+  """
+  values = xp.asarray(values)
+  count = values.shape[0]
+  usable = xp.isfinite(values) & (values > 0)
+  # Unusable values sort last, as +inf; the first ``n`` sorted entries are the usable ones.
+  ordered = xp.sort(xp.where(usable, values, xp.inf))
+  rank = xp.argsort(xp.argsort(xp.where(usable, values, xp.inf)))
+  n = xp.sum(usable) - usable.astype(rank.dtype)  # usable others of each value
+  k = (n - 1) // 2
+  # The others of a usable value are ``ordered`` without its own slot.
+  index = xp.where(usable & (k >= rank), k + 1, k)
+  picked = xp.take(ordered, xp.clip(index, 0, max(count - 1, 0)))
+  return xp.where(n > 0, picked, xp.nan)
+
+
+def outliers(values: Any, factor: float = OUTLIER_FACTOR, *, xp: Any = np) -> Any:
+  """Which values exceed ``factor`` times their ``reference``; a non-finite value is an
+  outlier whenever there is a reference to judge it by, and a lone value never is."""
+  values = xp.asarray(values)
+  ref = reference(values, xp=xp)
+  judged = ~xp.isnan(ref)
+  too_big = xp.where(xp.isfinite(values), values > factor * xp.where(judged, ref, 0), True)
+  return judged & too_big

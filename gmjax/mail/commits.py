@@ -1,0 +1,200 @@
+"""Commit records: the exclusive record of each version, its slots, and orphan sweeps.
+
+The record of version ``v`` of fragment ``f`` is ``fragments/<f>/<v>.commit.json``
+(slot 0); a writer that finds every slot so far damaged creates the next one,
+``<v>.commit-<k>.json``, exclusively, listing the slots it ``supersedes``. The last
+intact slot is the record in force (see ``recovery`` for when one is superseded).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from gmjax.mail import layout
+from gmjax.mail import signing
+from gmjax.mail.store import Store
+
+log = logging.getLogger(__name__)
+
+
+class DamagedCommit(FileNotFoundError):
+  """Every record of a version is damaged: it counts as not committed (its round can be
+  closed again, and its record superseded), and readers fall back to older versions.
+
+  Attributes:
+    problems: what is wrong with each record, by path.
+  """
+
+  def __init__(self, message: str, problems: dict[str, str]):
+    super().__init__(message)
+    self.problems = problems
+
+
+REQUIRED_FIELDS = {
+    "fragment": int, "version": int, "step": int, "participants": list, "rejected": list,
+    "state": str, "state_files": dict, "state_names": dict, "sha256": dict,
+    "theta_sha256": str, "committed_at": str,
+}
+
+
+def record_problem(record: Any, fragment: int, version: int, key: bytes | None) -> str | None:
+  """What is wrong with a parsed commit record of ``version`` of ``fragment``, or None."""
+  if not isinstance(record, dict):
+    return f"is a JSON {type(record).__name__}, not an object"
+  if record.get("version") != version or record.get("fragment") != fragment:
+    return f"does not describe version {version} of fragment {fragment}"
+  for field, kind in REQUIRED_FIELDS.items():
+    if not isinstance(record.get(field), kind) or isinstance(record.get(field), bool):
+      return f"field {field!r} is missing or not a {kind.__name__}"
+  if version > 0 and not isinstance(record.get("round"), int):
+    return "field 'round' is missing or not an int"
+  if key is not None and not signing.record_signature_ok(key, record):
+    return "is not signed with the run's key"
+  return None
+
+
+def commit_slots(store: Store, fragment: int, version: int, key: bytes | None
+                 ) -> list[tuple[str, dict[str, Any] | None, str | None]]:
+  """Every record of ``version``, in slot order: ``(path, record or None, problem)``.
+
+  Slot ``k`` is only ever created after slot ``k - 1``, so the slots end at the first
+  missing one.
+  """
+  slots = []
+  while True:
+    path = layout.commit_slot(fragment, version, len(slots))
+    try:
+      data = store.get(path)
+    except FileNotFoundError:
+      return slots
+    try:
+      record = json.loads(data)
+    except (ValueError, RecursionError) as error:
+      slots.append((path, None, f"is not JSON ({type(error).__name__})"))
+      continue
+    problem = record_problem(record, fragment, version, key)
+    slots.append((path, None if problem else record, problem))
+
+
+def read_commit(store: Store, fragment: int, version: int, key: bytes | None
+                ) -> dict[str, Any]:
+  """The commit record of ``version`` of ``fragment``: the last intact one of its slots.
+
+  Raises:
+    FileNotFoundError: ``version`` is not committed.
+    DamagedCommit (a FileNotFoundError): it has records, all damaged (torn, zeroed,
+      edited, unsigned in a keyed run).
+  """
+  slots = commit_slots(store, fragment, version, key)
+  if not slots:
+    raise FileNotFoundError(layout.commit(fragment, version))
+  for path, record, _ in reversed(slots):
+    if record is not None:
+      return record
+  problems = {path: problem for path, _, problem in slots}
+  log.warning("every record of version %d of fragment %d is damaged: %s", version,
+              fragment, problems)
+  raise DamagedCommit(f"every record of version {version} of fragment {fragment} is"
+                      f" damaged: {problems}", problems)
+
+
+def is_committed(store: Store, fragment: int, version: int, key: bytes | None) -> bool:
+  """Whether ``version`` has an intact commit record (damaged ones do not count)."""
+  try:
+    read_commit(store, fragment, version, key)
+  except FileNotFoundError:
+    return False
+  return True
+
+
+def write_commit(store: Store, record: dict[str, Any], key: bytes | None, *,
+                 supersede: int = 0) -> bool:
+  """Creates the commit record exclusively; True if this call made the commit.
+
+  The record goes to the first free slot after damaged ones (listed in its
+  ``supersedes``); an intact record in a slot means another closer committed first.
+  A repair (``recovery.repair``) passes ``supersede``, the number of slots it found,
+  whose records it supersedes even when they parse (their state is damaged).
+  """
+  fragment, version = record["fragment"], record["version"]
+  superseded: list[str] = []
+  slot = 0
+  while True:
+    final = dict(record)
+    if superseded:
+      final["supersedes"] = list(superseded)
+    if key is not None:
+      final[signing.SIGNATURE] = signing.sign_record(key, final)
+    path = layout.commit_slot(fragment, version, slot)
+    if store.create(path, json.dumps(final, indent=1).encode()):
+      if superseded:
+        log.warning("version %d of fragment %d committed in %s, superseding %s",
+                    version, fragment, path, superseded)
+      if version >= 2 and version % ORPHAN_SWEEP_EVERY == 0:
+        try:
+          remove_orphans(store, fragment, version - 1, key,
+                         since=max(0, version - 1 - 2 * ORPHAN_SWEEP_EVERY))
+        except Exception as error:  # pylint: disable=broad-except
+          log.warning("sweep of orphaned states of fragment %d failed: %r", fragment, error)
+      return True
+    try:
+      data = store.get(path)
+      problem = record_problem(json.loads(data), fragment, version, key)
+    except FileNotFoundError:
+      continue  # deleted by hand between create and read: try the slot again
+    except (ValueError, RecursionError) as error:
+      problem = f"is not JSON ({type(error).__name__})"
+    if problem is None and slot >= supersede:
+      return False
+    superseded.append(path)
+    slot += 1
+
+
+def committed_versions(store: Store, fragment: int) -> list[int]:
+  """Versions with at least one commit record (intact or not), ascending."""
+  versions = (layout.commit_version(e) for e in store.list(layout.fragment_dir(fragment)))
+  return sorted(v for v in versions if v is not None)
+
+
+ORPHAN_SWEEP_EVERY = 8  # a commit of every 8th version sweeps the versions before it
+
+
+def remove_orphans(store: Store, fragment: int, below: int, key: bytes | None, *,
+                   since: int = 0) -> list[str]:
+  """Deletes states and updates of versions in ``[since, below)`` that no intact record
+  of their version names.
+
+  They are left by closers that died between saving a state and committing it (a
+  closer that loses a race removes its own). The commit of version ``v`` sweeps below
+  ``v - 1``: a closer still writing a state of such a version would be a whole round of
+  the fragment late, and its commit could only fail.
+
+  Returns:
+    The paths removed.
+  """
+  entries = store.list(layout.fragment_dir(fragment))
+  candidates: dict[int, list[str]] = {}
+  for entry in entries:
+    version = layout.state_version(entry)
+    if version is not None and since <= version < below:
+      candidates.setdefault(version, []).append(entry)
+  removed = []
+  for version, names in sorted(candidates.items()):
+    named = set()
+    for _, record, _ in commit_slots(store, fragment, version, key):
+      if record is not None:
+        for field in ("state", "update", "theta"):
+          if record.get(field):
+            named.add(str(record[field]).split("/")[2])  # fragments/<f>/<entry>[/...]
+    if not named:
+      continue  # no intact record: the files may be all that is left of the version
+    for entry in names:
+      if entry not in named:
+        path = f"{layout.fragment_dir(fragment)}/{entry}"
+        store.delete(path)
+        removed.append(path)
+  if removed:
+    log.info("removed orphaned states of fragment %d: %s", fragment, removed)
+  return removed

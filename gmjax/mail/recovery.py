@@ -1,0 +1,103 @@
+"""Recovery from a damaged newest version: supersede it with the newest intact one.
+
+A version is damaged when every record of it is (torn, zeroed, edited, or unsigned in
+a keyed run), or when its record is intact but the state it names is not (a file
+missing, or not matching its sha256). Readers never stop on one:
+
+* a version whose records are all damaged counts as not committed
+  (``states.DamagedCommit``, a ``FileNotFoundError``): the newest versions a learner
+  pulls are the newest intact ones, and a round still open is simply closed again; its
+  closer's record takes the next slot, ``<v>.commit-<k>.json``, and lists the damaged
+  records it ``supersedes``;
+* a version needed as a base (by the next closer, or by ``pull``) whose state is damaged
+  is **repaired**: the newest intact older version ``u`` is saved again as version ``v``
+  (Θ and outer state unchanged, no outer step) and committed in the next slot with
+  ``repair: {reason, from_version: u}``. Each slot is created exclusively, so of racing
+  repairers one commits and the others adopt its record; the round of ``v`` is lost, no
+  commit is duplicated, and every reader then agrees on the last intact record.
+
+Version 0 (the creator's parameters) has nothing older to fall back to; its damage is
+reported (``CorruptRecord``) and the run must be created again.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from gmjax.core.records import FragmentState
+from gmjax.mail import states
+from gmjax.mail.errors import CorruptRecord
+from gmjax.mail.manifest import Manifest, utc_now
+from gmjax.mail.store import Store
+
+log = logging.getLogger(__name__)
+
+
+def newest_intact_state(store: Store, fragment: int, below: int, key: bytes | None
+                        ) -> tuple[dict[str, Any], FragmentState]:
+  """The record and verified state of the newest version ``< below`` that loads.
+
+  Raises:
+    CorruptRecord: no version below ``below`` is intact.
+  """
+  for version in range(below - 1, -1, -1):
+    try:
+      record = states.read_commit(store, fragment, version, key)
+      return record, states.load_state(store, record)
+    except (FileNotFoundError, CorruptRecord) as error:
+      log.warning("version %d of fragment %d is damaged (%s); trying the one before",
+                  version, fragment, error)
+  raise CorruptRecord(f"no intact version of fragment {fragment} below {below}: version 0"
+                      " is damaged too; create the run again.")
+
+
+def repair(store: Store, manifest: Manifest, fragment: int, version: int,
+           key: bytes | None, reason: str) -> tuple[dict[str, Any], FragmentState]:
+  """Supersedes damaged ``version`` of ``fragment`` with the newest intact older state.
+
+  Args:
+    store: the run's store.
+    manifest: the run's manifest (for the round and step of ``version``).
+    fragment: the fragment.
+    version: the damaged version (> 0).
+    key: the run's key or None.
+    reason: why ``version`` is damaged, recorded in the repair.
+
+  Returns:
+    The record now in force for ``version`` (this repair's, or a racing repairer's) and
+    its state.
+
+  Raises:
+    CorruptRecord: ``version`` is 0, or nothing older is intact.
+  """
+  if version <= 0:
+    raise CorruptRecord(f"version 0 of fragment {fragment} is damaged ({reason}); it holds"
+                        " the creator's parameters: create the run again.")
+  slots = len(states.commit_slots(store, fragment, version, key))
+  base, state = newest_intact_state(store, fragment, version, key)
+  log.warning("repairing version %d of fragment %d (%s) with the state of version %d",
+              version, fragment, reason, state.version)
+  repaired = FragmentState(version, dict(state.theta), dict(state.outer))
+  nonce = uuid.uuid4().hex[:12]
+  files = states.save_state(store, fragment, repaired, nonce)
+  files.update(states.save_theta(store, fragment, version, nonce, repaired.theta))
+  round_ = (version - 1) * len(manifest.plan) + fragment
+  record = {
+      "round": round_, "fragment": fragment, "version": version,
+      "step": manifest.schedule.step_of(round_), "participants": [], "rejected": [],
+      "final": [], "outer_step": False, "cosine": None,
+      "estimates": base.get("estimates") or {}, "live": [], "closer": "repair",
+      "state": files["state"], "update": None, "theta": files["theta"],
+      "sha256": {"state": files["state_sha256"], "update": None},
+      "state_files": files["state_files"], "state_names": files["state_names"],
+      "theta_sha256": states.theta_digest(repaired.theta), "committed_at": utc_now(),
+      "repair": {"reason": str(reason)[:200], "from_version": state.version},
+      "note": f"version {version} was damaged; it repeats version {state.version}",
+  }
+  if states.write_commit(store, record, key, supersede=slots):
+    return record, repaired
+  states.remove_state(store, files)
+  record = states.read_commit(store, fragment, version, key)
+  return record, states.load_state(store, record)

@@ -1,0 +1,154 @@
+"""``gmjax status RUN --verify``: re-read a whole run and list everything wrong with it.
+
+``verify`` checks the manifest (and its signature with a key), every heartbeat, and for
+each fragment: that versions run from 0 without a gap, that each version has exactly
+one record in force (damaged records superseded by a later slot are fine, see
+``recovery``), each record's fields against the schedule, and the sha256 of every file
+it names: the checkpoint's files, the update, and Θ (its copy and the checkpoint's).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from gmjax.core import payload
+from gmjax.mail import layout
+from gmjax.mail import states
+from gmjax.mail.errors import AuthenticationError, CorruptRecord, RunNotFound
+
+
+def verify(url: Any, key: bytes | str | None = None, *,
+           storage_options: dict[str, Any] | None = None, deep: bool = True) -> list[str]:
+  """Everything wrong with the run at ``url``; an empty list for a healthy run.
+
+  Args:
+    url: the run's URL, or a ``gmjax.mail.Run``.
+    key: the run's key, to check signatures (None for an unkeyed run).
+    storage_options: options for the fsspec filesystem.
+    deep: False checks the records and only the newest version's files of each fragment
+      (what plain ``gmjax status`` shows); True reads every file of every version.
+
+  Returns:
+    One line per problem, naming the record and what is wrong.
+  """
+  from gmjax.mail import run as run_lib  # pylint: disable=g-import-not-at-top
+
+  if isinstance(url, run_lib.Run):
+    run = url
+  else:
+    try:
+      run = run_lib.open(url, key=key, storage_options=storage_options)
+    except (RunNotFound, AuthenticationError, CorruptRecord) as error:
+      return [f"{layout.MANIFEST}: {error}"]
+  problems = _heartbeats(run)
+  for fragment in range(len(run.plan)):
+    problems += _fragment(run, fragment, deep)
+  return problems
+
+
+def _heartbeats(run) -> list[str]:
+  problems = []
+  for entry in run.store.list("learners"):
+    path = f"learners/{entry}"
+    try:
+      record = json.loads(run.store.get(path))
+    except FileNotFoundError:
+      continue  # gone since the listing
+    except (ValueError, RecursionError) as error:
+      problems.append(f"{path}: not JSON ({type(error).__name__})")
+      continue
+    if not isinstance(record, dict) or not isinstance(record.get("status"), str):
+      problems.append(f"{path}: not a heartbeat (no status)")
+  return problems
+
+
+def _fragment(run, fragment: int, deep: bool) -> list[str]:
+  problems = []
+  versions = states.committed_versions(run.store, fragment)
+  if not versions:
+    return [f"fragments/{fragment}: no version 0"]
+  missing = sorted(set(range(versions[-1] + 1)) - set(versions))
+  if missing:
+    problems.append(f"fragments/{fragment}: versions {missing} have no commit record")
+  for version in versions:
+    record, found = _record_in_force(run, fragment, version)
+    problems += found
+    if record is None:
+      continue
+    problems += _fields(run, fragment, version, record)
+    if deep or version == versions[-1]:
+      problems += _files(run, record, layout.commit(fragment, version))
+  return problems
+
+
+def _record_in_force(run, fragment: int, version: int) -> tuple[dict | None, list[str]]:
+  slots = states.commit_slots(run.store, fragment, version, run.key)
+  intact = [(path, record) for path, record, _ in slots if record is not None]
+  if not intact:
+    return None, [f"{path}: {problem}" for path, _, problem in slots]
+  last_path, last = intact[-1]
+  superseded = set(last.get("supersedes") or [])
+  problems = []
+  for path, record, problem in slots:
+    if path == last_path:
+      break
+    if path not in superseded:
+      problems.append(f"{path}: {problem or 'a second commit of the version'}, not"
+                      f" superseded by {last_path}")
+  return last, problems
+
+
+def _fields(run, fragment: int, version: int, record: dict[str, Any]) -> list[str]:
+  where = layout.commit(fragment, version)
+  problems = []
+  if version > 0:
+    round_ = (version - 1) * len(run.plan) + fragment
+    if record.get("round") != round_:
+      problems.append(f"{where}: round {record.get('round')!r}, expected {round_}")
+    elif record.get("step") != run.manifest.schedule.step_of(round_):
+      problems.append(f"{where}: step {record.get('step')!r}, expected"
+                      f" {run.manifest.schedule.step_of(round_)}")
+  weights = []
+  for participant in record["participants"]:
+    if not (isinstance(participant, dict) and isinstance(participant.get("learner"), str)
+            and isinstance(participant.get("weight"), (int, float))):
+      problems.append(f"{where}: a participant without learner and weight")
+      continue
+    weights.append(float(participant["weight"]))
+  if weights and not math.isclose(sum(weights), 1.0, rel_tol=1e-4):
+    problems.append(f"{where}: participants' weights sum to {sum(weights)}, not 1")
+  for rejected in record["rejected"]:
+    if not (isinstance(rejected, dict) and "learner" in rejected and "reason" in rejected):
+      problems.append(f"{where}: a rejected entry without learner and reason")
+  names = record["state_names"]
+  if not (isinstance(names.get("theta"), list) and isinstance(names.get("outer"), list)):
+    problems.append(f"{where}: state_names lacks theta or outer")
+  elif sorted(names["theta"]) != sorted(run.plan[fragment]):
+    problems.append(f"{where}: state_names.theta is not the fragment's leaves")
+  return problems
+
+
+def _files(run, record: dict[str, Any], where: str) -> list[str]:
+  problems = []
+  store = run.store
+  try:
+    state = states.load_state(store, record)  # checks every file's sha256 first
+    if states.theta_digest(state.theta) != record["theta_sha256"]:
+      problems.append(f"{where}: the checkpoint's Θ does not match theta_sha256")
+  except (CorruptRecord, FileNotFoundError, KeyError, TypeError, ValueError) as error:
+    problems.append(f"{where}: state {record.get('state')}: {error}")
+  if record.get("theta"):
+    try:
+      entries, _ = payload.loads(store.get(record["theta"]))
+      if states.theta_digest(entries) != record["theta_sha256"]:
+        problems.append(f"{where}: {record['theta']} does not match theta_sha256")
+    except (FileNotFoundError, payload.PayloadError, ValueError) as error:
+      problems.append(f"{where}: {record['theta']} is unreadable: {error!r}")
+  if record.get("update"):
+    try:
+      store.get_verified(record["update"], (record.get("sha256") or {}).get("update") or "")
+    except (FileNotFoundError, CorruptRecord) as error:
+      problems.append(f"{where}: update {record['update']}: {error!r}")
+  return problems

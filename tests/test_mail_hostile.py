@@ -1,0 +1,200 @@
+"""Hostile files planted at a run's normal paths are rejected and recorded, and the run goes
+on: headers nested deep, huge deltas, absurd reported fields, files that are not files,
+and attacker text far too long to copy into records."""
+
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+
+import gmjax
+from gmjax import mail
+from gmjax.core import guards
+from gmjax.core.codec import layout as payload_layout
+from gmjax.mail import contributions
+
+import mail_support as ms
+
+
+def _values(run, fill=0.0):
+  return {n: np.full(ms.params0()[n].shape, fill, np.float32) for n in run.plan[0]}
+
+
+def _payload(run, round_, learner, values=None, *, key=None, steps=2, tokens=4,
+             step_seconds=0.01):
+  return contributions.dumps(
+      values or _values(run), learner=learner, round_=round_, fragment=0,
+      base_version=round_, local_step=2, steps=steps, tokens=tokens,
+      step_seconds=step_seconds, final=False, precision=run.config.delta_precision, key=key)
+
+
+def _mole(run, key=None):
+  """A learner that joined and left, so its name is known to the run."""
+  mole = mail.open(run.url, key=key).join("mole", poll_interval=ms.POLL)
+  mole.close(mole.pull(ms.params0()))
+
+
+def _train_pair(url, key=None, steps=6, tokens=2):
+  out = {}
+  threads = ms.Threads()
+  for m in range(2):
+    threads.start(ms.train, mail.open(url, key=key), f"a{m}", m, steps, out=out,
+                  tokens=tokens)
+  threads.join(timeout=100)
+  return out
+
+
+def _reasons(record):
+  return {x["learner"]: x["reason"] for x in record["rejected"]}
+
+
+def _finite(run):
+  for record in run.rounds():
+    theta = mail.open(run.url, key=run.key).join(f"check{record['round']}")._worker.theta(
+        record["fragment"], record["version"])
+    assert all(np.isfinite(v).all() for v in theta.values()), record["round"]
+
+
+@pytest.mark.timeout(120)
+def test_deep_header_of_an_unknown_learner_in_a_keyed_run(tmp_path):
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, quorum_size=2), key="k")
+  deep = b"[" * 1500 + b"]" * 1500  # inside the size bound, past json's recursion limit
+  run.store.put("rounds/0/stranger.safetensors", struct.pack("<Q", len(deep)) + deep)
+  _train_pair(url, key="k", steps=4)
+  rounds = run.rounds()
+  assert [r["round"] for r in rounds] == [0, 1]
+  assert "nest" in _reasons(rounds[0])["stranger"]
+  assert all(len(r["participants"]) == 2 for r in rounds)
+
+
+@pytest.mark.timeout(120)
+def test_huge_finite_delta_is_an_outlier_and_never_aggregated(tmp_path):
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, quorum_size=2))
+  _mole(run)
+  run.store.put("rounds/0/mole.safetensors", _payload(run, 0, "mole", _values(run, 3e38)))
+  # Finite, in range, 1000x the others' norm per step: still an outlier.
+  run.store.put("rounds/1/mole.safetensors", _payload(run, 1, "mole", _values(run, 300.0)))
+  _train_pair(url, steps=6)
+  rounds = run.rounds()
+  assert [r["round"] for r in rounds] == [0, 1, 2]
+  for round_ in (0, 1):
+    reason = _reasons(rounds[round_])["mole"]
+    assert "outlier" in reason and f"{guards.OUTLIER_FACTOR:g}x" in reason, reason
+  assert all(sorted(p["learner"] for p in r["participants"]) == ["a0", "a1"] for r in rounds)
+  _finite(run)
+
+
+def test_quantized_delta_that_decodes_to_infinity_is_rejected(tmp_path):
+  config = gmjax.DiLoCo(sync_every=2, delta_precision="F8_E4M3")
+  run = mail.create(str(tmp_path / "run"), ms.params0(), config)
+  schema = run.schema.subset(run.plan[0])
+  entries = {}
+  for spec in payload_layout(schema, "F8_E4M3").parameters:
+    if spec.name.endswith(".scale"):
+      entries[spec.name] = np.full(spec.shape, 3e38, np.float32)
+    else:  # e4m3 code 0x7E is 448
+      entries[spec.name] = np.full(spec.shape, 0x7E, np.uint8).view(
+          gmjax.core.schema.NUMPY_DTYPES["F8_E4M3"])
+  data = _payload(run, 0, "mole", entries)
+  with pytest.raises(mail.ContributionRejected, match="decodes to NaN or Inf"):
+    contributions.check(data, file_name="mole.safetensors", round_=0, fragment=0,
+                        base_version=0, schema=schema, precision="F8_E4M3",
+                        known={"mole"}, key=None, max_steps=2)
+
+
+@pytest.mark.timeout(120)
+def test_outer_step_that_is_not_finite_is_skipped_and_the_run_goes_on(tmp_path):
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  learner = run.join("solo", poll_interval=ms.POLL, wait_timeout=60)
+  params = learner.pull(ms.params0())
+  for step in range(6):
+    params = ms.inner(params, ms.target(0))
+    if step == 1:  # the only delta of round 0 is 3e38: finite, but the outer step is not
+      params = {k: np.full_like(v, -3e38) for k, v in params.items()}
+    params = learner.step(params)
+  learner.close(params)
+  rounds = run.rounds()
+  assert [r["round"] for r in rounds] == [0, 1, 2]
+  assert "not finite" in rounds[0]["skipped"] and rounds[0]["outer_step"] is False
+  assert [p["learner"] for p in rounds[0]["participants"]] == ["solo"]
+  assert all("skipped" not in r and r["outer_step"] for r in rounds[1:])
+  theta0, theta1 = (learner._worker.theta(0, v) for v in (0, 1))
+  for name in theta0:
+    np.testing.assert_array_equal(theta0[name], theta1[name])
+  _finite(run)
+
+
+@pytest.mark.timeout(120)
+def test_reported_fields_are_bounded(tmp_path):
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, quorum_size=2))
+  _mole(run)
+  run.store.put("rounds/0/mole.safetensors", _payload(run, 0, "mole", step_seconds=1e300))
+  run.store.put("rounds/1/mole.safetensors", _payload(run, 1, "mole", tokens=10**30))
+  run.store.put("rounds/2/mole.safetensors", _payload(run, 2, "mole", tokens=2 * 2**20))
+  run.store.put("rounds/3/mole.safetensors", _payload(run, 3, "mole", steps=10**6))
+  _train_pair(url, steps=8, tokens=2)
+  rounds = run.rounds()
+  assert [r["round"] for r in rounds] == [0, 1, 2, 3]
+  assert any("step_seconds" in c["field"] and c["learner"] == "mole"
+             for c in rounds[0]["clamped"])
+  for record in rounds:
+    assert record["estimates"]["step"] <= contributions.MAX_STEP_SECONDS
+  assert "tokens" in _reasons(rounds[1])["mole"]
+  weights = {p["learner"]: p["weight"] for p in rounds[2]["participants"]}
+  # 2 tokens a step for a0 and a1: mole's 2**20 a step is cut to 10x that.
+  assert weights["mole"] == pytest.approx(10 / 12)
+  assert {c["field"]: c["used"] for c in rounds[2]["clamped"]} == {"tokens": 40}
+  assert "steps" in _reasons(rounds[3])["mole"]
+  assert run.status()["timeout_seconds"] < 3600
+
+
+def test_estimates_are_clamped():
+  estimates = gmjax.Estimates.from_json({"step": 1e300, "quorum": float("nan"), "sync": -3})
+  assert estimates.step == gmjax.core.schedule.MAX_ESTIMATE_SECONDS
+  assert estimates.quorum is None and estimates.sync == 0.0
+  assert estimates.timeout(0.02) <= 9 * gmjax.core.schedule.MAX_ESTIMATE_SECONDS
+  assert gmjax.Estimates().updated(step=1e300).step == gmjax.core.schedule.MAX_ESTIMATE_SECONDS
+
+
+@pytest.mark.timeout(120)
+def test_files_that_are_not_payloads_are_rejected_without_reading_them(tmp_path):
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, quorum_size=2))
+  _mole(run)
+  folder = tmp_path / "run" / "rounds" / "0"
+  folder.mkdir(parents=True)
+  os.mkfifo(folder / "fifo.safetensors")
+  os.symlink("/dev/zero", folder / "zero.safetensors")
+  os.mkdir(folder / "dir.safetensors")
+  with open(folder / "mole.safetensors", "wb") as f:
+    f.truncate(3 << 30)  # sparse: 3 GiB on paper, nothing on disk
+  _train_pair(url, steps=4)
+  reasons = _reasons(run.rounds()[0])
+  for name in ("fifo", "zero", "dir"):
+    assert "not a regular file" in reasons[name], reasons
+  assert "holds 3221225472 bytes" in reasons["mole"], reasons
+
+
+@pytest.mark.timeout(120)
+def test_attacker_text_is_quoted_short_in_records(tmp_path):
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, quorum_size=2))
+  _mole(run)
+  run.store.put("rounds/0/mole.safetensors", _payload(run, 0, "\u00e9\n" * 300))
+  run.store.put("rounds/0/huge.safetensors", _payload(run, 0, "x" * (30 << 20)))
+  bad_name = "rounds/0/" + "\u00e9" * 100 + ".safetensors"
+  run.store.put(bad_name, b"")
+  _train_pair(url, steps=4)
+  record = run.rounds()[0]
+  assert len(json.dumps(record)) < 16384
+  for rejected in record["rejected"]:
+    text = rejected["learner"] + rejected["reason"]
+    assert text.isascii() and len(rejected["reason"]) < 300, rejected
+  committed = tmp_path / "run" / "fragments" / "0" / "1.commit.json"
+  assert committed.stat().st_size < 32768

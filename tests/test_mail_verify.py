@@ -1,0 +1,117 @@
+"""``gmjax.mail.verify`` and ``gmjax status RUN [--verify] [--key]``: damaged runs show."""
+
+import json
+import shutil
+
+import pytest
+
+import gmjax
+from gmjax import mail
+from gmjax.app import cli
+from gmjax.mail import layout
+
+import mail_support as ms
+
+KEY = "verify-secret"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """A keyed run with versions 0..2 of each of 2 fragments, made once."""
+  url = str(tmp_path_factory.mktemp("verify") / "run")
+  mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, fragments=2, quorum_size=2,
+                                               flush_on_close=False), key=KEY)
+  threads = ms.Threads()
+  for m in range(2):
+    threads.start(ms.train, mail.open(url, key=KEY), f"w{m}", m, 4)
+  threads.join(timeout=100)
+  return url
+
+
+@pytest.fixture
+def url(trained, tmp_path):
+  copy = str(tmp_path / "run")
+  shutil.copytree(trained, copy)
+  return copy
+
+
+def _status(url, *flags):
+  return cli.main(["status", url, "--key", KEY, *flags])
+
+
+def test_healthy_run_verifies(url, capsys):
+  assert mail.verify(url, key=KEY) == []
+  assert _status(url, "--verify") == 0
+  assert _status(url) == 0
+  assert "DAMAGED" not in capsys.readouterr().out
+
+
+def test_zeroed_checkpoint_file_of_an_old_version(url, capsys):
+  run = mail.open(url, key=KEY)
+  record = run.commit(1, 1)
+  state_file = sorted(record["state_files"])[0]
+  path = f"{record['state']}/{state_file}"
+  run.store.put(path, b"\0" * len(run.store.get(path)))
+  problems = mail.verify(url, key=KEY)
+  assert len(problems) == 1 and path in problems[0] and "sha256" in problems[0]
+  assert _status(url, "--verify") == 1
+  captured = capsys.readouterr()
+  assert "DAMAGED: 1 problem(s)" in captured.out and "damaged" in captured.err
+  assert mail.verify(url, key=KEY, deep=False) == []  # an old version: --verify finds it
+
+
+def test_zeroed_newest_checkpoint_shows_in_plain_status(url, capsys):
+  run = mail.open(url, key=KEY)
+  record = run.commit(0, 2)
+  for state_file in record["state_files"]:
+    path = f"{record['state']}/{state_file}"
+    run.store.put(path, b"\0" * len(run.store.get(path)))
+  assert _status(url) == 1
+  assert "DAMAGED" in capsys.readouterr().out
+
+
+def test_record_without_a_field_is_reported_not_a_traceback(tmp_path, capsys):
+  url = str(tmp_path / "run")
+  mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, quorum_size=1))
+  threads = ms.Threads()
+  threads.start(ms.train, mail.open(url), "w0", 0, 2)
+  threads.join(timeout=100)
+  path = f"{url}/{layout.commit(0, 1)}"
+  with open(path, encoding="utf-8") as f:
+    record = json.load(f)
+  del record["participants"]
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(record, f)
+  assert cli.main(["status", url]) == 1
+  out = capsys.readouterr().out
+  assert "DAMAGED" in out and "'participants'" in out
+  assert [p for p in mail.verify(url) if "1.commit.json" in p and "participants" in p]
+
+
+def test_gap_bad_heartbeat_and_wrong_key(url):
+  run = mail.open(url, key=KEY)
+  run.store.delete(layout.commit(0, 1))
+  run.store.put("learners/x.json", b'{"seq": 1}')
+  problems = mail.verify(url, key=KEY)
+  assert any("versions [1] have no commit record" in p for p in problems)
+  assert any(p.startswith("learners/x.json") for p in problems)
+  assert mail.verify(url, key="wrong")[0].startswith("manifest.json")
+  assert _status(url, "--verify") == 1
+
+
+def test_edited_record_fields_are_checked_against_the_schedule(tmp_path):
+  url = str(tmp_path / "run")
+  mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, quorum_size=1))
+  threads = ms.Threads()
+  threads.start(ms.train, mail.open(url), "w0", 0, 2)
+  threads.join(timeout=100)
+  path = f"{url}/{layout.commit(0, 1)}"
+  with open(path, encoding="utf-8") as f:
+    record = json.load(f)
+  record["step"] = 7
+  record["participants"][0]["weight"] = 0.5
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(record, f)
+  problems = mail.verify(url)
+  assert any("step 7, expected 2" in p for p in problems)
+  assert any("weights sum to 0.5" in p for p in problems)

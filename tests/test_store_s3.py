@@ -1,0 +1,147 @@
+"""The store and a small mail run against a real S3 API on loopback (the moto server).
+
+moto's server (``moto[server]``) serves the S3 REST API on 127.0.0.1; s3fs talks to it
+through ``endpoint_url``. Nothing is mocked: requests go over HTTP to the server, which
+keeps the objects and enforces ``If-None-Match: *`` on ``PutObject``.
+"""
+
+import logging
+import threading
+import uuid
+
+import numpy as np
+import pytest
+
+import gmjax
+from gmjax import mail
+from gmjax.mail import store as store_lib
+
+import mail_support as ms
+
+moto_server = pytest.importorskip("moto.server")
+s3fs = pytest.importorskip("s3fs")
+
+BUCKET = "gmjax-test"
+
+
+@pytest.fixture(scope="module")
+def options():
+  logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+  with pytest.MonkeyPatch.context() as env:
+    # Dummies so botocore never looks for real credentials or a region.
+    for name, value in (("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "x"),
+                        ("AWS_DEFAULT_REGION", "us-east-1")):
+      env.setenv(name, value)
+    env.delenv("AWS_PROFILE", raising=False)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+      host, port = server.get_host_and_port()
+      options = {"endpoint_url": f"http://{host}:{port}", "key": "x", "secret": "x"}
+      s3fs.S3FileSystem(skip_instance_cache=True, **options).mkdir(BUCKET)
+      yield options
+    finally:
+      server.stop()
+
+
+def _url():
+  return f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}"
+
+
+def _race(creators, key):
+  """Each callable tries to create ``key`` at once; returns the indices that succeeded."""
+  barrier = threading.Barrier(len(creators))
+  wins, errors = [], []
+
+  def racer(i):
+    barrier.wait()
+    try:
+      if creators[i](key, f"writer {i}".encode()):
+        wins.append(i)
+    except FileExistsError:
+      pass
+    except Exception as error:  # pylint: disable=broad-except
+      errors.append(error)
+
+  threads = [threading.Thread(target=racer, args=(i,)) for i in range(len(creators))]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(60)
+  assert not errors, errors
+  return wins
+
+
+@pytest.mark.timeout(120)
+def test_server_enforces_if_none_match(options):
+  """The emulator refuses a conditional put of an existing key, also under a race of 8
+  separate clients: exactly one PutObject with If-None-Match: * succeeds."""
+  clients = [s3fs.S3FileSystem(skip_instance_cache=True, **options) for _ in range(8)]
+  prefix = f"{BUCKET}/{uuid.uuid4().hex[:8]}"
+
+  def conditional(client):
+    def put(key, data):
+      client.call_s3("put_object", Bucket=BUCKET, Key=f"{prefix[len(BUCKET) + 1:]}/{key}",
+                     Body=data, IfNoneMatch="*")
+      return True
+    return put
+
+  for round_ in range(3):
+    wins = _race([conditional(c) for c in clients], f"{round_}.commit.json")
+    assert len(wins) == 1, wins
+    assert clients[0].cat_file(f"{prefix}/{round_}.commit.json") == f"writer {wins[0]}".encode()
+
+
+@pytest.mark.timeout(120)
+def test_store_operations(options):
+  store = store_lib.open_store(_url(), storage_options=options)
+  assert type(store).__name__ == "S3Store"
+  store.put("a/b/one.json", b"1")
+  store.put("a/b/one.json", b"11")
+  store.put("a/two.bin", b"2")
+  assert store.get("a/b/one.json") == b"11"
+  assert store.list("a") == ["b", "two.bin"]
+  assert store.list("missing") == []
+  with pytest.raises(FileNotFoundError):
+    store.get("a/nothing")
+  assert store.create("c/0.commit.json", b"mine")
+  assert not store.create("c/0.commit.json", b"theirs")
+  assert store.create("c/0.commit.json", b"mine")  # a retried create that had landed
+  assert store.get("c/0.commit.json") == b"mine"
+  store.delete("a/b")
+  assert store.list("a") == ["two.bin"]
+
+
+@pytest.mark.timeout(120)
+def test_exclusive_create_race(options):
+  url = _url()
+  stores = [store_lib.open_store(url, storage_options=options) for _ in range(8)]
+  for round_ in range(3):
+    wins = _race([s.create for s in stores], f"fragments/0/{round_}.commit.json")
+    assert len(wins) == 1, wins
+    assert stores[0].get(f"fragments/0/{round_}.commit.json") == f"writer {wins[0]}".encode()
+
+
+@pytest.mark.timeout(180)
+def test_mail_run_over_s3(options):
+  url = _url()
+  config = gmjax.DiLoCo(sync_every=3, fragments=2, quorum_size=2, commit_precision="F8_E4M3")
+  run = mail.create(url, ms.params0(), config, key="s3-secret", storage_options=options)
+  out = {}
+  threads = ms.Threads()
+  for m in range(2):
+    threads.start(ms.train, mail.open(url, key="s3-secret", storage_options=options),
+                  f"s{m}", m, 6, out=out, poll=0.05)
+  threads.join(timeout=150)
+  rounds = run.rounds()
+  assert [r["round"] for r in rounds] == [0, 1, 2, 3, 4]
+  assert all(len(r["participants"]) == 2 and not r["rejected"] for r in rounds)
+  for name in out["s0"]:
+    np.testing.assert_array_equal(out["s0"][name], out["s1"][name])
+  late = mail.open(url, key="s3-secret", storage_options=options).join("late",
+                                                                       poll_interval=0.05)
+  params = late.pull(ms.params0())
+  late.close(params)
+  for name in params:
+    np.testing.assert_array_equal(params[name], out["s0"][name])
+  assert mail.verify(url, key="s3-secret", storage_options=options) == []
