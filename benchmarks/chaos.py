@@ -38,6 +38,8 @@ import numpy as np
 HOSTILE = "evil"  # every planted learner name starts with this
 KINDS = ("deep-header", "bad-heartbeat", "huge-delta", "huge-fields", "fifo", "sparse",
          "long-text", "torn")
+# The kinds that are contributions: each must be listed as rejected by its round.
+REJECTED_KINDS = ("deep-header", "huge-delta", "huge-fields", "fifo", "sparse", "long-text")
 
 
 def params0() -> dict[str, np.ndarray]:
@@ -259,6 +261,7 @@ def chaos(root: str, *, rounds: int = 30, learners: int = 4, seed: int = 0,
   next_kill = started + rng.expovariate(1 / kill_every)
   kinds = list(hostile)
   rng.shuffle(kinds)
+  planted_at = -1
   try:
     while True:
       now = time.monotonic()
@@ -271,9 +274,11 @@ def chaos(root: str, *, rounds: int = 30, learners: int = 4, seed: int = 0,
       newest = _newest_round(run)
       if newest + 1 >= rounds:
         break
-      if kinds and newest >= 1 and os.listdir(os.path.join(url, "learners")):
+      if kinds and newest >= max(1, planted_at + 1) and os.listdir(os.path.join(url, "learners")):
+        # One hostile file per new round, aimed two rounds ahead so it is there in time.
         kind = kinds.pop()
         report.planted[kind] = plant(run, url, kind, newest + 2)
+        planted_at = newest
       for i, (name, proc) in list(procs.items()):
         code = proc.poll()
         if code is None:
@@ -344,6 +349,10 @@ def check(report: Report) -> list[str]:
     if versions != list(range(len(versions))):
       problems.append(f"fragment {fragment}: versions {versions} are not 0..n")
   records = run.rounds()
+  rejected = {r["learner"] for record in records for r in record["rejected"]}
+  for kind in set(report.planted) & set(REJECTED_KINDS):
+    if f"{HOSTILE}-{kind}" not in rejected:
+      problems.append(f"the hostile {kind} contribution is in no round's rejected list")
   if [r["round"] for r in records] != list(range(len(records))):
     problems.append(f"rounds {[r['round'] for r in records]} are not contiguous")
   for record in records:
