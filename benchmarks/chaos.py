@@ -1,0 +1,454 @@
+"""A seeded chaos run of ``gmjax.mail``, and the invariants it must keep.
+
+Learner processes train a small model through a run in a local directory while the
+driver SIGKILLs random learners at random moments and restarts them (a restarted learner
+joins under a new name, pulls and goes on), learners kill themselves at random as
+designated closers between saving a state and creating its commit, every learner's
+storage calls fail transiently at a given rate, torn temporary files appear, and one
+hostile file of each kind is planted at the run's normal paths: a deeply nested payload
+header, a malformed heartbeat, a huge finite delta, absurd reported fields, a FIFO, a
+huge sparse file and a megabyte of attacker text.
+
+Afterwards ``check`` asserts: one commit per version and versions contiguous, the run
+verifies (``gmjax.mail.verify``), no hostile payload was aggregated, every learner that
+survived ends on the Θ committed at the end step, and no learner
+failed or waited past the run's timeouts.
+
+Run:  .venv/bin/python benchmarks/chaos.py --rounds 500
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+HOSTILE = "evil"  # every planted learner name starts with this
+KINDS = ("deep-header", "bad-heartbeat", "huge-delta", "huge-fields", "fifo", "sparse",
+         "long-text", "torn")
+# The kinds that are contributions: each must be listed as rejected by its round.
+REJECTED_KINDS = ("deep-header", "huge-delta", "huge-fields", "fifo", "sparse", "long-text")
+
+
+def params0() -> dict[str, np.ndarray]:
+  return {
+      "a": np.linspace(-1.0, 1.0, 96, dtype=np.float32).reshape(8, 12),
+      "b": np.ones((40,), np.float32),
+      "c": np.full((6, 6), 0.5, np.float32),
+  }
+
+
+def goal(index: int) -> dict[str, np.ndarray]:
+  rng = np.random.default_rng(1000 + index)
+  return {k: rng.normal(size=v.shape).astype(np.float32) for k, v in params0().items()}
+
+
+def inner(params, target, lr=0.05):
+  """One plain SGD step on ``0.5·|p − target|²`` in float32 numpy."""
+  return {k: (v - np.float32(lr) * (v - target[k])).astype(np.float32)
+          for k, v in params.items()}
+
+
+# The learner process.
+
+
+def _inject_faults(rng: random.Random, error_rate: float, die_rate: float) -> None:
+  """Transient errors on a share of this process's storage calls; self-kills at commits."""
+  from gmjax.mail import states  # pylint: disable=g-import-not-at-top
+  from gmjax.mail import store  # pylint: disable=g-import-not-at-top
+
+  def flaky(method):
+    def call(self, *args, **kwargs):
+      if rng.random() < error_rate:
+        raise ConnectionResetError("injected transient storage error")
+      return method(self, *args, **kwargs)
+    return call
+
+  for name in ("_get", "_put", "_create", "_list", "_delete"):
+    setattr(store.LocalStore, name, flaky(getattr(store.LocalStore, name)))
+  write_commit = states.write_commit
+
+  def maybe_die(*args, **kwargs):
+    if rng.random() < die_rate:
+      print("dying between state and commit", flush=True)
+      os.kill(os.getpid(), signal.SIGKILL)
+    return write_commit(*args, **kwargs)
+
+  states.write_commit = maybe_die
+
+
+def worker(args: argparse.Namespace) -> None:
+  from gmjax import mail  # pylint: disable=g-import-not-at-top
+
+  rng = random.Random(args.seed)
+  _inject_faults(rng, args.error_rate, args.die_rate)
+  run = mail.open(args.url)
+  learner = run.join(args.name, poll_interval=args.poll)
+  params = learner.pull(params0())
+  target = goal(args.index)
+  longest = 0.0
+  while True:
+    # The driver writes the global step to stop at: every learner that is still there
+    # trains up to it, so all of them end on the round committed at that step.
+    if os.path.exists(args.stop):
+      with open(args.stop) as f:
+        text = f.read()
+      if text and learner.step_count >= int(text):
+        break
+    params = inner(params, target)
+    started = time.monotonic()
+    params = learner.step(params)
+    longest = max(longest, time.monotonic() - started)
+    time.sleep(args.step_sleep * rng.random())
+  params = learner.close(params)
+  np.savez(os.path.join(args.out, f"{args.name}.npz"), **params)
+  with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
+    json.dump({"step": learner.step_count, "longest_step_seconds": longest}, f)
+  print("closed", flush=True)
+
+
+# Hostile files.
+
+
+def _payload(header: bytes, data: bytes = b"") -> bytes:
+  return len(header).to_bytes(8, "little") + header + data
+
+
+def _contribution(run, round_: int, learner: str, scale: float, **fields: Any) -> bytes:
+  """A well-formed contribution of ``learner`` to ``round_`` with a delta of ``scale``."""
+  import gmjax  # pylint: disable=g-import-not-at-top
+  from gmjax.mail import contributions  # pylint: disable=g-import-not-at-top
+
+  fragment = run.config.schedule(len(run.plan)).fragment_of(round_)
+  names = run.plan[fragment]
+  delta = {n: np.full(run.schema[n].shape, scale, np.float32) for n in names}
+  entries = {k: np.asarray(v) for k, v in gmjax.encode(delta, run.config.delta_precision).items()}
+  schedule = run.config.schedule(len(run.plan))
+  record = dict(learner=learner, round_=round_, fragment=fragment,
+                base_version=schedule.version_after(round_) - 1, local_step=1, steps=1,
+                tokens=1, step_seconds=0.01, final=False,
+                precision=run.config.delta_precision, key=None)
+  record.update(fields)
+  return contributions.dumps(entries, **record)
+
+
+def plant(run, root: str, kind: str, round_: int) -> list[str]:
+  """Plants one hostile file of ``kind`` aimed at ``round_``; returns the paths."""
+  rounds = os.path.join(root, "rounds", str(round_))
+  os.makedirs(rounds, exist_ok=True)
+  learners = os.path.join(root, "learners")
+  name = f"{HOSTILE}-{kind}"
+  path = os.path.join(rounds, f"{name}.safetensors")
+
+  def heartbeat_like_a_learner(who: str) -> None:
+    # A copy of a real learner's heartbeat makes the hostile name a known, live learner.
+    real = sorted(f for f in os.listdir(learners) if not f.startswith(HOSTILE)
+                  and f.endswith(".json"))
+    with open(os.path.join(learners, real[0])) as f:
+      beat = f.read()
+    with open(os.path.join(learners, f"{who}.json"), "w") as f:
+      f.write(beat)
+
+  if kind == "deep-header":
+    with open(path, "wb") as f:
+      f.write(_payload(b"[" * 200_000 + b"]" * 200_000))
+  elif kind == "bad-heartbeat":
+    path = os.path.join(learners, f"{name}.json")
+    with open(path, "w") as f:
+      json.dump({"status": "live", "seq": 1, "first_round": "abc", "final_rounds": 5}, f)
+  elif kind == "huge-delta":
+    heartbeat_like_a_learner(name)
+    with open(path, "wb") as f:
+      f.write(_contribution(run, round_, name, 3e38))
+  elif kind == "huge-fields":
+    heartbeat_like_a_learner(name)
+    with open(path, "wb") as f:
+      f.write(_contribution(run, round_, name, 1e-3, step_seconds=1e300, tokens=10**30))
+  elif kind == "fifo":
+    os.mkfifo(path)
+  elif kind == "sparse":
+    with open(path, "wb") as f:
+      f.truncate(3 << 30)
+  elif kind == "long-text":
+    with open(path, "wb") as f:
+      f.write(_payload(json.dumps({"__metadata__": {"learner": "x" * (1 << 20)}}).encode()))
+  elif kind == "torn":
+    path = os.path.join(rounds, f"w0.safetensors.{random.getrandbits(64):016x}.tmp")
+    with open(path, "wb") as f:
+      f.write(_payload(b'{"__metadata__": {"lear'))
+    fragments = os.path.join(root, "fragments", "0")
+    torn = os.path.join(fragments, f"999.commit.json.{random.getrandbits(64):016x}.tmp")
+    with open(torn, "w") as f:
+      f.write('{"round": 9')
+    return [path, torn]
+  else:
+    raise ValueError(f"unknown hostile kind {kind!r}; one of {KINDS}")
+  return [path]
+
+
+# The driver.
+
+
+@dataclasses.dataclass
+class Report:
+  url: str
+  out: str
+  rounds: int = 0
+  kills: int = 0
+  self_kills: int = 0
+  restarts: int = 0
+  failures: list[str] = dataclasses.field(default_factory=list)
+  planted: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+  survivors: list[str] = dataclasses.field(default_factory=list)
+  end_step: int = 0
+  seconds: float = 0.0
+
+
+def _newest_round(run) -> int:
+  versions = run.newest_versions()
+  schedule = run.config.schedule(len(run.plan))
+  fragments = len(run.plan)
+  # Round r of fragment r mod P commits version r div P + 1.
+  return max((v - 1) * fragments + f for f, v in versions.items()) if versions else -1
+
+
+def chaos(root: str, *, rounds: int = 30, learners: int = 4, seed: int = 0,
+          kill_every: float = 4.0, error_rate: float = 0.03, die_rate: float = 0.05,
+          poll: float = 0.02, step_sleep: float = 0.02, deadline: float = 600.0,
+          hostile: tuple[str, ...] = KINDS) -> Report:
+  """Runs the chaos run in ``root``; returns what happened (check it with ``check``)."""
+  import gmjax  # pylint: disable=g-import-not-at-top
+  from gmjax import mail  # pylint: disable=g-import-not-at-top
+
+  rng = random.Random(seed)
+  url = os.path.join(root, "run")
+  out = os.path.join(root, "out")
+  os.makedirs(out, exist_ok=True)
+  stop = os.path.join(root, "stop")
+  config = gmjax.DiLoCo(sync_every=4, fragments=2, delta_precision="F8_E4M3",
+                        quorum_size=2, flush_on_close=False)
+  run = mail.create(url, params0(), config)
+  report = Report(url=url, out=out)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  logs = os.path.join(root, "logs")
+  os.makedirs(logs, exist_ok=True)
+
+  def start(index: int, generation: int) -> tuple[str, subprocess.Popen]:
+    name = f"w{index}-{generation}"
+    log = open(os.path.join(logs, f"{name}.log"), "w")  # pylint: disable=consider-using-with
+    command = [sys.executable, os.path.abspath(__file__), "--worker", "--url", url,
+               "--name", name, "--index", str(index), "--seed", str(rng.getrandbits(32)),
+               "--error-rate", str(error_rate), "--die-rate", str(die_rate),
+               "--poll", str(poll), "--step-sleep", str(step_sleep), "--stop", stop,
+               "--out", out]
+    return name, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+  generation = {i: 0 for i in range(learners)}
+  procs = {i: start(i, 0) for i in range(learners)}
+  started = time.monotonic()
+  next_kill = started + rng.expovariate(1 / kill_every)
+  kinds = list(hostile)
+  rng.shuffle(kinds)
+  planted_at = -1
+  try:
+    while True:
+      now = time.monotonic()
+      if now - started > deadline:
+        report.failures.append(f"did not reach round {rounds} within {deadline}s")
+        break
+      if len(report.failures) >= 2 * learners:
+        report.failures.append("learners keep failing: stopped the run")
+        break
+      newest = _newest_round(run)
+      if newest + 1 >= rounds:
+        break
+      if kinds and newest >= max(1, planted_at + 1) and os.listdir(os.path.join(url, "learners")):
+        # One hostile file per new round, aimed two rounds ahead so it is there in time.
+        kind = kinds.pop()
+        report.planted[kind] = plant(run, url, kind, newest + 2)
+        planted_at = newest
+      for i, (name, proc) in list(procs.items()):
+        code = proc.poll()
+        if code is None:
+          continue
+        if code == -signal.SIGKILL:
+          report.self_kills += 1
+        else:
+          report.failures.append(f"{name} exited with {code} (see {logs}/{name}.log)")
+        generation[i] += 1
+        procs[i] = start(i, generation[i])
+        report.restarts += 1
+      if now >= next_kill:
+        i = rng.randrange(learners)
+        name, proc = procs[i]
+        if proc.poll() is None:
+          proc.send_signal(signal.SIGKILL)
+          proc.wait()
+          report.kills += 1
+          generation[i] += 1
+          procs[i] = start(i, generation[i])
+          report.restarts += 1
+        next_kill = now + rng.expovariate(1 / kill_every)
+      time.sleep(0.1)
+  finally:
+    records = run.rounds()
+    sync_every = config.sync_every
+    newest_step = records[-1]["step"] if records else 0
+    end = (newest_step // sync_every + 2) * sync_every
+    with open(stop + ".tmp", "w") as f:
+      f.write(str(end))
+    os.replace(stop + ".tmp", stop)
+    report.end_step = end
+    for i, (name, proc) in procs.items():
+      try:
+        code = proc.wait(timeout=120)
+      except subprocess.TimeoutExpired:
+        proc.kill()
+        code = proc.wait()
+        report.failures.append(f"{name} did not close within 120 s of the stop")
+      if code == 0:
+        report.survivors.append(name)
+      elif code == -signal.SIGKILL:
+        report.self_kills += 1
+      else:
+        report.failures.append(f"{name} exited with {code} (see {logs}/{name}.log)")
+  report.rounds = len(run.rounds())
+  report.seconds = time.monotonic() - started
+  return report
+
+
+def _time(text: str) -> float:
+  return datetime.datetime.fromisoformat(text).timestamp()
+
+
+def check(report: Report) -> list[str]:
+  """The invariants the run must keep; returns what is wrong (empty: all held)."""
+  import gmjax  # pylint: disable=g-import-not-at-top
+  from gmjax import mail  # pylint: disable=g-import-not-at-top
+  from gmjax.mail import layout, states  # pylint: disable=g-import-not-at-top
+
+  problems = list(report.failures)
+  run = mail.open(report.url)
+  problems += [f"verify: {p}" for p in mail.verify(report.url)]
+  for fragment in range(len(run.plan)):
+    versions = sorted(layout.commit_version(e)
+                      for e in run.store.list(layout.fragment_dir(fragment))
+                      if layout.commit_version(e) is not None)
+    if versions != list(range(len(versions))):
+      problems.append(f"fragment {fragment}: versions {versions} are not 0..n")
+  records = run.rounds()
+  rejected = {r["learner"] for record in records for r in record["rejected"]}
+  for kind in set(report.planted) & set(REJECTED_KINDS):
+    if f"{HOSTILE}-{kind}" not in rejected:
+      problems.append(f"the hostile {kind} contribution is in no round's rejected list")
+  if [r["round"] for r in records] != list(range(len(records))):
+    problems.append(f"rounds {[r['round'] for r in records]} are not contiguous")
+  for record in records:
+    bad = [p["learner"] for p in record["participants"] if p["learner"].startswith(HOSTILE)]
+    if bad:
+      problems.append(f"round {record['round']} aggregated hostile payloads from {bad}")
+    size = len(json.dumps(record))
+    if size > 64 << 10:
+      problems.append(f"round {record['round']}'s record is {size} bytes")
+  # At the end step the last fragment has just merged its commit (mixing 0, no
+  # overlap), so its leaves are that commit's Θ on every learner still there.
+  last = len(run.plan) - 1
+  newest = states.read_commit(run.store, last, run.newest_versions()[last], None)
+  if newest["step"] != report.end_step:
+    problems.append(f"the newest round of fragment {last} is at step {newest['step']},"
+                    f" not at the end step {report.end_step}")
+  committed = states.load_theta(run.store, newest)
+  for name in report.survivors:
+    with open(os.path.join(report.out, f"{name}.json")) as f:
+      step = json.load(f)["step"]
+    params = dict(np.load(os.path.join(report.out, f"{name}.npz")))
+    if step != report.end_step:
+      problems.append(f"{name} stopped at step {step}, not {report.end_step}")
+    for leaf in run.plan[last]:
+      if not np.array_equal(params[leaf], committed[leaf]):
+        problems.append(f"{name} ends on another {leaf} than the committed Θ")
+  if not report.survivors:
+    problems.append("no learner survived to the end")
+  # Waits: the longest step of a learner against the longest timeout the run measured.
+  timeouts = [gmjax.Estimates.from_json(r["estimates"]).timeout(0.02) for r in records]
+  bound = 4 * max(timeouts + [2.0])
+  for name in report.survivors:
+    with open(os.path.join(report.out, f"{name}.json")) as f:
+      longest = json.load(f)["longest_step_seconds"]
+    if longest > bound:
+      problems.append(f"{name} waited {longest:.1f}s in one step, past 4x the run's"
+                      f" longest timeout ({bound / 4:.1f}s)")
+  return problems
+
+
+def figures(report: Report) -> dict[str, Any]:
+  from gmjax import mail  # pylint: disable=g-import-not-at-top
+
+  records = mail.open(report.url).rounds()
+  latency = sorted(_time(r["committed_at"]) - _time(r["opened_at"]) for r in records
+                   if r.get("opened_at"))
+  takeovers = 0
+  for r in records:
+    live = sorted(r.get("live") or [])
+    if live and r["closer"] != live[r["fragment"] % len(live)]:
+      takeovers += 1
+  rejected = sum(len(r["rejected"]) for r in records)
+  return {
+      "rounds": len(records), "kills": report.kills, "self_kills": report.self_kills,
+      "restarts": report.restarts, "takeovers": takeovers, "hostile_kinds": len(report.planted),
+      "rejected": rejected,
+      "commit_latency_p50_s": statistics.median(latency) if latency else None,
+      "commit_latency_p95_s": latency[int(0.95 * (len(latency) - 1))] if latency else None,
+      "seconds": report.seconds,
+  }
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--rounds", type=int, default=30)
+  parser.add_argument("--learners", type=int, default=4)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--kill-every", type=float, default=4.0)
+  parser.add_argument("--error-rate", type=float, default=0.03)
+  parser.add_argument("--die-rate", type=float, default=0.05)
+  parser.add_argument("--dir", default=None)
+  parser.add_argument("--hostile", default=",".join(KINDS),
+                      help="comma-separated kinds of hostile file to plant (empty: none)")
+  # The learner process.
+  parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  for flag in ("--url", "--name", "--stop", "--out"):
+    parser.add_argument(flag, help=argparse.SUPPRESS)
+  parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
+  parser.add_argument("--poll", type=float, default=0.02, help=argparse.SUPPRESS)
+  parser.add_argument("--step-sleep", type=float, default=0.02, help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.worker:
+    worker(args)
+    return
+  root = args.dir or tempfile.mkdtemp(prefix="gmjax-chaos-")
+  report = chaos(root, rounds=args.rounds, learners=args.learners, seed=args.seed,
+                 kill_every=args.kill_every, error_rate=args.error_rate,
+                 die_rate=args.die_rate, deadline=max(600.0, 6.0 * args.rounds),
+                 hostile=tuple(k for k in args.hostile.split(",") if k))
+  problems = check(report)
+  result = figures(report)
+  result["lost_or_duplicate_commits"] = sum("versions" in p for p in problems)
+  result["problems"] = problems
+  print(json.dumps(result, indent=2))
+  sys.exit(1 if problems else 0)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,31 @@
+"""A seeded chaos run in CI: kills, restarts, storage errors, torn and hostile files.
+
+``benchmarks/chaos.py`` is the harness (``--rounds 500`` runs it long); this test runs it
+for about 30 rounds and asserts every invariant it checks.
+"""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                     "benchmarks", "chaos.py")
+_SPEC = importlib.util.spec_from_file_location("gmjax_chaos", _PATH)
+chaos = importlib.util.module_from_spec(_SPEC)
+sys.modules[_SPEC.name] = chaos  # dataclasses look their module up there
+_SPEC.loader.exec_module(chaos)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_chaos_run_keeps_every_invariant(tmp_path):
+  report = chaos.chaos(str(tmp_path), rounds=30, learners=4, seed=7, deadline=300.0)
+  problems = chaos.check(report)
+  assert not problems, "\n".join(problems)
+  figures = chaos.figures(report)
+  assert figures["rounds"] >= 30
+  assert report.kills + report.self_kills >= 1  # the run was disturbed
+  assert set(report.planted) == set(chaos.KINDS)  # one hostile file of each kind
+  assert figures["rejected"] >= 1
