@@ -157,9 +157,10 @@ def plant(run, root: str, kind: str, round_: int) -> list[str]:
     real = sorted(f for f in os.listdir(learners) if not f.startswith(HOSTILE)
                   and f.endswith(".json"))
     with open(os.path.join(learners, real[0])) as f:
-      beat = f.read()
+      beat = json.load(f)
+    beat["name"] = who
     with open(os.path.join(learners, f"{who}.json"), "w") as f:
-      f.write(beat)
+      json.dump(beat, f)
 
   if kind == "deep-header":
     with open(path, "wb") as f:
@@ -227,7 +228,7 @@ def _newest_round(run) -> int:
 def chaos(root: str, *, rounds: int = 30, learners: int = 4, seed: int = 0,
           kill_every: float = 4.0, error_rate: float = 0.03, die_rate: float = 0.05,
           poll: float = 0.02, step_sleep: float = 0.02, deadline: float = 600.0,
-          hostile: tuple[str, ...] = KINDS) -> Report:
+          hostile: tuple[str, ...] = KINDS, min_uptime: float = 8.0) -> Report:
   """Runs the chaos run in ``root``; returns what happened (check it with ``check``)."""
   import gmjax  # pylint: disable=g-import-not-at-top
   from gmjax import mail  # pylint: disable=g-import-not-at-top
@@ -258,6 +259,7 @@ def chaos(root: str, *, rounds: int = 30, learners: int = 4, seed: int = 0,
   generation = {i: 0 for i in range(learners)}
   procs = {i: start(i, 0) for i in range(learners)}
   started = time.monotonic()
+  born = {i: started for i in range(learners)}
   next_kill = started + rng.expovariate(1 / kill_every)
   kinds = list(hostile)
   rng.shuffle(kinds)
@@ -289,16 +291,21 @@ def chaos(root: str, *, rounds: int = 30, learners: int = 4, seed: int = 0,
           report.failures.append(f"{name} exited with {code} (see {logs}/{name}.log)")
         generation[i] += 1
         procs[i] = start(i, generation[i])
+        born[i] = time.monotonic()
         report.restarts += 1
       if now >= next_kill:
         i = rng.randrange(learners)
         name, proc = procs[i]
-        if proc.poll() is None:
+        # A learner is killed only once it has been up for min_uptime: one that dies
+        # while still starting (importing, compiling its closer) adds no fault the run
+        # has not seen, and killing faster than learners start would starve the run.
+        if proc.poll() is None and now - born[i] >= min_uptime:
           proc.send_signal(signal.SIGKILL)
           proc.wait()
           report.kills += 1
           generation[i] += 1
           procs[i] = start(i, generation[i])
+          born[i] = time.monotonic()
           report.restarts += 1
         next_kill = now + rng.expovariate(1 / kill_every)
       time.sleep(0.1)
