@@ -10,6 +10,13 @@ import inspect
 import os
 import re
 
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+import gmjax
+
 
 def fake_cpu_devices(count: int) -> None:
   """Asks XLA for ``count`` CPU devices; call before JAX creates its CPU client."""
@@ -21,8 +28,6 @@ def fake_cpu_devices(count: int) -> None:
 
 def layouts() -> list[tuple[str, dict]]:
   """``(label, diloco keyword arguments)`` of each outer-step layout ``gmjax.diloco`` has."""
-  import gmjax
-
   if "shard_outer" not in inspect.signature(gmjax.diloco).parameters:
     return [("replicated", {})]
   return [("sharded", {"shard_outer": True}), ("replicated", {"shard_outer": False})]
@@ -42,11 +47,6 @@ def learner_step(optimizer, mesh, *, count=None, donate=False):
       holds only what that step runs (``count > 0``: no first-update broadcast).
     donate: donate the parameters and state, as training loops do.
   """
-  import jax
-  import jax.numpy as jnp
-  import optax
-  from jax.sharding import PartitionSpec as P
-
   first = lambda tree: jax.tree.map(lambda a: a[0], tree)
 
   def body(params, state, grads):
@@ -68,9 +68,6 @@ def learner_init(optimizer, mesh):
 
   Call it, or pass it to ``jax.eval_shape`` for the state's shapes without building it.
   """
-  import jax
-  from jax.sharding import PartitionSpec as P
-
   body = lambda p: jax.tree.map(
       lambda a: a[None], optimizer.init(jax.tree.map(lambda a: a[0], p)))
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("learner"),

@@ -17,9 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gmjax
 import inmesh
 
 # 24 matrices of 1024×4096 and two vectors whose sizes are no multiple of 32·M.
@@ -30,13 +38,6 @@ NOT_OUTER = ("inner_state", "anchor", "count", "pending", "tokens", "stats")
 
 def measure(m: int) -> list[dict]:
   """Per-learner bytes for each layout, with ``m`` learners (needs ``m`` devices)."""
-  import jax
-  import jax.numpy as jnp
-  import optax
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
-
-  import gmjax
 
   mesh = jax.make_mesh((m,), ("learner",))
   sharding = NamedSharding(mesh, P("learner"))
@@ -72,7 +73,7 @@ def main():
     inmesh.fake_cpu_devices(args.one)
     print(json.dumps(measure(args.one)))
     return
-  n = sum(__import__("math").prod(s) for s in SHAPES.values())
+  n = sum(math.prod(s) for s in SHAPES.values())
   print(f"{n / 1e6:.2f}M bf16 parameters ({2 * n / 2**20:.0f} MiB); MiB per learner")
   print("| M | layout | outer state (fields) | anchor | compiled: arguments"
         " | outputs | temp |")

@@ -24,8 +24,18 @@ Run: .venv/bin/python benchmarks/sync_bytes.py [--learners 2 4 8] [--formula 16 
 from __future__ import annotations
 
 import argparse
+import math
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gmjax
 import inmesh
+from gmjax.transform import hlo
 
 SHAPES = {"w": (1024, 1024), "v": (4000,)}
 BYTES_PER_VALUE = {None: 4.0, "F32": 4.0, "F16": 2.0, "BF16": 2.0, "F8_E4M3": 1.125,
@@ -52,26 +62,17 @@ def f32_all_reduce(m: int) -> float:
 
 def measure(m: int, delta, commit, diloco_kwargs) -> tuple[float, dict]:
   """(bytes per parameter sent per learner in one sync, bytes by element type)."""
-  import jax
-  import numpy as np
-  import optax
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
-
-  import gmjax
-  from gmjax.transform import hlo
-
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:m]), ("learner",))
   config = gmjax.DiLoCo(sync_every=4, delta_precision=delta, commit_precision=commit)
   optimizer = gmjax.diloco(optax.sgd(0.1), config, axis_name="learner", **diloco_kwargs)
   sharding = NamedSharding(mesh, P("learner"))
-  params = {k: jax.ShapeDtypeStruct((m, *s), jax.numpy.float32, sharding=sharding)
+  params = {k: jax.ShapeDtypeStruct((m, *s), jnp.float32, sharding=sharding)
             for k, s in SHAPES.items()}
   state = jax.eval_shape(inmesh.learner_init(optimizer, mesh), params)
   sync = config.schedule(1).step_of(0)
   step = inmesh.learner_step(optimizer, mesh, count=sync)
   found = hlo.collective_bytes(step.lower(params, state, params).compile().as_text())
-  n = sum(int(np.prod(s)) for s in SHAPES.values())
+  n = sum(math.prod(s) for s in SHAPES.values())
   by_type = {}
   for c in found:
     by_type[c.dtype] = by_type.get(c.dtype, 0.0) + c.bytes_sent / n
@@ -83,10 +84,8 @@ def main():
   parser.add_argument("--learners", type=int, nargs="+", default=[2, 4, 8])
   parser.add_argument("--formula", type=int, nargs="+", default=[16, 64])
   args = parser.parse_args()
-  inmesh.fake_cpu_devices(max(args.learners))
-  import jax
-
-  n = sum(int(__import__("math").prod(s)) for s in SHAPES.values())
+  inmesh.fake_cpu_devices(max(args.learners))  # before JAX's first use of a device
+  n = sum(math.prod(s) for s in SHAPES.values())
   print(f"jax {jax.__version__}, {n} F32 parameters in one fragment; bytes per parameter"
         " sent per learner per sync (measured / formula)")
   ms = args.learners + args.formula
