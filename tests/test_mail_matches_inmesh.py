@@ -41,7 +41,7 @@ def in_mesh(config):
 
   step = jax.jit(jax.vmap(step, axis_name="learner"))
   params = jax.tree.map(lambda v: jnp.stack([v] * LEARNERS), ms.params0())
-  state = jax.vmap(optimizer.init)(params)
+  state = jax.vmap(optimizer.init, axis_name="learner")(params)
   tokens = jnp.asarray(TOKENS, jnp.float32)
   for _ in range(STEPS):
     params, state = jax.block_until_ready(step(params, state, goal, tokens))

@@ -15,7 +15,7 @@ def _run(optimizer, setup):
   params = harness.stacked(setup)
   targets = harness.stacked(setup, "targets")
   curvature = jnp.asarray(setup.curvature, jnp.float32)
-  state = jax.vmap(optimizer.init)(params)
+  state = jax.vmap(optimizer.init, axis_name="learner")(params)
   step = jax.jit(jax.vmap(harness.learner_step(optimizer), axis_name="learner"))
   for t in range(STEPS):
     params, state = step(params, state, targets, curvature, harness.tokens_at(setup, t))

@@ -20,7 +20,7 @@ def test_restored_state_continues_identically(tmp_path, commit_precision):
   targets = harness.stacked(setup, "targets")
   curvature = jnp.asarray(setup.curvature, jnp.float32)
   params = harness.stacked(setup)
-  state = jax.vmap(optimizer.init)(params)
+  state = jax.vmap(optimizer.init, axis_name="learner")(params)
   for t in range(5):  # stops between a sync and its merge
     params, state = step(params, state, targets, curvature, harness.tokens_at(setup, t))
   assert int(state.pending.max()) > 0

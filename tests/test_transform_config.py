@@ -49,7 +49,7 @@ def test_initial_state():
   assert state.anchor["w"].dtype == jnp.bfloat16
   assert state.master["w"].dtype == jnp.float32
   assert isinstance(state.master["b"], optax.MaskedNode)  # F32: Θ is its own master
-  assert state.pending.shape == (2,) and state.tokens.shape == (2,)
+  assert state.pending.shape == (2,) and state.tokens.shape == (2, 2)
   assert int(state.stats.rounds) == 0 and int(state.stats.fragment) == -1
   assert np.isnan(state.stats.cosine)
 
@@ -61,3 +61,47 @@ def test_state_shares_no_buffer_with_params():
   pointers = lambda tree: {x.unsafe_buffer_pointer() for x in jax.tree.leaves(tree)}
   assert not pointers(params) & pointers((state.anchor, state.master))
   assert not pointers(state.anchor) & pointers(state.master)
+
+
+def test_sharded_outer_refuses_a_non_elementwise_optimizer():
+  config = gmjax.DiLoCo(sync_every=4)
+  for outer in (optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.7)),
+                optax.lamb(0.1)):
+    with pytest.raises(ValueError, match="not elementwise.*shard_outer=False"):
+      gmjax.diloco(optax.sgd(0.1), config, outer=outer, axis_name="learner")
+    gmjax.diloco(optax.sgd(0.1), config, outer=outer, axis_name="learner",
+                 shard_outer=False)
+  with pytest.raises(ValueError, match="shard_outer=False"):
+    gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=4, outer="lamb"),
+                 axis_name="learner")
+  # Elementwise ones pass: by alias, and by the probe.
+  gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=4, outer="adam"), axis_name="l")
+  gmjax.diloco(optax.sgd(0.1), config, outer=optax.chain(optax.scale_by_adam(),
+                                                         optax.scale(-0.1)), axis_name="l")
+  with pytest.raises(ValueError, match="axis_name is None"):
+    gmjax.diloco(optax.sgd(0.1), config, shard_outer=True)
+
+
+def test_sharded_init_outside_the_axis_says_how():
+  optimizer = gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=4), axis_name="learner")
+  params = {"w": jnp.ones((2, 3))}
+  with pytest.raises(ValueError, match="init must run inside"):
+    jax.vmap(optimizer.init)(params)
+  state = jax.vmap(optimizer.init, axis_name="learner")(params)
+  assert state.anchor["w"].shape == (2, 3)
+
+
+def test_token_counts_stay_exact_past_2_to_the_24():
+  # 2^24 + 1 tokens a step: an F32 count would lose the odd token at once.
+  config = gmjax.DiLoCo(sync_every=8)
+  optimizer = gmjax.diloco(optax.sgd(0.1), config, axis_name="learner")
+  params = {"w": jnp.ones((2, 3))}
+  state = jax.vmap(optimizer.init, axis_name="learner")(params)
+  step = jax.jit(jax.vmap(lambda p, s, k: optimizer.update(p, s, p, tokens=k),
+                          axis_name="learner"))
+  per_step = jnp.asarray([2**24 + 1, 2**30 + 3], jnp.int32)
+  for _ in range(5):
+    _, state = step(params, state, per_step)
+  tokens = np.asarray(state.tokens, np.int64)
+  counted = tokens[..., 0] * 2**24 + tokens[..., 1]
+  np.testing.assert_array_equal(counted[:, 0], [5 * (2**24 + 1), 5 * (2**30 + 3)])

@@ -12,33 +12,41 @@ import transform_reference as reference
 
 STEPS = 13
 
-# (fragments, mixing, overlap, nesterov, delta_precision, commit_precision, tokens): every
-# value of each setting appears, with the quantized formats spread over the others.
+# (learners, fragments, mixing, overlap, outer, delta_precision, commit_precision, tokens,
+# shard_outer): a covering set, every value of each setting at least once, the quantized
+# formats spread over the others. "nesterov"/"momentum" are outer SGD with and without
+# Nesterov. Leaves hold 8, 12 and 40 values: none a multiple of 32·M for M > 1, and with
+# M = 3 the learners' shards are filled unequally.
 CASES = [
-    (1, 0.0, 0, True, None, None, False),
-    (3, 0.0, 0, True, None, None, True),
-    (3, 0.5, 1, False, None, None, False),
-    (3, 0.5, 2, True, "I4", None, True),
-    (1, 0.5, 2, False, "F8_E4M3", None, False),
-    (3, 0.0, 2, True, "BF16", "F8_E4M3", True),
-    (1, 0.0, 1, True, "F4", None, True),
-    (3, 0.5, 0, True, "F8_E4M3", "I4", False),
-    (1, 0.5, 1, False, "F16", None, True),
+    (3, 1, 0.0, 0, "nesterov", None, None, False, True),
+    (3, 3, 0.0, 0, "nesterov", None, None, True, False),
+    (3, 3, 0.5, 1, "momentum", None, None, False, True),
+    (3, 3, 0.5, 2, "nesterov", "I4", None, True, True),
+    (2, 1, 0.5, 2, "momentum", "F8_E4M3", None, False, True),
+    (4, 3, 0.0, 2, "nesterov", "BF16", "F8_E4M3", True, True),
+    (8, 1, 0.0, 1, "adam", "F4", None, True, True),
+    (3, 3, 0.5, 0, "nesterov", "F8_E4M3", "I4", False, False),
+    (1, 1, 0.5, 1, "momentum", "F16", None, True, True),
+    (4, 3, 0.5, 0, "adam", "F32", "BF16", True, False),
+    (2, 3, 0.0, 1, "adam", None, "F16", False, True),
 ]
 
 
-def _check_against_reference(setup, params, state, learners):
+def _check_against_reference(setup, params, state, learners, sharded=False):
   expected = reference.run(setup, STEPS)
   for m in range(learners):
     harness.assert_tree_close(
-        {n: v[m] for n, v in params.items()} if learners > 1 else params,
+        {n: v[m] for n, v in params.items()} if state.count.ndim else params,
         expected["theta"][m], what=f"learner {m} θ",
     )
-  anchor = state.anchor if learners == 1 else {n: v[0] for n, v in state.anchor.items()}
-  momentum = (state.momentum if learners == 1
-              else {n: v[0] for n, v in state.momentum.items()})
-  harness.assert_tree_close(anchor, expected["anchor"], what="anchor")
+  one = state.anchor if state.count.ndim == 0 else {n: v[0] for n, v in state.anchor.items()}
+  harness.assert_tree_close(one, expected["anchor"], what="anchor")
+  field = "trace" if setup.outer == "sgd" else "mu"
+  momentum = harness.outer_field(setup, state, field, sharded)
   harness.assert_tree_close(momentum, expected["momentum"], what="momentum")
+  if setup.outer == "adam":
+    harness.assert_tree_close(harness.outer_field(setup, state, "nu", sharded),
+                              expected["second"], rtol=1e-4, atol=1e-9, what="nu")
   stats = jax.tree.map(lambda x: np.asarray(x).reshape(-1)[0], state.stats)
   log = expected["log"]
   assert int(stats.rounds) == len(log)
@@ -49,22 +57,24 @@ def _check_against_reference(setup, params, state, learners):
 
 
 @pytest.mark.parametrize(
-    "fragments,mixing,overlap,nesterov,delta_precision,commit_precision,tokens", CASES
+    "learners,fragments,mixing,overlap,outer,delta_precision,commit_precision,tokens,shard",
+    CASES,
 )
-def test_learners_match_numpy_diloco(
-    fragments, mixing, overlap, nesterov, delta_precision, commit_precision, tokens
-):
+def test_learners_match_numpy_diloco(learners, fragments, mixing, overlap, outer,
+                                     delta_precision, commit_precision, tokens, shard):
   setup = harness.make_setup(
-      fragments=fragments, mixing=mixing, overlap=overlap, nesterov=nesterov,
-      delta_precision=delta_precision, commit_precision=commit_precision,
-      tokens=tokens, steps=STEPS,
+      learners=learners, fragments=fragments, mixing=mixing, overlap=overlap,
+      nesterov=outer == "nesterov", outer="adam" if outer == "adam" else "sgd",
+      outer_lr=0.05 if outer == "adam" else 0.7, delta_precision=delta_precision,
+      commit_precision=commit_precision, tokens=tokens, steps=STEPS,
   )
-  params, state, step = harness.run_vmap(setup, STEPS)
-  _check_against_reference(setup, params, state, learners=3)
+  params, state, step = harness.run_vmap(setup, STEPS, shard_outer=shard)
+  _check_against_reference(setup, params, state, learners=learners, sharded=shard)
   assert step._cache_size() == 1  # one trace for all steps
   for leaf in jax.tree.leaves(state.master):
     assert leaf.dtype == jnp.float32
   assert state.count.dtype == jnp.int32 and state.pending.dtype == jnp.int32
+  assert state.tokens.dtype == jnp.int32
 
 
 @pytest.mark.parametrize("fragments,overlap", [(1, 0), (3, 2)])

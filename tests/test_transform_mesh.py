@@ -62,7 +62,7 @@ def test_shard_map_learners_by_data_parallel_matches_numpy(delta_precision):
   mesh = jax.make_mesh((LEARNERS, 2), ("learner", "data"))
   sharding = NamedSharding(mesh, P("learner"))
   params = harness.stacked(setup)
-  state = jax.vmap(optimizer.init)(params)
+  state = jax.vmap(optimizer.init, axis_name="learner")(params)
   params, state, targets, curvature = jax.device_put(
       (params, state, harness.stacked(setup, "targets"),
        jnp.asarray(setup.curvature, jnp.float32)), sharding)
@@ -85,7 +85,7 @@ def test_pmap_matches_numpy():
   step = jax.pmap(harness.learner_step(optimizer), axis_name="learner",
                   devices=jax.devices()[:LEARNERS])
   params = harness.stacked(setup)
-  state = jax.vmap(optimizer.init)(params)
+  state = jax.vmap(optimizer.init, axis_name="learner")(params)
   targets = harness.stacked(setup, "targets")
   curvature = jnp.asarray(setup.curvature, jnp.float32)
   for t in range(STEPS):
@@ -122,7 +122,7 @@ def _sync_bytes(delta_precision):
     return jax.tree.map(lambda x: x[None], (updates, state))
 
   params = harness.stacked(setup)
-  state = jax.vmap(optimizer.init)(params)
+  state = jax.vmap(optimizer.init, axis_name="learner")(params)
   params, state = jax.device_put((params, state), NamedSharding(mesh, P("learner")))
   jaxpr = jax.make_jaxpr(jax.shard_map(
       body, mesh=mesh, in_specs=P("learner"), out_specs=P("learner")))(params, state, params)

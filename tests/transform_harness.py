@@ -32,7 +32,12 @@ def make_setup(learners=3, fragments=3, steps=13, tokens=False, seed=0, **settin
 
 
 def config_of(setup) -> gmjax.DiLoCo:
+  outer = {}
+  if setup.outer == "adam":
+    b1, b2, eps = setup.adam
+    outer = dict(outer="adam", outer_options={"b1": b1, "b2": b2, "eps": eps})
   return gmjax.DiLoCo(
+      **outer,
       sync_every=setup.sync_every,
       fragments=len(setup.plan),
       outer_learning_rate=setup.outer_lr,
@@ -77,18 +82,48 @@ def tokens_at(setup, t):
   return jnp.asarray(setup.tokens[t], jnp.float32)
 
 
-def run_vmap(setup, steps, dtype=jnp.float32):
+def run_vmap(setup, steps, dtype=jnp.float32, **options):
   """Runs ``setup`` with ``M`` learners under ``jax.vmap``; returns params, state, step."""
-  optimizer = gmjax.diloco(optax.sgd(setup.lr), config_of(setup), axis_name="learner")
+  optimizer = gmjax.diloco(optax.sgd(setup.lr), config_of(setup), axis_name="learner",
+                           **options)
   params = stacked(setup, dtype=dtype)
   targets = stacked(setup, "targets", dtype)
   curvature = jnp.asarray(setup.curvature, jnp.float32)
-  state = jax.vmap(optimizer.init)(params)
+  state = jax.vmap(optimizer.init, axis_name="learner")(params)
   step = jax.jit(jax.vmap(learner_step(optimizer, setup.tokens is not None),
                           axis_name="learner"))
   for t in range(steps):
-    params, state = step(params, state, targets, curvature, tokens_at(setup, t))
+    params, state = jax.block_until_ready(
+        step(params, state, targets, curvature, tokens_at(setup, t)))
   return params, state, step
+
+
+def unshard(stacked_shards, shape):
+  """The whole F32 leaf from every learner's shard ``(M, R, 32)`` (see transform.shards)."""
+  rows = np.swapaxes(np.asarray(stacked_shards), 0, 1)  # (R, M, 32)
+  return rows.reshape(-1)[:int(np.prod(shape))].reshape(shape)
+
+
+def outer_field(setup, state, field, sharded):
+  """An outer-state field (``trace``, ``mu``, ``nu``) by leaf name, whole, of learner 0.
+
+  Replicated states are stacked over learners (take learner 0's); sharded ones are put
+  back together from every learner's shard.
+  """
+  values = {}
+  for f, names in enumerate(setup.plan):
+    leaves = optax.tree_utils.tree_get(state.outer_state[f], field)
+    for name, leaf in zip(names, leaves):
+      values[name] = (unshard(leaf, SHAPES[name]) if sharded
+                      else np.asarray(leaf)[0] if leaf.ndim > len(SHAPES[name])
+                      else np.asarray(leaf))
+  return values
+
+
+def masters(state, sharded):
+  """The kept F32 masters by name, whole, of learner 0."""
+  return {n: unshard(v, SHAPES[n]) if sharded else np.asarray(v)[0]
+          for n, v in state.master.items() if not isinstance(v, optax.MaskedNode)}
 
 
 def assert_tree_close(actual, expected, rtol=1e-5, atol=1e-6, what=""):

@@ -3,8 +3,9 @@
 Written from the algorithm's definition alone (no gmjax code): M learners run SGD on
 quadratic losses; every fragment syncs on the staggered schedule, the deltas travel
 through a numpy model of the wire codec, the outer Nesterov/momentum SGD runs on an F32
-master, and the merge (mixing the learner's current fragment with the new anchor) lands
-``overlap`` steps after the sync.
+master (or outer Adam, with one step count per fragment), and the merge (mixing the
+learner's current fragment with the new anchor) lands ``overlap`` steps after the sync.
+The loop knows nothing of shards: a sharded run must compute what it computes.
 """
 
 from __future__ import annotations
@@ -68,6 +69,33 @@ class Setup:
   overlap: int = 0
   tokens: object = None    # None, or array [steps, M]
   dtype: object = np.float32
+  outer: str = "sgd"       # "sgd" (momentum/Nesterov by the fields above) or "adam"
+  adam: tuple = (0.9, 0.999, 1e-8)  # b1, b2, eps of the outer Adam
+
+
+def outer_update(setup: Setup, g: dict, master: dict, momentum: dict, second: dict,
+                 count: int) -> None:
+  """One outer step in place on ``master`` (and the moments), written from the formulas.
+
+  SGD (torch convention): ``u ← μ·u + g``; Nesterov ``master −= η·(g + μ·u)``, else
+  ``master −= η·u``. Adam (Kingma & Ba, with optax's ε outside the root):
+  ``m ← b1·m + (1−b1)·g``, ``v ← b2·v + (1−b2)·g²``,
+  ``master −= η·(m/(1−b1^t)) / (sqrt(v/(1−b2^t)) + ε)``, ``t`` this fragment's step count.
+  """
+  eta = F32(setup.outer_lr)
+  for n in g:
+    if setup.outer == "sgd":
+      mu = F32(setup.outer_momentum)
+      momentum[n] = (mu * momentum[n] + g[n]).astype(F32)
+      step = g[n] + mu * momentum[n] if setup.nesterov else momentum[n]
+      master[n] = (master[n] - eta * step).astype(F32)
+    else:
+      b1, b2, eps = (F32(x) for x in setup.adam)
+      momentum[n] = ((F32(1) - b1) * g[n] + b1 * momentum[n]).astype(F32)
+      second[n] = ((F32(1) - b2) * g[n] * g[n] + b2 * second[n]).astype(F32)
+      m_hat = momentum[n] / (F32(1) - b1 ** F32(count))
+      v_hat = second[n] / (F32(1) - b2 ** F32(count))
+      master[n] = (master[n] - eta * m_hat / (np.sqrt(v_hat) + eps)).astype(F32)
 
 
 def gradient(setup: Setup, m: int, theta: dict) -> dict:
@@ -85,6 +113,8 @@ def run(setup: Setup, steps: int) -> dict:
   anchor = {n: v.copy() for n, v in start.items()}
   master = {n: v.astype(F32) for n, v in start.items()}
   momentum = {n: np.zeros(v.shape, F32) for n, v in start.items()}
+  second = {n: np.zeros(v.shape, F32) for n, v in start.items()}
+  outer_steps = [0] * len(setup.plan)
   counted = np.zeros((learners, len(setup.plan)), np.float64)
   fragments = len(setup.plan)
   syncs = {step_of(r, setup.sync_every, fragments): r % fragments
@@ -115,11 +145,9 @@ def run(setup: Setup, steps: int) -> dict:
           g[n] = (g[n] + F32(weights[m]) * deltas[m][n]).astype(F32)
       finite = all(np.all(np.isfinite(g[n])) for n in names)
       if finite:
-        mu, eta = F32(setup.outer_momentum), F32(setup.outer_lr)
+        outer_steps[f] += 1
+        outer_update(setup, g, master, momentum, second, outer_steps[f])
         for n in names:
-          momentum[n] = (mu * momentum[n] + g[n]).astype(F32)
-          step = g[n] + mu * momentum[n] if setup.nesterov else momentum[n]
-          master[n] = (master[n] - eta * step).astype(F32)
           if setup.commit_precision is None:
             anchor[n] = master[n].astype(dtype)
           else:
@@ -140,7 +168,8 @@ def run(setup: Setup, steps: int) -> dict:
             theta[m][n] = mixed.astype(dtype)
           else:
             theta[m][n] = anchor[n].copy()
-  return dict(theta=theta, anchor=anchor, master=master, momentum=momentum, log=log)
+  return dict(theta=theta, anchor=anchor, master=master, momentum=momentum, second=second,
+              log=log)
 
 
 def _cosine(deltas, names):

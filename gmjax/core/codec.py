@@ -96,7 +96,7 @@ def _all_finite(value: jax.Array) -> jax.Array:
   """Whether every element of an F32, F16 or BF16 array is finite."""
   mask, infinity = _INFINITY_BITS[value.dtype]
   bits = lax.bitcast_convert_type(value, jnp.int32 if mask == _ABS_BITS else jnp.int16)
-  bits = bits.astype(jnp.int32) & mask
+  bits = jnp.ravel(bits).astype(jnp.int32) & mask
   if value.size % BLOCK == 0 and value.size:
     # The largest magnitude of each short row by integer max, then one boolean reduction:
     # XLA's CPU backend runs the row reductions as a parallel loop, much faster than one

@@ -1,4 +1,4 @@
-"""The exchange of one round inside the mesh: deltas across a named axis, weighted.
+"""The replicated exchange of one round (``shard_outer=False``): every learner gets ``g``.
 
 Deltas cross the axis at ``delta_precision``, as the mail runtime stores them:
 
@@ -7,6 +7,11 @@ Deltas cross the axis at ``delta_precision``, as the mail runtime stores them:
 * Every other precision all-gathers the encoded entries (F16/BF16 values, or the
   quantized codes and their F32 block scales), and each learner decodes them and forms
   ``Σ_m w_m · decode(Δ_m)`` locally, in learner order, with the core's ``weighted_sum``.
+  Codes and 16-bit values cross as unsigned integers of their width: XLA's CPU backend
+  widens float8 and bf16 collectives to wider floats.
+
+This moves ``(M−1)·b·n`` bytes per learner for an all-gather: the sharded exchange
+(``gmjax.transform.exchange``) is the bandwidth-optimal one.
 
 References:
   Douillard et al., *Streaming DiLoCo with overlapping communication*, arXiv 2501.18512
@@ -26,6 +31,7 @@ from gmjax.core import outer
 from gmjax.core.codec import _encode_values, decode_values
 from gmjax.core.records import Precision
 from gmjax.core.schema import ParameterSpec
+from gmjax.transform import tokens as token_counts
 
 AxisName = Any
 
@@ -37,10 +43,21 @@ def travels_as_f32(specs: Sequence[ParameterSpec], precision: Precision) -> bool
   return precision == "F32"
 
 
-def _weights(tokens: jax.Array, learners: int) -> jax.Array:
-  """``w_m = tokens_m / Σ tokens``; equal weights when no tokens were counted."""
-  total = jnp.sum(tokens)
-  return jnp.where(total > 0, tokens / jnp.where(total > 0, total, 1), 1.0 / learners)
+def _as_bytes(entries: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+  """Entries as unsigned integers of their width (F32 stays F32)."""
+  out = {}
+  for name, value in entries.items():
+    width = value.dtype.itemsize
+    if value.dtype == jnp.float32 or jnp.issubdtype(value.dtype, jnp.integer):
+      out[name] = value
+    else:
+      out[name] = lax.bitcast_convert_type(value, jnp.uint8 if width == 1 else jnp.uint16)
+  return out
+
+
+def _from_bytes(entries, like) -> dict[str, jax.Array]:
+  return {n: v if v.dtype == like[n].dtype else lax.bitcast_convert_type(v, like[n].dtype)
+          for n, v in entries.items()}
 
 
 def _squared_norm(tree: Mapping[str, jax.Array]) -> jax.Array:
@@ -77,7 +94,8 @@ def aggregate(
 
   Args:
     delta: this learner's F32 delta ``anchor − θ`` of one fragment, by leaf name.
-    tokens: tokens this learner trained since its last delta of the fragment (scalar).
+    tokens: tokens this learner trained since its last delta of the fragment, an int32
+      pair (see ``gmjax.transform.tokens``).
     specs: the fragment's parameter specs, sorted by name.
     precision: ``delta_precision``.
     axis_name: the learners' mapped axis, or None for a single learner.
@@ -93,15 +111,18 @@ def aggregate(
   if travels_as_f32(specs, precision):
     decoded = decode_values(entries, specs, precision)
     learners = lax.psum(1, axis_name)
-    total = lax.psum(tokens, axis_name)
-    weight = jnp.where(total > 0, tokens / jnp.where(total > 0, total, 1), 1.0 / learners)
+    total = token_counts.as_float(
+        token_counts.normalized(*lax.psum((tokens[0], tokens[1]), axis_name)))
+    mine = token_counts.as_float(tokens)
+    weight = jnp.where(total > 0, mine / jnp.where(total > 0, total, 1), 1.0 / learners)
     unit, nonzero = _unit(decoded)
     weighted = {k: weight * v for k, v in decoded.items()}
     gradient, unit_sum, count = lax.psum((weighted, unit, nonzero), axis_name)
     return gradient, mean_cosine(unit_sum, count)
-  gathered, all_tokens = lax.all_gather((entries, tokens), axis_name)
+  gathered, all_tokens = lax.all_gather((_as_bytes(entries), tokens), axis_name)
+  gathered = _from_bytes(gathered, entries)
   learners = all_tokens.shape[0]
-  weights = _weights(all_tokens, learners)
+  weights = token_counts.weights(all_tokens)
   deltas = [
       decode_values({k: v[m] for k, v in gathered.items()}, specs, precision)
       for m in range(learners)

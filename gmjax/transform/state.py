@@ -18,7 +18,8 @@ class DiLoCoStatistics(NamedTuple):
 
   Attributes:
     rounds: rounds done so far (skipped ones included), int32.
-    skipped: rounds whose aggregated delta was not finite, so no outer step ran, int32.
+    skipped: rounds whose aggregated delta, or the outer step's result (master, Θ), was
+      not finite, so no outer step was kept, int32.
     fragment: the fragment the latest round synchronized, int32 (``-1`` before any).
     delta_norm: the L2 norm of the latest round's outer gradient
       ``g = Σ_m w_m Δ_m`` over its fragment, F32 (NaN before any round).
@@ -44,7 +45,7 @@ def initial_statistics() -> DiLoCoStatistics:
 
 
 class DiLoCoState(NamedTuple):
-  """State of ``gmjax.diloco``.
+  """State of ``gmjax.diloco``: a plain pytree (save it with Orbax like the parameters).
 
   Attributes:
     inner_state: the inner optimizer's state (local to each learner).
@@ -52,13 +53,17 @@ class DiLoCoState(NamedTuple):
     anchor: Θ of each fragment's latest round, at the parameter dtype, shaped like the
       parameters. Between a round and its merge (``overlap_steps`` later) it already
       holds the new Θ the learner is about to merge.
-    master: the F32 master of each leaf, shaped like the parameters; ``optax.MaskedNode``
-      where Θ itself is the master (F32 leaves without ``commit_precision``).
-    momentum: the outer momentum ``u``, F32, shaped like the parameters.
+    master: the F32 master of each leaf (``master.<name>``), structured like the
+      parameters; ``optax.MaskedNode`` where Θ itself is the master (F32 leaves without
+      ``commit_precision``). Replicated: each leaf's shape. Sharded: this learner's
+      shard, F32 of shape ``(R, 32)`` (see ``gmjax.transform.shards``).
+    outer_state: per fragment, the outer optimizer's state over the fragment's leaves
+      (a tuple in the fragment's name order), full-sized when replicated, shards when
+      sharded. For the default Nesterov SGD its trace is ``momentum.<name>``.
     pending: per fragment, what its next merge does (0 nothing, 1 align with mixing,
       2 reset to the anchor after a skipped round), int32 of shape ``(P,)``.
-    tokens: per fragment, tokens trained since the learner's last delta of it, F32
-      of shape ``(P,)``.
+    tokens: per fragment, tokens trained since the learner's last delta of it, exact
+      int32 pairs ``(high, low)`` = ``high·2^24 + low``, shape ``(P, 2)``.
     stats: ``DiLoCoStatistics`` of the latest round.
   """
 
@@ -66,7 +71,18 @@ class DiLoCoState(NamedTuple):
   count: jax.Array
   anchor: Any
   master: Any
-  momentum: Any
+  outer_state: Any
+  pending: jax.Array
+  tokens: jax.Array
+  stats: DiLoCoStatistics
+
+
+class RoundState(NamedTuple):
+  """The part of ``DiLoCoState`` that the rare steps (first update, sync, merge) change."""
+
+  anchor: Any
+  master: Any
+  outer_state: Any
   pending: jax.Array
   tokens: jax.Array
   stats: DiLoCoStatistics

@@ -1,0 +1,171 @@
+"""The sharded exchange of one round: deltas ``all_to_all`` by shard, Θ ``all_gather``-ed.
+
+With ``M`` learners on the axis, learner ``k`` owns shard ``k`` of every leaf (see
+``shards``). A round of a fragment of ``n`` elements moves, per learner:
+
+1. ``all_to_all`` of the encoded delta rows: learner ``k`` receives every learner's
+   encoding of shard ``k`` and sends away the other ``M − 1`` shards of its own,
+   ``(M−1)/M · b_delta · n`` bytes. Codes and 16-bit values cross as unsigned integers
+   of their width (``uint8``, ``uint16``): XLA's CPU backend widens float8 and bf16
+   collectives to a wider float, which would multiply the bytes. F32 deltas cross as
+   F32 the same way: an ``all_to_all`` sends exactly what a ring ``psum_scatter`` sends,
+   and keeps every learner's delta apart, so the sum runs in learner order (the mail
+   closer's arithmetic) and the Gram matrix of the deltas is exact.
+2. ``g = Σ_m w_m · decode(Δ_m)`` over the shard in learner order (``weighted_sum``), the
+   outer step on the shard.
+3. ``all_gather`` of the new Θ shards at the parameter dtype, or of the update at
+   ``commit_precision``, which every learner decodes and adds to its Θ with the same
+   function: ``(M−1)/M · b_publish · n`` bytes.
+4. One ``psum`` of ``M² + 2`` F32 values: the shard's partial Gram matrix of the decoded
+   deltas, the squared norm of ``g`` on the shard, and the count of non-finite values
+   (gradient, master, Θ), which decides for every learner alike whether the round is kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gmjax.core import outer
+from gmjax.core.codec import _JNP, QUANTIZED, dequantize, quantize
+from gmjax.core.records import Precision
+from gmjax.core.schema import ParameterSpec
+from gmjax.core.stats import gram
+from gmjax.transform import shards
+
+_UINT = {2: jnp.uint16}
+
+
+def wire_code(spec: ParameterSpec, precision: Precision) -> str:
+  """What a leaf's values travel as: a dtype code or a quantized format."""
+  return spec.dtype if precision is None else precision
+
+
+def _to_wire(values: jax.Array, code: str) -> list[jax.Array]:
+  """``values`` (F32, ``(R, M, 32)`` or ``(R, 32)``) encoded for the wire, learner dim 1.
+
+  Returns the arrays that cross: 16-bit values as ``uint16``, F8 codes as ``uint8``,
+  4-bit codes packed as ``uint8`` ``(…, 16)``, scales F32 with the blocks' shape.
+  """
+  if code not in QUANTIZED:
+    cast = values.astype(_JNP[code])
+    if code == "F32":
+      return [cast]
+    return [lax.bitcast_convert_type(cast, _UINT[cast.dtype.itemsize])]
+  codes, scales = quantize(values, code)
+  blocks = values.shape[:-1]
+  scales = scales.reshape(blocks)
+  if code == "F8_E4M3":
+    return [lax.bitcast_convert_type(codes, jnp.uint8), scales]
+  return [codes.reshape(*blocks, values.shape[-1] // 2), scales]
+
+
+def _from_wire(arrays: Sequence[jax.Array], code: str) -> jax.Array:
+  """F32 values ``(…, 32)`` of wire arrays (the inverse of ``_to_wire``)."""
+  if code not in QUANTIZED:
+    value = arrays[0]
+    if code != "F32":
+      value = lax.bitcast_convert_type(value, _JNP[code])
+    return value.astype(jnp.float32)
+  codes, scales = arrays
+  blocks = scales.shape
+  if code == "F8_E4M3":
+    codes = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
+  values = dequantize(jnp.ravel(codes), jnp.ravel(scales), (scales.size * 32,), code)
+  return values.reshape(*blocks, 32)
+
+
+def aggregate(
+    delta_rows: Mapping[str, jax.Array],
+    weights: jax.Array,
+    specs: Sequence[ParameterSpec],
+    precision: Precision,
+    axis_name: Any,
+) -> tuple[dict[str, jax.Array], jax.Array]:
+  """This learner's shard of ``g = Σ_m w_m · decode(Δ_m)``, and its partial Gram matrix.
+
+  Args:
+    delta_rows: this learner's F32 delta of each leaf of the fragment, as rows
+      ``(R, M, 32)``.
+    weights: ``w_m`` of every learner, F32 ``(M,)``.
+    specs: the fragment's specs.
+    precision: ``delta_precision``.
+    axis_name: the learners' axis.
+
+  Returns:
+    ``(g, gram)``: ``g`` by leaf, shape ``(R, 32)``; the ``M×M`` dot products of the
+    learners' decoded deltas over this shard.
+  """
+  learners = weights.shape[0]
+  received = {}
+  for spec in specs:
+    wire = _to_wire(delta_rows[spec.name], wire_code(spec, precision))
+    received[spec.name] = lax.all_to_all(wire, axis_name, 1, 1, tiled=True)
+  deltas = [
+      {s.name: _from_wire([a[:, m] for a in received[s.name]], wire_code(s, precision))
+       for s in specs}
+      for m in range(learners)
+  ]
+  gradient = outer.weighted_sum(deltas, [weights[m] for m in range(learners)])
+  return gradient, gram(deltas)
+
+
+def publish(
+    master: Mapping[str, jax.Array],
+    anchor: Mapping[str, jax.Array],
+    specs: Sequence[ParameterSpec],
+    commit_precision: Precision,
+    axis_name: Any,
+    learners: int,
+    learner: jax.Array,
+) -> tuple[dict[str, jax.Array], jax.Array]:
+  """The new Θ of every leaf from the learners' new master shards, and a finiteness count.
+
+  With ``commit_precision=None`` the shards of ``cast(master)`` are gathered; otherwise
+  the shards of ``encode(master − Θ_old)`` are, and every learner forms
+  ``Θ = cast(Θ_old + decode(update))`` from the same bytes, as ``outer.rebuild`` does.
+
+  Returns:
+    ``(theta, bad)``: Θ by leaf at the parameter dtype, and the number of non-finite
+    values in this learner's published shard (F32).
+  """
+  theta, bad = {}, jnp.float32(0)
+  for spec in specs:
+    dtype = _JNP[spec.dtype]
+    if commit_precision is None:
+      code, value = spec.dtype, master[spec.name]
+    else:
+      code = commit_precision
+      old = shards.own(shards.to_rows(anchor[spec.name], learners), learner)
+      keep = shards.valid(spec.shape, learners, learner)
+      value = jnp.where(keep, master[spec.name] - old, jnp.float32(0))
+    wire = _to_wire(value, code)
+    mine = _from_wire(wire, code)
+    if commit_precision is None:
+      mine = mine.astype(dtype)
+    bad = bad + jnp.sum(~jnp.isfinite(mine)).astype(jnp.float32)
+    gathered = lax.all_gather(wire, axis_name, axis=1, tiled=False)
+    values = shards.from_rows(_from_wire(gathered, code), spec.shape)
+    if commit_precision is None:
+      theta[spec.name] = values.astype(dtype)
+    else:
+      theta[spec.name] = (anchor[spec.name].astype(jnp.float32) + values).astype(dtype)
+  return theta, bad
+
+
+def mean_cosine(matrix: jax.Array) -> jax.Array:
+  """Mean pairwise cosine from a Gram matrix, skipping zero deltas; NaN without a pair."""
+  learners = matrix.shape[0]
+  norms = jnp.sqrt(jnp.maximum(jnp.diagonal(matrix), 0.0))
+  nonzero = norms > 0
+  upper = jnp.triu(jnp.ones((learners, learners), bool), k=1)
+  pairs = upper & nonzero[:, None] & nonzero[None, :]
+  safe = jnp.where(nonzero, norms, 1.0)
+  cosines = matrix / (safe[:, None] * safe[None, :])
+  count = jnp.sum(pairs)
+  value = jnp.sum(jnp.where(pairs, cosines, 0.0)) / jnp.maximum(count, 1)
+  return jnp.where(count > 0, jnp.clip(value, -1.0, 1.0), jnp.nan).astype(jnp.float32)

@@ -1,0 +1,304 @@
+"""The rare steps of ``gmjax.diloco``: the first update, a fragment's sync, its merge.
+
+Everything here runs under ``lax.cond``/``lax.switch`` in the step, so the common step
+pays nothing for it (under ``shard_map``/``pmap``; ``vmap`` turns it into a select).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from gmjax.core import outer
+from gmjax.core.codec import _JNP
+from gmjax.core.diloco import DiLoCo
+from gmjax.core.schedule import RoundSchedule
+from gmjax.core.schema import Schema
+from gmjax.transform import collective, exchange, shards
+from gmjax.transform import tokens as token_counts
+from gmjax.transform.state import MERGE, NOTHING, RESET, DiLoCoStatistics, RoundState
+
+
+def vary_like(new: Any, old: Any) -> Any:
+  """``new`` typed as varying over every manual axis ``old`` varies over.
+
+  Under ``shard_map`` a collective's result is invariant across the axis, while the
+  state it replaces varies; ``lax.cond`` branches must agree on that type.
+  """
+
+  def one(n, o):
+    missing = tuple(sorted(_varying(o) - _varying(n), key=str))
+    return lax.pcast(n, missing, to="varying") if missing else n
+
+  return jax.tree.map(one, new, old)
+
+
+def _varying(x: Any) -> frozenset:
+  """The manual mesh axes ``x`` varies over (empty outside ``shard_map``)."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)
+  if manual is not None:
+    return frozenset(manual.varying)
+  return frozenset(getattr(aval, "vma", ()))
+
+
+def sync_table(schedule: RoundSchedule) -> np.ndarray:
+  """``table[t mod H]``: 1 + the fragment that syncs at global step ``t``, or 0."""
+  table = np.zeros(schedule.sync_every, np.int32)
+  for step in range(1, schedule.sync_every + 1):
+    r = schedule.round_at(step)
+    if r is not None:
+      table[step % schedule.sync_every] = schedule.fragment_of(r) + 1
+  return table
+
+
+def lookup(table: np.ndarray, index: jax.Array) -> jax.Array:
+  """``table[index]`` as a masked sum over the (short) constant table.
+
+  An indexed read of a constant by a learner-batched index is a gather, which explicit
+  sharding refuses to place on its own; a comparison and a sum are elementwise.
+  """
+  positions = np.arange(table.size, dtype=np.int32)
+  return jnp.sum(jnp.where(positions == index, jnp.asarray(table), 0))
+
+
+class Layout:
+  """What a parameter tree's structure fixes: schema, fragments, schedule, masters, shards.
+
+  ``learners`` is the axis size ``M`` when the outer step is sharded, else None.
+  """
+
+  def __init__(self, config: DiLoCo, params: Any, learners: int | None):
+    self.schema = Schema.from_tree(params)
+    self.plan = config.plan(self.schema)
+    self.schedule = config.schedule(len(self.plan))
+    self.table = sync_table(self.schedule)
+    self.keep = {s.name: config.keeps_master(s.dtype) for s in self.schema}
+    self.names = self.schema.leaf_names
+    self.learners = learners
+
+  def flatten(self, tree: Any) -> dict[str, Any]:
+    return dict(zip(self.names, self.schema.treedef.flatten_up_to(tree)))
+
+  def unflatten(self, flat: dict[str, Any]) -> Any:
+    return self.schema.treedef.unflatten([flat[n] for n in self.names])
+
+  def cast(self, tree: Any) -> Any:
+    """A copy of ``tree`` at the schema dtypes (float64 input becomes F32).
+
+    A copy, so that the state never shares a buffer with the parameters (both can be
+    donated to a jitted step).
+    """
+    flat = self.flatten(tree)
+    return self.unflatten(
+        {n: jnp.array(v, _JNP[self.schema[n].dtype], copy=True) for n, v in flat.items()}
+    )
+
+  def master_value(self, name: str, theta: jax.Array, learner: Any) -> jax.Array:
+    """The F32 master of leaf ``name`` whose Θ is ``theta``: whole, or this learner's shard."""
+    if self.learners is None:
+      return jnp.array(theta, jnp.float32, copy=True)
+    return shards.own(shards.to_rows(theta, self.learners), learner)
+
+  def zeros(self, name: str) -> jax.Array:
+    spec = self.schema[name]
+    shape = spec.shape if self.learners is None else shards.shard_shape(spec.shape,
+                                                                        self.learners)
+    return jnp.zeros(shape, jnp.float32)
+
+  def masters(self, theta: Any, learner: Any) -> Any:
+    """The master tree of Θ: kept leaves' F32 values or shards, ``MaskedNode`` elsewhere."""
+    flat = self.flatten(theta)
+    return self.unflatten({
+        n: self.master_value(n, v, learner) if self.keep[n] else optax.MaskedNode()
+        for n, v in flat.items()
+    })
+
+  def outer_init(self, tx: optax.GradientTransformation, values: Any = None) -> tuple:
+    """Per fragment, ``tx.init`` over the fragment's leaves (``values``: name → array)."""
+    return tuple(
+        tx.init(tuple(self.zeros(n) if values is None else values[n] for n in names))
+        for names in self.plan
+    )
+
+
+def start(layout: Layout, tx, axis_name: Any, learner: Any):
+  """The first update: learner 0's parameters everywhere, as anchor, master, outer state.
+
+  Returns a function ``(params, round_state) -> (start, round_state)``; with
+  ``axis_name=None`` the learner's own parameters are the start.
+  """
+
+  def run(params, state):
+    if axis_name is None:
+      shared = params
+    else:
+      source = lax.axis_index(axis_name) == 0
+      # A masked sum is a broadcast from learner 0 that is exact in any dtype.
+      shared = jax.tree.map(
+          lambda p: lax.psum(jnp.where(source, p, jnp.zeros_like(p)), axis_name), params
+      )
+    theta = layout.cast(shared)
+    flat = layout.flatten(theta)
+    values = {n: layout.master_value(n, v, learner) for n, v in flat.items()}
+    master = layout.unflatten(
+        {n: values[n] if layout.keep[n] else optax.MaskedNode() for n in flat}
+    )
+    new = state._replace(anchor=theta, master=master,
+                         outer_state=layout.outer_init(tx, values))
+    return vary_like((shared, new), (params, state))
+
+  return run
+
+
+def _finite_count(values) -> jax.Array:
+  return sum(jnp.sum(~jnp.isfinite(v)).astype(jnp.float32) for v in values)
+
+
+def _sync_replicated(layout, config, tx, axis_name, fragment, names, anchor, master,
+                     outer_state, counts, theta_of):
+  specs = layout.schema.subset(names).parameters
+  delta = {n: anchor[n].astype(jnp.float32) - theta_of(n).astype(jnp.float32) for n in names}
+  gradient, cosine = collective.aggregate(
+      delta, counts, specs, config.delta_precision, axis_name)
+  old = tuple(master[n] if layout.keep[n] else anchor[n].astype(jnp.float32) for n in names)
+  new_master, new_state = outer.apply_outer(
+      tx, tuple(gradient[n] for n in names), outer_state, old)
+  theta, _ = outer.publish(dict(zip(names, new_master)), {n: anchor[n] for n in names},
+                           specs, config.commit_precision)
+  bad = _finite_count([*gradient.values(), *new_master, *theta.values()])
+  squared = sum(jnp.sum(jnp.square(g)) for g in gradient.values())
+  return theta, new_master, new_state, squared, bad == 0, cosine
+
+
+def _sync_sharded(layout, config, tx, axis_name, learner, fragment, names, anchor,
+                  master, outer_state, counts, theta_of):
+  learners = layout.learners
+  specs = layout.schema.subset(names).parameters
+  rows = {
+      n: shards.to_rows(anchor[n].astype(jnp.float32) - theta_of(n).astype(jnp.float32),
+                        learners)
+      for n in names
+  }
+  weights = token_counts.weights(lax.all_gather(counts, axis_name))
+  gradient, partial_gram = exchange.aggregate(
+      rows, weights, specs, config.delta_precision, axis_name)
+  old = tuple(master[n] if layout.keep[n] else layout.master_value(n, anchor[n], learner)
+              for n in names)
+  new_master, new_state = outer.apply_outer(
+      tx, tuple(gradient[n] for n in names), outer_state, old)
+  theta, bad_theta = exchange.publish(
+      dict(zip(names, new_master)), {n: anchor[n] for n in names}, specs,
+      config.commit_precision, axis_name, learners, learner)
+  bad = bad_theta + _finite_count([*gradient.values(), *new_master])
+  squared = sum(jnp.sum(jnp.square(g)) for g in gradient.values())
+  summed = lax.psum(
+      jnp.concatenate([partial_gram.reshape(-1), jnp.stack([squared, bad])]), axis_name)
+  size = learners * learners
+  cosine = exchange.mean_cosine(summed[:size].reshape(learners, learners))
+  return theta, new_master, new_state, summed[size], summed[size + 1] == 0, cosine
+
+
+def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState, first,
+              sync_index, merge_index):
+  """The sync of the fragment ``sync_index − 1`` and the merge of ``merge_index − 1``.
+
+  ``inputs`` is ``(start, params, inner_updates)``; the learner's ``θ = start +
+  inner_updates`` is formed leaf by leaf inside each branch, from buffers that exist
+  already, so no branch operand is a new parameter-sized array. Returns the updates and
+  the new ``RoundState``.
+  """
+  flat_start, flat_params, flat_updates = (layout.flatten(x) for x in inputs)
+  flat = (layout.flatten(state.anchor), layout.flatten(state.master))
+  rest = (state.outer_state, state.pending, state.tokens, state.stats)
+
+  def theta_of(n):
+    """``θ`` of leaf ``n``, at the parameter dtype, as ``optax.apply_updates`` forms it."""
+    s = flat_start[n]
+    return (s + flat_updates[n]).astype(s.dtype)
+
+  def no_sync(flat, rest):
+    return flat, rest
+
+  def sync_of(fragment, names):
+    def sync(flat, rest):
+      outer_states, pending, counts, stats = rest
+      anchor, master = (dict(x) for x in flat)
+      common = (fragment, names, anchor, master, outer_states[fragment], counts[fragment],
+                theta_of)
+      if layout.learners is None:
+        result = _sync_replicated(layout, config, tx, axis_name, *common)
+      else:
+        result = _sync_sharded(layout, config, tx, axis_name, learner, *common)
+      theta, new_master, new_state, squared, finite, cosine = result
+      for i, n in enumerate(names):
+        anchor[n] = jnp.where(finite, theta[n], anchor[n])
+        if layout.keep[n]:
+          master[n] = jnp.where(finite, new_master[i], master[n])
+      kept = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_state,
+                          outer_states[fragment])
+      outer_states = tuple(kept if f == fragment else s for f, s in enumerate(outer_states))
+      stats = DiLoCoStatistics(
+          rounds=stats.rounds + 1,
+          skipped=stats.skipped + (~finite).astype(jnp.int32),
+          fragment=jnp.int32(fragment),
+          delta_norm=jnp.sqrt(squared).astype(jnp.float32),
+          cosine=cosine,
+      )
+      pending = pending.at[fragment].set(jnp.where(finite, MERGE, RESET))
+      counts = counts.at[fragment].set(jnp.zeros([2], jnp.int32))
+      return vary_like(((anchor, master), (outer_states, pending, counts, stats)),
+                       (flat, rest))
+
+    return sync
+
+  branches = [no_sync] + [sync_of(f, names) for f, names in enumerate(layout.plan)]
+  flat, rest = lax.switch(sync_index, branches, flat, rest)
+  outer_states, pending, counts, stats = rest
+  flat_anchor = flat[0]
+
+  def difference(n, theta):
+    """The update that takes the parameters to ``theta``, at the updates' dtype."""
+    u = flat_updates[n]
+    return (theta.astype(jnp.float32) - flat_params[n].astype(jnp.float32)).astype(u.dtype)
+
+  def no_merge(flat_anchor, pending):
+    if axis_name is None:
+      return dict(flat_updates), pending
+    # The first update moves every learner onto learner 0's start.
+    updates = {
+        n: jnp.where(first, difference(n, theta_of(n)), u) for n, u in flat_updates.items()
+    }
+    return vary_like((updates, pending), (flat_updates, pending))
+
+  def merge_of(fragment, names):
+    def merge(flat_anchor, pending):
+      code = pending[fragment]
+      current = {n: theta_of(n) for n in names}
+      target = {n: flat_anchor[n] for n in names}
+      mixed = outer.align(current, target, config.mixing)
+      reset = outer.align(current, target, 0.0)
+      updates = {}
+      for n in layout.names:
+        theta = theta_of(n)
+        if n in current:
+          theta = jnp.where(
+              code == MERGE, mixed[n], jnp.where(code == RESET, reset[n], current[n])
+          )
+        updates[n] = difference(n, theta)
+      return vary_like(
+          (updates, pending.at[fragment].set(NOTHING)), (flat_updates, pending)
+      )
+
+    return merge
+
+  branches = [no_merge] + [merge_of(f, names) for f, names in enumerate(layout.plan)]
+  flat_updates_out, pending = lax.switch(merge_index, branches, flat_anchor, pending)
+  anchor, master = (layout.unflatten(x) for x in flat)
+  return layout.unflatten(flat_updates_out), RoundState(
+      anchor, master, outer_states, pending, counts, stats)
