@@ -11,7 +11,15 @@ window (compilation); ``--sync-every`` far above the window count measures steps
 without any sync. ``temp`` is the compiled step's scratch memory, which XLA on CPU
 allocates on every call: a rarely taken branch that needs more of it slows every step.
 
+With ``--learners M`` (M > 1) the same runs on ``M`` fake CPU devices, one learner each:
+``jit(shard_map(step))`` over a ``"learner"`` axis, every learner on its own parameters
+(seeded apart) and batch, with donation only. Then ``gmjax.diloco`` syncs across the axis
+(each of its outer-step layouts) and the reference is ``optax.adamw`` in the same
+shard_map with no communication; "data-parallel adamw" also ``pmean``-s the gradients
+every step, the synchronous baseline DiLoCo replaces.
+
 Run: .venv/bin/python benchmarks/transform_overhead.py [--repeats N] [--sync-every H]
+     [--learners M]
 """
 
 from __future__ import annotations
@@ -24,8 +32,11 @@ import time
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import gmjax
+import inmesh
 
 WIDTHS = (512, 1024, 1024, 512)
 BATCH = 64
@@ -52,24 +63,47 @@ def loss_fn(params, x, y):
   return jnp.mean(jnp.square(h - y))
 
 
-def make_step(optimizer, donate=True):
+def make_step(optimizer, donate=True, mesh=None, data_parallel=False):
+  """The jitted step; with ``mesh``, one learner per device of its ``"learner"`` axis."""
   def step(params, state, x, y):
     grads = jax.grad(loss_fn)(params, x, y)
+    if data_parallel:
+      grads = jax.lax.pmean(grads, "learner")
     updates, state = optimizer.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+  donated = (0, 1) if donate else ()
+  if mesh is None:
+    return jax.jit(step, donate_argnums=donated)
+  first = lambda tree: jax.tree.map(lambda a: a[0], tree)
+  body = lambda *args: jax.tree.map(lambda a: a[None], step(*map(first, args)))
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("learner"),
+                               out_specs=P("learner")), donate_argnums=donated)
 
 
 class Trainer:
-  """A jitted training step of ``optimizer`` on the MLP, with its own params and state."""
+  """A jitted training step of ``optimizer`` on the MLP, with its own params and state.
 
-  def __init__(self, optimizer, donate=True):
-    self.params = init_mlp(jax.random.PRNGKey(0))
-    self.state = optimizer.init(self.params)
-    self.x = jax.random.normal(jax.random.PRNGKey(1), (BATCH, WIDTHS[0]))
-    self.y = jax.random.normal(jax.random.PRNGKey(2), (BATCH, WIDTHS[-1]))
-    self.step = make_step(optimizer, donate)
+  With ``mesh``, every argument is stacked over the mesh's learners, seeded apart.
+  """
+
+  def __init__(self, optimizer, donate=True, mesh=None, data_parallel=False):
+    learners = 1 if mesh is None else mesh.shape["learner"]
+    # Seeds 0, 1, 2 for one learner's params, x and y (as before); 3m + those for m.
+    keys = [jnp.stack([jax.random.PRNGKey(3 * m + i) for m in range(learners)])
+            for i in range(3)]
+    self.params = jax.vmap(init_mlp)(keys[0])
+    self.x = jax.vmap(lambda k: jax.random.normal(k, (BATCH, WIDTHS[0])))(keys[1])
+    self.y = jax.vmap(lambda k: jax.random.normal(k, (BATCH, WIDTHS[-1])))(keys[2])
+    if mesh is None:
+      self.params, self.x, self.y = jax.tree.map(lambda a: a[0],
+                                                 (self.params, self.x, self.y))
+      self.state = optimizer.init(self.params)
+    else:
+      sharding = NamedSharding(mesh, P("learner"))
+      self.params, self.x, self.y = jax.device_put((self.params, self.x, self.y), sharding)
+      self.state = inmesh.learner_init(optimizer, mesh)(self.params)
+    self.step = make_step(optimizer, donate, mesh, data_parallel)
 
   def temp_bytes(self):
     """Scratch bytes of the compiled step."""
@@ -85,27 +119,42 @@ class Trainer:
     return (time.perf_counter() - start) / steps
 
 
+def variants(sync_every, learners):
+  """``{label: (make optimizer, Trainer keyword arguments)}`` of the compared steps."""
+  inner = lambda: optax.adamw(1e-3)
+  found = {"optax.adamw": (inner, {})}
+  if learners == 1:
+    layouts, axis = [("", {})], {}
+  else:
+    found["data-parallel adamw"] = (inner, {"data_parallel": True})
+    layouts, axis = [(f" {k}", v) for k, v in inmesh.layouts()], {"axis_name": "learner"}
+  for suffix, kwargs in layouts:
+    found[f"diloco P=1 F32{suffix}"] = (lambda kw=kwargs: gmjax.diloco(
+        inner(), gmjax.DiLoCo(sync_every=sync_every), **axis, **kw), {})
+    found[f"diloco P=4 I4 tau=2 mix=.5{suffix}"] = (lambda kw=kwargs: gmjax.diloco(
+        inner(), gmjax.DiLoCo(sync_every=sync_every, fragments=4, delta_precision="I4",
+                              overlap_steps=2, mixing=0.5), **axis, **kw), {})
+  return found
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--sync-every", type=int, default=50)
+  parser.add_argument("--learners", type=int, default=1)
   args = parser.parse_args()
+  if args.learners > 1:
+    inmesh.fake_cpu_devices(args.learners)  # before JAX's first use of a device
+  mesh = None if args.learners == 1 else jax.make_mesh((args.learners,), ("learner",))
   n = sum(p.size for p in jax.tree.leaves(init_mlp(jax.random.PRNGKey(0))))
   print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({platform.machine()}),"
-        f" MLP {WIDTHS}, {n / 1e6:.2f}M params, batch {BATCH},"
+        f" MLP {WIDTHS}, {n / 1e6:.2f}M params, batch {BATCH}, {args.learners} learner(s),"
         f" window {args.sync_every} steps, median of {args.repeats}")
-  inner = lambda: optax.adamw(1e-3)
-  variants = {
-      "optax.adamw": inner,
-      "diloco P=1 F32": lambda: gmjax.diloco(inner(), gmjax.DiLoCo(
-          sync_every=args.sync_every)),
-      "diloco P=4 I4 tau=2 mix=.5": lambda: gmjax.diloco(inner(), gmjax.DiLoCo(
-          sync_every=args.sync_every, fragments=4, delta_precision="I4",
-          overlap_steps=2, mixing=0.5)),
-  }
+  donations = (True, False) if mesh is None else (True,)
   trainers = {
-      (label, donate): Trainer(make(), donate)
-      for donate in (True, False) for label, make in variants.items()
+      (label, donate): Trainer(make(), donate, mesh, **options)
+      for donate in donations
+      for label, (make, options) in variants(args.sync_every, args.learners).items()
   }
   for trainer in trainers.values():
     trainer.window(args.sync_every)  # compiles
@@ -115,15 +164,16 @@ def main():
     for key, trainer in trainers.items():
       seconds[key].append(trainer.window(args.sync_every))
   for (label, _), trainer in trainers.items():
-    if trainer.step._cache_size() != 1:
+    if trainer.step._cache_size() > (1 if mesh is None else 2):
       raise RuntimeError(f"{label}: the step compiled {trainer.step._cache_size()} times")
   for (label, donate), times in seconds.items():
     base = seconds["optax.adamw", donate]
     ratio = statistics.median(t / b for t, b in zip(times, base))
     temp = trainers[label, donate].temp_bytes() / 2**20
-    print(f"  {label:28s} {'donated' if donate else 'copied ':8s}"
+    print(f"  {label:38s} {'donated' if donate else 'copied ':8s}"
           f" {statistics.median(times) * 1e3:8.3f} ms/step  {ratio:.2f}x"
           f"  temp {temp:6.1f} MiB")
+
 
 if __name__ == "__main__":
   main()

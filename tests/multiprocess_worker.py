@@ -14,7 +14,6 @@ loss of its own data, the batch split over ``data`` (gradients ``pmean``-ed ther
 
 from __future__ import annotations
 
-import inspect
 import sys
 
 import jax
@@ -27,20 +26,21 @@ from jax.sharding import PartitionSpec as P
 import gmjax
 
 LEARNERS, DATA, STEPS = 4, 2, 7
-# (label, DiLoCo settings, shard_outer or None for the library's default)
-SETTINGS = [
-    ("f32", dict(sync_every=2, fragments=2, overlap_steps=1, mixing=0.5)),
-    ("i4", dict(sync_every=3, fragments=1, delta_precision="I4", commit_precision="BF16")),
-]
+SETTINGS = {
+    "f32": dict(sync_every=2, fragments=2, overlap_steps=1, mixing=0.5),
+    "i4": dict(sync_every=3, fragments=1, delta_precision="I4", commit_precision="BF16"),
+}
+# The default layout with an axis (the outer step sharded over the learners) and the
+# replicated one.
+LAYOUTS = {"sharded": None, "replicated": False}
+# Every setting sharded, and one replicated too (each case costs a compile per process).
+CASES = [("f32", "sharded"), ("f32", "replicated"), ("i4", "sharded")]
 
 
 def cases():
-  """``(label, config, shard_outer)`` for every setting and outer-step layout gmjax has."""
-  has_shard_outer = "shard_outer" in inspect.signature(gmjax.diloco).parameters
-  layouts = (True, False) if has_shard_outer else (None,)
-  return [(f"{label}-{'default' if s is None else 'sharded' if s else 'replicated'}",
-           gmjax.DiLoCo(**settings), s)
-          for label, settings in SETTINGS for s in layouts]
+  """``(label, config, shard_outer)`` of every case."""
+  return [(f"{setting}-{layout}", gmjax.DiLoCo(**SETTINGS[setting]), LAYOUTS[layout])
+          for setting, layout in CASES]
 
 
 def _data():

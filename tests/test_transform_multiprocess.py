@@ -1,9 +1,10 @@
 """``gmjax.diloco`` on a multi-controller JAX runtime: 2 processes × 4 CPU devices.
 
 The learner axis of a (learner=4, data=2) mesh spans both processes, whose collectives
-run over gloo on 127.0.0.1, as a multi-host pod's do over its network. Each process
-saves its addressable shards; together they must equal the same steps on 8 devices of
-this one process.
+run over gloo on 127.0.0.1, as a multi-host pod's do over its network. The cases cover
+the sharded outer step (the default) and ``shard_outer=False``, F32 and I4 deltas. Each
+process saves its addressable shards; together they must equal the same steps on 8
+devices of this one process.
 """
 
 import os
@@ -114,3 +115,13 @@ def test_two_processes_match_one_process(tmp_path):
     assert np.all(rounds == rounds.flat[0]) and rounds.flat[0] >= 2, (label, rounds)
     w = _leaf(got, label, "[0]['w']")
     assert not np.allclose(w[0], w[2]), f"{label}: the learners did not train apart"
+  # The default layout really shards the outer state (one momentum per parameter): a
+  # learner holds whole blocks of 32 of each leaf padded to 32·M, the replicated one all.
+  block = 32 * worker.LEARNERS
+  leaves = [16 * 4, 4, 40]
+  per_learner = {"sharded": sum(-(-n // block) * 32 for n in leaves),
+                 "replicated": sum(leaves)}
+  for setting, layout in worker.CASES:
+    held = sum(v.size for n, v in got.items()
+               if n.startswith(f"{setting}-{layout}/[1].outer_state"))
+    assert held == worker.LEARNERS * per_learner[layout], (setting, layout, held)
