@@ -19,8 +19,10 @@ neither known nor live) and reported: logged once per reason, and listed by
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import logging
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -165,6 +167,16 @@ def read_all(store: Store, key: bytes | None = None) -> dict[str, dict[str, Any]
   return found.records
 
 
+def _age(record: Mapping[str, Any]) -> float:
+  """Seconds since the heartbeat's ``last_seen`` by this machine's clock (0 if unknown)."""
+  try:
+    seen = datetime.datetime.fromisoformat(record["last_seen"])
+    age = (datetime.datetime.now(datetime.timezone.utc) - seen).total_seconds()
+  except (KeyError, TypeError, ValueError):
+    return 0.0
+  return max(0.0, age) if math.isfinite(age) else 0.0
+
+
 class Roster:
   """An observer's view of the learners: their heartbeats and when each last changed.
 
@@ -190,7 +202,13 @@ class Roster:
     self.records, self.bad = found.records, found.bad
     for name, record in self.records.items():
       seq = (record["seq"], record["status"])
-      if name not in self._changed or self._changed[name][0] != seq:
+      if name not in self._changed:
+        # First sight: as old as the heartbeat says it is, so a learner that joins a
+        # long run does not count every learner that ever died there as live. Only an
+        # age is taken from the writer's clock; a skewed clock delays a live learner
+        # until its next beat, which is timed here again.
+        self._changed[name] = (seq, now - _age(record))
+      elif self._changed[name][0] != seq:
         self._changed[name] = (seq, now)
     self.refreshed = now
 
