@@ -24,17 +24,26 @@ LEARNERS, STEPS = 3, 12
 TOKENS = (10, 30, 20)
 
 
-def goals():
-  return [ms.target(m) for m in range(LEARNERS)]
+def goals(poisoned=False):
+  goals = [ms.target(m) for m in range(LEARNERS)]
+  if poisoned:  # learner 1's delta is about a thousand times the others': rejected
+    goals[1] = {k: 1e3 * v for k, v in goals[1].items()}
+  return goals
+
+
+def tokens_of(poisoned=False):
+  # Learner 2 claims a thousand times its tokens: clamped to 10x learner 0's.
+  return (TOKENS[0], TOKENS[1], 1000 * TOKENS[2]) if poisoned else TOKENS
 
 
 def sgd_grads(params, goal):
   return {k: params[k] - goal[k] for k in params}
 
 
-def in_mesh(config):
-  optimizer = gmjax.diloco(optax.sgd(0.1), config, axis_name="learner")
-  goal = jax.tree.map(lambda *g: jnp.stack(g), *goals())
+def in_mesh(config, poisoned=False, shard_outer=None):
+  optimizer = gmjax.diloco(optax.sgd(0.1), config, axis_name="learner",
+                           shard_outer=shard_outer)
+  goal = jax.tree.map(lambda *g: jnp.stack(g), *goals(poisoned))
 
   def step(params, state, goal, tokens):
     updates, state = optimizer.update(sgd_grads(params, goal), state, params, tokens=tokens)
@@ -43,13 +52,14 @@ def in_mesh(config):
   step = jax.jit(jax.vmap(step, axis_name="learner"))
   params = jax.tree.map(lambda v: jnp.stack([v] * LEARNERS), ms.params0())
   state = jax.vmap(optimizer.init, axis_name="learner")(params)
-  tokens = jnp.asarray(TOKENS, jnp.float32)
+  tokens = jnp.asarray(tokens_of(poisoned), jnp.float32)
   for _ in range(STEPS):
     params, state = jax.block_until_ready(step(params, state, goal, tokens))
-  return [jax.tree.map(lambda v, m=m: np.asarray(v[m]), params) for m in range(LEARNERS)]
+  learners = [jax.tree.map(lambda v, m=m: np.asarray(v[m]), params) for m in range(LEARNERS)]
+  return learners, jax.tree.map(lambda x: np.asarray(x)[0], state.stats)
 
 
-def by_mail(config, tmp_path):
+def by_mail(config, tmp_path, poisoned=False):
   run = mail.create(str(tmp_path / "run"), ms.params0(), config)
   optimizer = optax.sgd(0.1)
   out = {}
@@ -62,9 +72,10 @@ def by_mail(config, tmp_path):
     state = optimizer.init(params)
     joined.wait()
     for _ in range(STEPS):
-      updates, state = optimizer.update(sgd_grads(params, goals()[index]), state, params)
+      updates, state = optimizer.update(sgd_grads(params, goals(poisoned)[index]), state,
+                                        params)
       params = {k: np.asarray(v) for k, v in optax.apply_updates(params, updates).items()}
-      params = learner.step(params, tokens=TOKENS[index])
+      params = learner.step(params, tokens=tokens_of(poisoned)[index])
     out[name] = params
     learner.close(params)  # flush_on_close=False: no final round that in-mesh never runs
 
@@ -90,7 +101,7 @@ def by_mail(config, tmp_path):
 )
 def test_mail_learners_end_where_in_mesh_learners_end(config, tmp_path):
   config = dataclasses.replace(config, flush_on_close=False)
-  mesh = in_mesh(config)
+  mesh, _ = in_mesh(config)
   mailed, rounds = by_mail(config, tmp_path)
   schedule = config.schedule(len(config.plan(gmjax.Schema.from_tree(ms.params0()))))
   expected_rounds = [r for r in range(40) if schedule.step_of(r) <= STEPS]
@@ -103,3 +114,29 @@ def test_mail_learners_end_where_in_mesh_learners_end(config, tmp_path):
     for name in ms.params0():
       np.testing.assert_allclose(mailed[m][name], mesh[m][name], rtol=2e-5, atol=2e-6,
                                  err_msg=f"learner {m}, leaf {name}")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("shard_outer", [True, False], ids=["sharded", "replicated"])
+def test_both_modes_reject_and_clamp_alike(shard_outer, tmp_path):
+  # Learner 1's delta is an outlier in every round and learner 2's tokens are clamped:
+  # the mail closer and the in-mesh screening leave out and clamp the same, and end on
+  # the same parameters.
+  config = gmjax.DiLoCo(sync_every=4, fragments=2, delta_precision="F8_E4M3",
+                        flush_on_close=False)
+  mesh, stats = in_mesh(config, poisoned=True, shard_outer=shard_outer)
+  mailed, rounds = by_mail(config, tmp_path, poisoned=True)
+  assert int(stats.rejected) == 1 and int(stats.clamped) == 1
+  assert int(stats.skipped) == 0
+  for record in rounds:
+    assert [p["learner"] for p in record["participants"]] == ["learner-0", "learner-2"]
+    assert [r["learner"] for r in record["rejected"]] == ["learner-1"]
+    tokens = {p["learner"]: p["tokens"] for p in record["participants"]}
+    assert [(c["learner"], c["field"], c["used"]) for c in record["clamped"]] == [
+        ("learner-2", "tokens", 10 * tokens["learner-0"])]
+    assert tokens["learner-2"] == 10 * tokens["learner-0"]
+  for m in range(LEARNERS):
+    for name in ms.params0():
+      np.testing.assert_allclose(mailed[m][name], mesh[m][name], rtol=2e-5, atol=2e-6,
+                                 err_msg=f"learner {m}, leaf {name}")
+

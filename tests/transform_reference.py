@@ -137,13 +137,14 @@ def run(setup: Setup, steps: int) -> dict:
                    dtype) for n in names}
           for m in range(learners)
       ]
-      total = counted[:, f].sum()
-      weights = counted[:, f] / total if total > 0 else np.full(learners, 1.0 / learners)
+      kept, used, clamped = screen(deltas, counted[:, f], names)
+      total = used.sum()
+      weights = used / total if total > 0 else np.full(learners, 1.0 / learners)
       g = {n: np.zeros(anchor[n].shape, F32) for n in names}
-      for m in range(learners):
+      for m in kept:
         for n in names:
           g[n] = (g[n] + F32(weights[m]) * deltas[m][n]).astype(F32)
-      finite = all(np.all(np.isfinite(g[n])) for n in names)
+      finite = bool(kept) and all(np.all(np.isfinite(g[n])) for n in names)
       if finite:
         outer_steps[f] += 1
         outer_update(setup, g, master, momentum, second, outer_steps[f])
@@ -158,7 +159,8 @@ def run(setup: Setup, steps: int) -> dict:
       log.append(dict(step=t, fragment=f, finite=finite,
                       delta_norm=float(np.sqrt(sum(np.sum(g[n].astype(np.float64) ** 2)
                                                    for n in names))),
-                      cosine=_cosine(deltas, names)))
+                      cosine=_cosine([deltas[m] for m in kept], names),
+                      rejected=learners - len(kept), clamped=clamped))
     for f, finite in merges.pop(t, []):
       for m in range(learners):
         for n in setup.plan[f]:
@@ -170,6 +172,45 @@ def run(setup: Setup, steps: int) -> dict:
             theta[m][n] = anchor[n].copy()
   return dict(theta=theta, anchor=anchor, master=master, momentum=momentum, second=second,
               log=log)
+
+
+OUTLIER_FACTOR = 10.0
+
+
+def _lower_median_of_others(values, i):
+  """The ⌊(k−1)/2⌋-th smallest of the other finite, positive values; None if none."""
+  others = sorted(v for j, v in enumerate(values)
+                  if j != i and v is not None and np.isfinite(v) and v > 0)
+  return others[(len(others) - 1) // 2] if others else None
+
+
+def screen(deltas, tokens, names):
+  """The learners whose deltas are aggregated, their token counts, and how many clamped.
+
+  A delta with a NaN/Inf value is rejected; so is one whose norm exceeds
+  ``OUTLIER_FACTOR`` times the lower median of the other finite deltas' norms. A kept
+  learner's tokens above the factor times the other kept learners' lower median are
+  clamped to ``floor`` of that bound. Rejected learners count zero tokens.
+  """
+  learners = len(deltas)
+  finite = [all(np.all(np.isfinite(d[n])) for n in names) for d in deltas]
+  norms = [float(np.sqrt(sum(np.sum(d[n].astype(np.float64) ** 2) for n in names)))
+           if ok else None for d, ok in zip(deltas, finite)]
+  kept = []
+  for m in range(learners):
+    reference = _lower_median_of_others(norms, m)
+    if finite[m] and (reference is None or norms[m] <= OUTLIER_FACTOR * reference):
+      kept.append(m)
+  used = np.zeros(learners, np.float64)
+  kept_tokens = [float(tokens[m]) if m in kept else None for m in range(learners)]
+  clamped = 0
+  for m in kept:
+    reference = _lower_median_of_others(kept_tokens, m)
+    used[m] = tokens[m]
+    if reference is not None and tokens[m] > np.floor(OUTLIER_FACTOR * reference):
+      used[m] = np.floor(OUTLIER_FACTOR * reference)
+      clamped += 1
+  return kept, used, clamped
 
 
 def _cosine(deltas, names):

@@ -11,14 +11,18 @@ With ``M`` learners on the axis, learner ``k`` owns shard ``k`` of every leaf (s
    F32 the same way: an ``all_to_all`` sends exactly what a ring ``psum_scatter`` sends,
    and keeps every learner's delta apart, so the sum runs in learner order (the mail
    closer's arithmetic) and the Gram matrix of the deltas is exact.
-2. ``g = Σ_m w_m · decode(Δ_m)`` over the shard in learner order (``weighted_sum``), the
-   outer step on the shard.
+2. One ``psum`` of ``M² + M`` F32 values: the shard's partial Gram matrix of the decoded
+   deltas and each delta's count of non-finite values, from which every learner alike
+   screens the deltas (``gmjax.transform.screen``: non-finite or outlier norms rejected,
+   outlying token counts clamped); then ``g = Σ_m w_m · decode(Δ_m)`` over the shard in
+   learner order (``weighted_sum``, rejected deltas as zeros), the outer step on the
+   shard.
 3. ``all_gather`` of the new Θ shards at the parameter dtype, or of the update at
    ``commit_precision``, which every learner decodes and adds to its Θ with the same
    function: ``(M−1)/M · b_publish · n`` bytes.
-4. One ``psum`` of ``M² + 2`` F32 values: the shard's partial Gram matrix of the decoded
-   deltas, the squared norm of ``g`` on the shard, and the count of non-finite values
-   (gradient, master, Θ), which decides for every learner alike whether the round is kept.
+4. One ``psum`` of 2 F32 values: the squared norm of ``g`` on the shard, and the count of
+   non-finite values (gradient, master, Θ), which decides for every learner alike whether
+   the round is kept.
 """
 
 from __future__ import annotations
@@ -30,12 +34,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gmjax.core import outer
 from gmjax.core.codec import JNP_DTYPES, QUANTIZED, dequantize, quantize
 from gmjax.core.records import Precision
 from gmjax.core.schema import ParameterSpec
-from gmjax.core.stats import gram
-from gmjax.transform import explicit, shards
+from gmjax.transform import collectives, explicit, shards
 
 _UINT = {2: jnp.uint16}
 
@@ -85,42 +87,39 @@ def _gathered_spec(shard: jax.Array) -> tuple | None:
   return None if entries is None else (entries[0], None, *entries[1:])
 
 
-def aggregate(
+def receive(
     delta_rows: Mapping[str, jax.Array],
-    weights: jax.Array,
     specs: Sequence[ParameterSpec],
     precision: Precision,
     axis_name: Any,
-) -> tuple[dict[str, jax.Array], jax.Array]:
-  """This learner's shard of ``g = Σ_m w_m · decode(Δ_m)``, and its partial Gram matrix.
+    learners: int,
+) -> list[dict[str, jax.Array]]:
+  """Every learner's decoded delta of this learner's shard, in learner order.
 
   Args:
     delta_rows: this learner's F32 delta of each leaf of the fragment, as rows
       ``(R, M, 32)``.
-    weights: ``w_m`` of every learner, F32 ``(M,)``.
     specs: the fragment's specs.
     precision: ``delta_precision``.
     axis_name: the learners' axis.
+    learners: ``M``.
 
   Returns:
-    ``(g, gram)``: ``g`` by leaf, shape ``(R, 32)``; the ``M×M`` dot products of the
-    learners' decoded deltas over this shard.
+    ``M`` dicts by leaf name of F32 rows ``(R, 32)``: learner ``m``'s decoded delta of
+    this learner's shard.
   """
-  learners = weights.shape[0]
   received = {}
   for spec in specs:
     wire = _to_wire(delta_rows[spec.name], wire_code(spec, precision))
     # Under vmap's spmd_axis_name the exchanged dimension comes out split over the
     # learners' axis; each learner needs every learner's encoding of its shard.
     received[spec.name] = [explicit.pin(r, explicit.spec(w)) for r, w in
-                           zip(lax.all_to_all(wire, axis_name, 1, 1, tiled=True), wire)]
-  deltas = [
+                           zip(collectives.all_to_all(wire, axis_name), wire)]
+  return [
       {s.name: _from_wire([a[:, m] for a in received[s.name]], wire_code(s, precision))
        for s in specs}
       for m in range(learners)
   ]
-  gradient = outer.weighted_sum(deltas, [weights[m] for m in range(learners)])
-  return gradient, gram(deltas)
 
 
 def publish(
@@ -160,7 +159,7 @@ def publish(
     # Under vmap's spmd_axis_name the gathered dimension comes out split over the
     # learners' axis; every learner needs all of it, laid out as its own shard's rows.
     gathered = [explicit.pin(g, _gathered_spec(w)) for g, w in
-                zip(lax.all_gather(wire, axis_name, axis=1, tiled=False), wire)]
+                zip(collectives.all_gather(wire, axis_name, learners), wire)]
     values = shards.from_rows(_from_wire(gathered, code), spec.shape)
     if commit_precision is None:
       theta[spec.name] = values.astype(dtype)

@@ -131,6 +131,19 @@ def manual(axis_name: Any) -> bool:
   return all(name in axes for name in names)
 
 
+def partially_manual(axis_name: Any) -> bool:
+  """Whether ``axis_name`` is manual here while another mesh axis of size > 1 is not.
+
+  That is ``shard_map(..., axis_names={learner})`` over a mesh whose other axes (FSDP,
+  tensor parallel) XLA partitions.
+  """
+  if not manual(axis_name):
+    return False
+  mesh = jax.sharding.get_abstract_mesh()
+  return any(t != AxisType.Manual and mesh.shape[n] > 1
+             for n, t in zip(mesh.axis_names, mesh.axis_types))
+
+
 def _reduce(reduction, x: Any, axis_name: Any) -> Any:
   leaves = jax.tree.leaves(x)
   layouts = [spec(leaf) for leaf in leaves]

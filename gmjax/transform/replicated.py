@@ -31,8 +31,7 @@ from gmjax.core import outer
 from gmjax.core.codec import decode_values, encode_values
 from gmjax.core.records import Precision
 from gmjax.core.schema import ParameterSpec
-from gmjax.transform import explicit
-from gmjax.transform import tokens as token_counts
+from gmjax.transform import collectives, explicit, screen
 
 AxisName = Any
 
@@ -90,8 +89,10 @@ def aggregate(
     specs: Sequence[ParameterSpec],
     precision: Precision,
     axis_name: AxisName,
-) -> tuple[dict[str, jax.Array], jax.Array]:
+) -> tuple[dict[str, jax.Array], jax.Array, screen.Verdict]:
   """The outer gradient ``g = Σ_m w_m · decode(Δ_m)`` across ``axis_name``, and the cosine.
+
+  The deltas are screened first (``gmjax.transform.screen``), as in the sharded exchange.
 
   Args:
     delta: this learner's F32 delta ``anchor − θ`` of one fragment, by leaf name, each
@@ -103,24 +104,30 @@ def aggregate(
     axis_name: the learners' mapped axis, or None for a single learner.
 
   Returns:
-    ``(g, cosine)``: ``g`` in F32 by leaf name (identical on every learner), and the mean
-    pairwise cosine of the decoded deltas (NaN with fewer than two nonzero deltas).
+    ``(g, cosine, verdict)``: ``g`` in F32 by leaf name (identical on every learner), the
+    mean pairwise cosine of the kept decoded deltas (NaN with fewer than two nonzero
+    ones), and the screening's verdict.
   """
   dtypes = {s.name: s.dtype for s in specs}
   entries, _ = encode_values(dict(delta), dtypes, precision)
   if axis_name is None:
-    return decode_values(entries, specs, precision), jnp.float32(jnp.nan)
+    decoded = decode_values(entries, specs, precision)
+    squared, bad = screen.squares_and_non_finite(decoded)
+    verdict = screen.judge(squared[None], bad[None], tokens[None])
+    return screen.masked(decoded, verdict.keep[0]), jnp.float32(jnp.nan), verdict
   if travels_as_f32(specs, precision):
     decoded = decode_values(entries, specs, precision)
-    learners = lax.psum(1, axis_name)
-    total = token_counts.as_float(
-        token_counts.normalized(*explicit.psum((tokens[0], tokens[1]), axis_name)))
-    mine = token_counts.as_float(tokens)
-    weight = jnp.where(total > 0, mine / jnp.where(total > 0, total, 1), 1.0 / learners)
-    unit, nonzero = _unit(decoded)
-    weighted = {k: weight * v for k, v in decoded.items()}
+    every = lax.all_gather(jnp.stack(screen.squares_and_non_finite(decoded)), axis_name)
+    every = explicit.pin(every, (None,) * every.ndim)
+    all_tokens = lax.all_gather(tokens, axis_name)
+    all_tokens = explicit.pin(all_tokens, (None,) * all_tokens.ndim)
+    verdict = screen.judge(every[:, 0], every[:, 1], all_tokens)
+    me = lax.axis_index(axis_name)
+    kept = screen.masked(decoded, verdict.keep[me])
+    unit, nonzero = _unit(kept)
+    weighted = {k: verdict.weights[me] * v for k, v in kept.items()}
     gradient, unit_sum, count = explicit.psum((weighted, unit, nonzero), axis_name)
-    return gradient, mean_cosine(unit_sum, count)
+    return gradient, mean_cosine(unit_sum, count), verdict
   # Flat entries gather along a new last dimension: an FSDP split of their only
   # dimension stays where it lies (gathered in front, JAX's type would move it to the
   # learners' dimension). Under vmap's spmd_axis_name the learners' dimension comes out
@@ -128,18 +135,22 @@ def aggregate(
   wire = _as_bytes(entries)
   gathered = {n: explicit.pin(g, None if explicit.spec(wire[n]) is None
                               else (*explicit.spec(wire[n]), None))
-              for n, g in lax.all_gather(wire, axis_name, axis=1).items()}
+              for n, g in zip(wire, collectives.all_gather(
+                  list(wire.values()), axis_name, lax.axis_size(axis_name)))}
   every = lax.all_gather(tokens, axis_name)
   all_tokens = explicit.pin(every, (None,) * every.ndim)
   gathered = _from_bytes(gathered, entries)
   learners = all_tokens.shape[0]
-  weights = token_counts.weights(all_tokens)
   deltas = [
       decode_values({k: v[:, m] for k, v in gathered.items()}, specs, precision)
       for m in range(learners)
   ]
-  gradient = outer.weighted_sum(deltas, [weights[m] for m in range(learners)])
+  judged = [screen.squares_and_non_finite(d) for d in deltas]
+  verdict = screen.judge(jnp.stack([s for s, _ in judged]),
+                         jnp.stack([b for _, b in judged]), all_tokens)
+  deltas = [screen.masked(d, verdict.keep[m]) for m, d in enumerate(deltas)]
+  gradient = outer.weighted_sum(deltas, [verdict.weights[m] for m in range(learners)])
   units = [_unit(d) for d in deltas]
   unit_sum = outer.weighted_sum([u for u, _ in units], [1.0] * learners)
   count = sum(n for _, n in units)
-  return gradient, mean_cosine(unit_sum, count)
+  return gradient, mean_cosine(unit_sum, count), verdict

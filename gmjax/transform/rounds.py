@@ -20,7 +20,8 @@ from gmjax.core.codec import JNP_DTYPES, BLOCK
 from gmjax.core.diloco import DiLoCo
 from gmjax.core.schedule import RoundSchedule
 from gmjax.core.schema import Schema
-from gmjax.transform import exchange, explicit, replicated, shards
+from gmjax.core.stats import gram
+from gmjax.transform import exchange, explicit, replicated, screen, shards
 from gmjax.transform import tokens as token_counts
 from gmjax.transform.state import MERGE, NOTHING, RESET, DiLoCoStatistics, RoundState
 
@@ -182,7 +183,7 @@ def _sync_replicated(layout, config, tx, axis_name, fragment, names, anchor, mas
   flat = lambda x: explicit.flatten(x, BLOCK)
   delta = {n: flat(anchor[n].astype(jnp.float32) - theta_of(n).astype(jnp.float32))
            for n in names}
-  gradient, cosine = replicated.aggregate(
+  gradient, cosine, verdict = replicated.aggregate(
       delta, counts, specs, config.delta_precision, axis_name)
   gradient = {n: explicit.unflatten(gradient[n], anchor[n]) for n in names}
   old = tuple(master[n] if layout.keep[n] else anchor[n].astype(jnp.float32) for n in names)
@@ -194,7 +195,7 @@ def _sync_replicated(layout, config, tx, axis_name, fragment, names, anchor, mas
   theta = {n: explicit.unflatten(theta[n], anchor[n]) for n in names}
   bad = _finite_count([*gradient.values(), *new_master, *theta.values()])
   squared = sum(jnp.sum(jnp.square(g)) for g in gradient.values())
-  return theta, new_master, new_state, squared, bad == 0, cosine
+  return theta, new_master, new_state, squared, bad == 0, cosine, verdict
 
 
 def _sync_sharded(layout, config, tx, axis_name, learner, fragment, names, anchor,
@@ -207,9 +208,18 @@ def _sync_sharded(layout, config, tx, axis_name, learner, fragment, names, ancho
       for n in names
   }
   every = lax.all_gather(counts, axis_name)
-  weights = token_counts.weights(explicit.pin(every, (None,) * every.ndim))
-  gradient, partial_gram = exchange.aggregate(
-      rows, weights, specs, config.delta_precision, axis_name)
+  every = explicit.pin(every, (None,) * every.ndim)
+  deltas = exchange.receive(rows, specs, config.delta_precision, axis_name, learners)
+  partial = jnp.concatenate([
+      gram(deltas).reshape(-1),
+      jnp.stack([screen.squares_and_non_finite(d)[1] for d in deltas])])
+  summed = explicit.psum(partial, axis_name)
+  size = learners * learners
+  matrix = summed[:size].reshape(learners, learners)
+  verdict = screen.judge(jnp.diagonal(matrix), summed[size:], every)
+  gradient = outer.weighted_sum(
+      [screen.masked(d, verdict.keep[m]) for m, d in enumerate(deltas)],
+      [verdict.weights[m] for m in range(learners)])
   old = tuple(master[n] if layout.keep[n] else layout.master_value(n, anchor[n], learner)
               for n in names)
   new_master, new_state = outer.apply_outer(
@@ -219,11 +229,11 @@ def _sync_sharded(layout, config, tx, axis_name, learner, fragment, names, ancho
       config.commit_precision, axis_name, learners, learner)
   bad = bad_theta + _finite_count([*gradient.values(), *new_master])
   squared = sum(jnp.sum(jnp.square(g)) for g in gradient.values())
-  summed = explicit.psum(
-      jnp.concatenate([partial_gram.reshape(-1), jnp.stack([squared, bad])]), axis_name)
-  size = learners * learners
-  cosine = exchange.mean_cosine(summed[:size].reshape(learners, learners))
-  return theta, new_master, new_state, summed[size], summed[size + 1] == 0, cosine
+  summed = explicit.psum(jnp.stack([squared, bad]), axis_name)
+  squared, bad = summed[0], summed[1]
+  both = verdict.keep[:, None] & verdict.keep[None, :]
+  cosine = exchange.mean_cosine(jnp.where(both, matrix, 0.0))
+  return theta, new_master, new_state, squared, bad == 0, cosine, verdict
 
 
 def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState, first,
@@ -257,7 +267,9 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
         result = _sync_replicated(layout, config, tx, axis_name, *common)
       else:
         result = _sync_sharded(layout, config, tx, axis_name, learner, *common)
-      theta, new_master, new_state, squared, finite, cosine = result
+      theta, new_master, new_state, squared, finite, cosine, verdict = result
+      # A round none of whose deltas was kept has no outer step.
+      finite = finite & jnp.any(verdict.keep)
       for i, n in enumerate(names):
         anchor[n] = explicit.where(finite, theta[n], anchor[n])
         if layout.keep[n]:
@@ -271,6 +283,8 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
           fragment=jnp.int32(fragment),
           delta_norm=jnp.sqrt(squared).astype(jnp.float32),
           cosine=cosine,
+          rejected=verdict.rejected,
+          clamped=verdict.clamped,
       )
       pending = pending.at[fragment].set(jnp.where(finite, MERGE, RESET))
       counts = counts.at[fragment].set(jnp.zeros([2], jnp.int32))

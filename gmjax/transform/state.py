@@ -19,12 +19,16 @@ class DiLoCoStatistics(NamedTuple):
   Attributes:
     rounds: rounds done so far (skipped ones included), int32.
     skipped: rounds whose aggregated delta, or the outer step's result (master, Θ), was
-      not finite, so no outer step was kept, int32.
+      not finite, or all of whose deltas were rejected, so no outer step was kept, int32.
     fragment: the fragment the latest round synchronized, int32 (``-1`` before any).
     delta_norm: the L2 norm of the latest round's outer gradient
       ``g = Σ_m w_m Δ_m`` over its fragment, F32 (NaN before any round).
-    cosine: the mean pairwise cosine similarity of the learners' decoded deltas in the
-      latest round, F32; NaN with fewer than two nonzero deltas (one learner).
+    cosine: the mean pairwise cosine similarity of the kept learners' decoded deltas in
+      the latest round, F32; NaN with fewer than two nonzero ones (one learner).
+    rejected: how many learners' deltas the latest round rejected (NaN or Inf values,
+      or a norm more than ``OUTLIER_FACTOR`` times the lower median of the others'; see
+      ``gmjax.transform.screen``), int32.
+    clamped: how many kept learners' token counts the latest round clamped, int32.
   """
 
   rounds: jax.Array
@@ -32,6 +36,8 @@ class DiLoCoStatistics(NamedTuple):
   fragment: jax.Array
   delta_norm: jax.Array
   cosine: jax.Array
+  rejected: jax.Array
+  clamped: jax.Array
 
 
 def initial_statistics() -> DiLoCoStatistics:
@@ -41,6 +47,8 @@ def initial_statistics() -> DiLoCoStatistics:
       fragment=jnp.full([], -1, jnp.int32),
       delta_norm=jnp.full([], jnp.nan, jnp.float32),
       cosine=jnp.full([], jnp.nan, jnp.float32),
+      rejected=jnp.zeros([], jnp.int32),
+      clamped=jnp.zeros([], jnp.int32),
   )
 
 

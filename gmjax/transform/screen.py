@@ -1,0 +1,87 @@
+"""Screening a round's deltas in-mesh by the rules the mail closer applies.
+
+Before the weighted sum, each learner's decoded delta is judged from numbers every
+learner holds alike (its squared norm over the fragment and its count of non-finite
+values, both summed over the shards first when the outer step is sharded):
+
+* a delta with a NaN or Inf value is rejected;
+* a delta whose norm is an outlier (``gmjax.core.guards.outliers``: more than
+  ``OUTLIER_FACTOR`` times the lower median of the *other* learners' norms) is rejected;
+* a kept learner's token count above that factor times the lower median of the other
+  kept learners' counts is clamped to it.
+
+In-mesh every learner trains the same steps between syncs, so comparing norms and
+tokens equals the mail closer's comparison per step. A rejected learner's weight is zero
+and its delta is replaced by zeros (so its NaN cannot reach the sum); the others' token
+weights are renormalized. When every delta is rejected the round is skipped.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from gmjax.core import guards
+from gmjax.transform import tokens as token_counts
+
+
+class Verdict(NamedTuple):
+  """What a round's screening decided, identical on every learner.
+
+  Attributes:
+    keep: bool ``(M,)``: whose delta enters the sum.
+    weights: F32 ``(M,)``: the token weights of the kept learners (zero for the others).
+    rejected: int32: how many deltas were rejected.
+    clamped: int32: how many kept learners' token counts were clamped.
+  """
+
+  keep: jax.Array
+  weights: jax.Array
+  rejected: jax.Array
+  clamped: jax.Array
+
+
+def judge(squared: jax.Array, non_finite: jax.Array, counts: jax.Array) -> Verdict:
+  """The verdict on ``M`` deltas from their squared norms and non-finite counts.
+
+  Args:
+    squared: F32 ``(M,)``, each learner's ``‖decode(Δ_m)‖²`` over the fragment.
+    non_finite: ``(M,)``, how many of each learner's decoded values are NaN or Inf.
+    counts: int32 ``(M, 2)``, each learner's token count (``gmjax.transform.tokens``).
+  """
+  finite = non_finite == 0
+  norms = jnp.sqrt(jnp.where(finite, squared, jnp.nan))
+  keep = finite & ~guards.outliers(norms, guards.OUTLIER_FACTOR, xp=jnp)
+  values = token_counts.as_float(counts)
+  reference = guards.reference(jnp.where(keep, values, jnp.nan), xp=jnp)
+  cap = jnp.floor(jnp.float32(guards.OUTLIER_FACTOR) * reference)
+  clamp = keep & ~jnp.isnan(reference) & (values > cap)
+  capped = jnp.where(clamp[:, None], _pair(jnp.where(clamp, cap, 0)), counts)
+  used = jnp.where(keep[:, None], capped, 0)
+  weights = jnp.where(keep, token_counts.weights(used), 0.0)
+  return Verdict(keep, weights, jnp.sum(~keep).astype(jnp.int32),
+                 jnp.sum(clamp).astype(jnp.int32))
+
+
+def _pair(value: jax.Array) -> jax.Array:
+  """The ``(high, low)`` int32 pair of a whole, non-negative F32 ``value`` below 2^55."""
+  unit = jnp.float32(2.0**token_counts.LOW_BITS)
+  high = jnp.floor(value / unit)
+  # Both terms are F32 multiples of the value's ulp, so the difference is exact.
+  low = value - high * unit
+  return jnp.stack([high.astype(jnp.int32), low.astype(jnp.int32)], axis=-1)
+
+
+def masked(delta, keep: jax.Array):
+  """``delta`` where ``keep``, zeros otherwise (a NaN times a zero weight is NaN)."""
+  return jax.tree.map(lambda d: jnp.where(keep, d, jnp.zeros_like(d)), delta)
+
+
+def squares_and_non_finite(delta) -> tuple[jax.Array, jax.Array]:
+  """``(Σ d², count of non-finite d)`` of a delta's leaves, both F32 scalars."""
+  leaves = jax.tree.leaves(delta)
+  squared = sum(jnp.sum(jnp.square(d.astype(jnp.float32))) for d in leaves)
+  bad = sum(jnp.sum(~jnp.isfinite(d)).astype(jnp.float32) for d in leaves)
+  return jnp.float32(squared), jnp.float32(bad)

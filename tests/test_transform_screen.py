@@ -1,0 +1,73 @@
+"""In-mesh, a round's deltas are screened by the mail closer's rules before they are summed.
+
+A delta with a NaN or Inf value, or whose norm is more than ``OUTLIER_FACTOR`` times the
+lower median of the other learners', is left out of the sum (the others' token weights
+renormalized) and counted in ``stats.rejected``; outlying token counts are clamped and
+counted in ``stats.clamped``. The numpy reference loop applies the same rules, written
+from their definition.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+import transform_harness as harness
+import transform_reference as reference
+
+STEPS = 13
+
+
+def _poisoned(kind, learners, precision, fragments=3):
+  setup = harness.make_setup(learners=learners, fragments=fragments, steps=STEPS,
+                             tokens=kind == "tokens", delta_precision=precision)
+  bad = 1
+  if kind == "overflow":  # F16 deltas of ~4e5 overflow on the wire: Inf
+    setup.targets[bad] = {n: v * np.float32(1e6) for n, v in setup.targets[bad].items()}
+  elif kind == "nan":
+    setup.targets[bad] = {n: np.full_like(v, np.nan) for n, v in setup.targets[bad].items()}
+  elif kind == "outlier":  # finite, about a thousand times the others' norm
+    setup.targets[bad] = {n: v * np.float32(1e3) for n, v in setup.targets[bad].items()}
+  elif kind == "tokens":
+    setup.tokens[:, bad] *= 1000
+  return setup, bad
+
+
+CASES = [  # kind, learners, delta_precision, shard_outer
+    ("overflow", 3, "F16", True),
+    ("overflow", 3, "F16", False),
+    ("nan", 3, "I4", True),
+    ("nan", 4, "F8_E4M3", False),
+    ("outlier", 4, None, True),
+    ("outlier", 3, None, False),
+    ("outlier", 2, "BF16", True),
+    ("tokens", 3, None, True),
+    ("tokens", 4, "I4", False),
+]
+
+
+@pytest.mark.parametrize("kind,learners,precision,shard_outer", CASES)
+def test_screened_round_matches_the_reference(kind, learners, precision, shard_outer):
+  setup, bad = _poisoned(kind, learners, precision)
+  expected = reference.run(setup, STEPS)
+  params, state, step = harness.run_vmap(setup, STEPS, shard_outer=shard_outer)
+  log = expected["log"]
+  assert {entry["finite"] for entry in log} == {True}
+  if kind == "tokens":
+    assert [entry["clamped"] for entry in log] == [1] * len(log)
+    assert [entry["rejected"] for entry in log] == [0] * len(log)
+  else:  # of two, each is judged by the other: the smaller one is no outlier
+    assert [entry["rejected"] for entry in log] == [1] * len(log)
+  honest = [m for m in range(learners) if kind == "tokens" or m != bad]
+  for m in honest:
+    harness.assert_tree_close({n: v[m] for n, v in params.items()}, expected["theta"][m],
+                              what=f"learner {m} θ")
+  harness.assert_tree_close({n: v[0] for n, v in state.anchor.items()}, expected["anchor"],
+                            what="anchor")
+  stats = jax.tree.map(lambda x: np.asarray(x)[0], state.stats)
+  assert int(stats.rounds) == len(log)
+  assert int(stats.rejected) == log[-1]["rejected"]
+  assert int(stats.clamped) == log[-1]["clamped"]
+  assert int(stats.skipped) == 0
+  np.testing.assert_allclose(stats.delta_norm, log[-1]["delta_norm"], rtol=1e-5)
+  np.testing.assert_allclose(stats.cosine, log[-1]["cosine"], atol=1e-5, equal_nan=True)
+  assert step._cache_size() == 1
