@@ -104,6 +104,10 @@ class Trainer:
       self.params, self.x, self.y = jax.device_put((self.params, self.x, self.y), sharding)
       self.state = inmesh.learner_init(optimizer, mesh)(self.params)
     self.step = make_step(optimizer, donate, mesh, data_parallel)
+    # Fake CPU devices run each learner's collectives on XLA's rendezvous threads; many
+    # queued steps starve them on a small machine (a 40 s abort), so with a mesh each
+    # step is awaited (every variant alike).
+    self.await_each = mesh is not None
 
   def temp_bytes(self):
     """Scratch bytes of the compiled step."""
@@ -115,6 +119,8 @@ class Trainer:
     start = time.perf_counter()
     for _ in range(steps):
       self.params, self.state = self.step(self.params, self.state, self.x, self.y)
+      if self.await_each:
+        jax.block_until_ready((self.params, self.state))
     jax.block_until_ready((self.params, self.state))
     return (time.perf_counter() - start) / steps
 
