@@ -36,14 +36,9 @@ import hashlib
 import logging
 import os
 import random
-import stat
-import threading
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
-
-import fsspec
 
 from gmjax.mail.errors import CorruptRecord, StorageUnavailable, UnsupportedStorage
 
@@ -51,7 +46,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_MEMORY_LOCK = threading.Lock()
 _TRANSIENT_ERRNOS = frozenset(
     {errno.EAGAIN, errno.EBUSY, errno.EINTR, errno.ETIMEDOUT, errno.ECONNRESET,
      errno.ECONNABORTED, errno.ECONNREFUSED, errno.EPIPE}
@@ -291,212 +285,6 @@ class Store(abc.ABC):
     return f"{type(self).__name__}({self.url!r})"
 
 
-class LocalStore(Store):
-  """A directory on a local (or network-mounted, POSIX) filesystem."""
-
-  def __init__(self, url: str, **kwargs: Any):
-    super().__init__(url, **kwargs)
-    root = url[len("file://"):] if url.startswith("file://") else url
-    self.root = os.path.abspath(os.path.expanduser(root))
-
-  @property
-  def local_root(self) -> str:
-    return self.root
-
-  def _path(self, path: str) -> str:
-    return os.path.join(self.root, *path.strip("/").split("/"))
-
-  def _temporary(self, target: str, data: bytes, durable: bool = True) -> str:
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    temporary = f"{target}.{uuid.uuid4().hex}.tmp"
-    with open(temporary, "wb") as f:
-      f.write(data)
-      if durable:
-        f.flush()
-        os.fsync(f.fileno())
-    return temporary
-
-  def _sync_dir(self, directory: str) -> None:
-    try:
-      fd = os.open(directory, os.O_RDONLY)
-    except OSError as error:
-      log.debug("cannot open %s to fsync it: %r", directory, error)
-      return
-    try:
-      os.fsync(fd)
-    except OSError as error:  # some filesystems refuse fsync on a directory
-      log.debug("fsync of directory %s failed: %r", directory, error)
-    finally:
-      os.close(fd)
-
-  def _put(self, path: str, data: bytes, durable: bool = True) -> None:
-    """Writes ``data`` at ``path``, replacing what is there, all at once."""
-    target = self._path(path)
-    temporary = self._temporary(target, data, durable)
-    try:
-      os.replace(temporary, target)
-    except BaseException:
-      _unlink_quietly(temporary)
-      raise
-    if durable:
-      self._sync_dir(os.path.dirname(target))
-
-  def _create(self, path: str, data: bytes) -> None:
-    target = self._path(path)
-    temporary = self._temporary(target, data)
-    try:
-      os.link(temporary, target)
-    finally:
-      _unlink_quietly(temporary)
-    self._sync_dir(os.path.dirname(target))
-
-  def _get(self, path: str) -> bytes:
-    target = self._path(path)
-    if os.path.isdir(target):
-      raise FileNotFoundError(target)
-    with open(target, "rb") as f:
-      return f.read()
-
-  def _get_hashed(self, path: str, digest: Any) -> bytes:
-    target = self._path(path)
-    if os.path.isdir(target):
-      raise FileNotFoundError(target)
-    chunks = []
-    with open(target, "rb") as f:
-      while chunk := f.read(_CHUNK):
-        digest.update(chunk)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-  def _read(self, path: str, max_bytes: int) -> bytes:
-    target = self._path(path)
-    try:
-      # O_NONBLOCK: opening a FIFO must not wait for a writer; O_NOFOLLOW: the store
-      # writes no links, so a link here (to /dev/zero, say) was planted.
-      fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except OSError as error:
-      if error.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
-        raise BadObject(path, f"is not a regular file ({error.strerror})") from None
-      raise
-    try:
-      info = os.fstat(fd)
-      if not stat.S_ISREG(info.st_mode):
-        raise BadObject(path, "is not a regular file"
-                        f" (mode {stat.filemode(info.st_mode)})")
-      if info.st_size > max_bytes:
-        raise BadObject(path, f"holds {info.st_size} bytes, more than {max_bytes} bytes")
-    except BaseException:
-      os.close(fd)
-      raise
-    with os.fdopen(fd, "rb") as f:
-      data = f.read(max_bytes + 1)  # it may have grown since fstat
-    if len(data) > max_bytes:
-      raise BadObject(path, f"holds more than {max_bytes} bytes")
-    return data
-
-  def _size(self, path: str) -> int:
-    return os.stat(self._path(path)).st_size
-
-  def _list(self, prefix: str) -> list[str]:
-    try:
-      names = os.listdir(self._path(prefix))
-    except (FileNotFoundError, NotADirectoryError):
-      return []
-    return [n for n in names if not n.endswith(".tmp")]
-
-  def _delete(self, path: str) -> None:
-    import shutil  # pylint: disable=g-import-not-at-top
-
-    target = self._path(path)
-    if os.path.isdir(target):
-      shutil.rmtree(target, ignore_errors=True)
-    else:
-      _unlink_quietly(target)
-
-
-class FsspecStore(Store):
-  """Any fsspec filesystem: ``memory://``, ``gs://`` (gcsfs) and others."""
-
-  def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None,
-               **kwargs: Any):
-    super().__init__(url, **kwargs)
-    options = dict(storage_options or {})
-    protocol = url.split("://", 1)[0]
-    if protocol in ("gs", "gcs"):
-      options.setdefault("use_listings_cache", False)
-      options.setdefault("skip_instance_cache", True)
-      if os.environ.get("STORAGE_EMULATOR_HOST"):
-        options.setdefault("token", "anon")
-    if protocol in ("gs", "gcs") and os.environ.get("STORAGE_EMULATOR_HOST"):
-      # An emulator serves the JSON API only; gcsfs's default class would first probe the
-      # gRPC control plane for the bucket type and wait out its timeout.
-      from gcsfs.core import GCSFileSystem  # pylint: disable=g-import-not-at-top
-
-      self.fs = GCSFileSystem(**options)
-      root = self.fs._strip_protocol(url)  # pylint: disable=protected-access
-    else:
-      self.fs, root = fsspec.core.url_to_fs(url, **options)
-    self.root = root.rstrip("/")
-    self.protocol = protocol
-    self._memory = protocol == "memory"
-
-  def _path(self, path: str) -> str:
-    path = path.strip("/")
-    return f"{self.root}/{path}" if path else self.root
-
-  def _put(self, path: str, data: bytes, durable: bool = True) -> None:
-    """Writes ``data`` at ``path``, replacing what is there, all at once."""
-    self.fs.pipe_file(self._path(path), data)
-
-  def _create(self, path: str, data: bytes) -> None:
-    target = self._path(path)
-    if self._memory:
-      with _MEMORY_LOCK:
-        if self.fs.exists(target):
-          raise FileExistsError(target)
-        self.fs.pipe_file(target, data)
-      return
-    # gcsfs sends one upload with ifGenerationMatch=0 (open_store admits no other
-    # protocol here; S3 has its own store).
-    self.fs.pipe_file(target, data, mode="create")
-
-  def _get(self, path: str) -> bytes:
-    return self.fs.cat_file(self._path(path))
-
-  def _read(self, path: str, max_bytes: int) -> bytes:
-    # A ranged read (an HTTP Range request on object stores) that asks for one byte past
-    # the bound: a larger object shows itself without being downloaded.
-    data = self.fs.cat_file(self._path(path), start=0, end=max_bytes + 1)
-    if len(data) > max_bytes:
-      raise BadObject(path, f"holds more than {max_bytes} bytes")
-    return data
-
-  def _size(self, path: str) -> int:
-    return int(self.fs.size(self._path(path)))
-
-  def _list(self, prefix: str) -> list[str]:
-    target = self._path(prefix)
-    self.fs.invalidate_cache(target)
-    try:
-      entries = self.fs.ls(target, detail=False)
-    except (FileNotFoundError, NotADirectoryError):
-      return []
-    names = []
-    for entry in entries:
-      name = str(entry).rstrip("/").rsplit("/", 1)[-1]
-      if name and str(entry).rstrip("/") != target.rstrip("/"):
-        names.append(name)
-    return sorted(set(names))
-
-  def _delete(self, path: str) -> None:
-    target = self._path(path)
-    try:
-      self.fs.rm(target, recursive=True)
-    except FileNotFoundError:
-      pass
-    self.fs.invalidate_cache(target)
-
-
 def open_store(url: str, *, retry_seconds: float = 30.0,
                storage_options: dict[str, Any] | None = None) -> Store:
   """The store for ``url``: a local directory (a path or ``file://``) or an fsspec URL.
@@ -532,8 +320,6 @@ def open_store(url: str, *, retry_seconds: float = 30.0,
   return FsspecStore(url, retry_seconds=retry_seconds, storage_options=storage_options)
 
 
-def _unlink_quietly(path: str) -> None:
-  try:
-    os.unlink(path)
-  except FileNotFoundError:
-    pass  # already gone: nothing to clean up
+# The backends build on Store above (they import it from here), so they come last.
+from gmjax.mail.store_fsspec import FsspecStore  # noqa: E402  pylint: disable=wrong-import-position
+from gmjax.mail.store_local import LocalStore  # noqa: E402  pylint: disable=wrong-import-position

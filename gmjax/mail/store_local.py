@@ -1,0 +1,149 @@
+"""A run's store on a local (or network-mounted, POSIX) filesystem.
+
+Exclusive create writes a temporary file beside the target, ``fsync``s it and
+``os.link``s it to the final name, which fails if the name exists (see
+``gmjax.mail.store``).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import uuid
+from typing import Any
+
+from gmjax.mail.store import _CHUNK, BadObject, Store
+
+log = logging.getLogger(__name__)
+
+
+class LocalStore(Store):
+  """A directory on a local (or network-mounted, POSIX) filesystem."""
+
+  def __init__(self, url: str, **kwargs: Any):
+    super().__init__(url, **kwargs)
+    root = url[len("file://"):] if url.startswith("file://") else url
+    self.root = os.path.abspath(os.path.expanduser(root))
+
+  @property
+  def local_root(self) -> str:
+    return self.root
+
+  def _path(self, path: str) -> str:
+    return os.path.join(self.root, *path.strip("/").split("/"))
+
+  def _temporary(self, target: str, data: bytes, durable: bool = True) -> str:
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    temporary = f"{target}.{uuid.uuid4().hex}.tmp"
+    with open(temporary, "wb") as f:
+      f.write(data)
+      if durable:
+        f.flush()
+        os.fsync(f.fileno())
+    return temporary
+
+  def _sync_dir(self, directory: str) -> None:
+    try:
+      fd = os.open(directory, os.O_RDONLY)
+    except OSError as error:
+      log.debug("cannot open %s to fsync it: %r", directory, error)
+      return
+    try:
+      os.fsync(fd)
+    except OSError as error:  # some filesystems refuse fsync on a directory
+      log.debug("fsync of directory %s failed: %r", directory, error)
+    finally:
+      os.close(fd)
+
+  def _put(self, path: str, data: bytes, durable: bool = True) -> None:
+    """Writes ``data`` at ``path``, replacing what is there, all at once."""
+    target = self._path(path)
+    temporary = self._temporary(target, data, durable)
+    try:
+      os.replace(temporary, target)
+    except BaseException:
+      _unlink_quietly(temporary)
+      raise
+    if durable:
+      self._sync_dir(os.path.dirname(target))
+
+  def _create(self, path: str, data: bytes) -> None:
+    target = self._path(path)
+    temporary = self._temporary(target, data)
+    try:
+      os.link(temporary, target)
+    finally:
+      _unlink_quietly(temporary)
+    self._sync_dir(os.path.dirname(target))
+
+  def _get(self, path: str) -> bytes:
+    target = self._path(path)
+    if os.path.isdir(target):
+      raise FileNotFoundError(target)
+    with open(target, "rb") as f:
+      return f.read()
+
+  def _get_hashed(self, path: str, digest: Any) -> bytes:
+    target = self._path(path)
+    if os.path.isdir(target):
+      raise FileNotFoundError(target)
+    chunks = []
+    with open(target, "rb") as f:
+      while chunk := f.read(_CHUNK):
+        digest.update(chunk)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+  def _read(self, path: str, max_bytes: int) -> bytes:
+    target = self._path(path)
+    try:
+      # O_NONBLOCK: opening a FIFO must not wait for a writer; O_NOFOLLOW: the store
+      # writes no links, so a link here (to /dev/zero, say) was planted.
+      fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError as error:
+      if error.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+        raise BadObject(path, f"is not a regular file ({error.strerror})") from None
+      raise
+    try:
+      info = os.fstat(fd)
+      if not stat.S_ISREG(info.st_mode):
+        raise BadObject(path, "is not a regular file"
+                        f" (mode {stat.filemode(info.st_mode)})")
+      if info.st_size > max_bytes:
+        raise BadObject(path, f"holds {info.st_size} bytes, more than {max_bytes} bytes")
+    except BaseException:
+      os.close(fd)
+      raise
+    with os.fdopen(fd, "rb") as f:
+      data = f.read(max_bytes + 1)  # it may have grown since fstat
+    if len(data) > max_bytes:
+      raise BadObject(path, f"holds more than {max_bytes} bytes")
+    return data
+
+  def _size(self, path: str) -> int:
+    return os.stat(self._path(path)).st_size
+
+  def _list(self, prefix: str) -> list[str]:
+    try:
+      names = os.listdir(self._path(prefix))
+    except (FileNotFoundError, NotADirectoryError):
+      return []
+    return [n for n in names if not n.endswith(".tmp")]
+
+  def _delete(self, path: str) -> None:
+    import shutil  # pylint: disable=g-import-not-at-top
+
+    target = self._path(path)
+    if os.path.isdir(target):
+      shutil.rmtree(target, ignore_errors=True)
+    else:
+      _unlink_quietly(target)
+
+
+def _unlink_quietly(path: str) -> None:
+  try:
+    os.unlink(path)
+  except FileNotFoundError:
+    pass  # already gone: nothing to clean up
