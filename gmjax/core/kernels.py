@@ -65,7 +65,7 @@ _F4_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, Fal
              (3.5, True), (5.0, False))
 # Adding 1.5 * 2**23 to a float of magnitude below 2**22 rounds it to an integer, to
 # nearest even, and leaves that integer in the low bits of the sum's bit pattern, in two's
-# complement: its low four bits are the I4 nibble.
+# complement: its low four bits are the I4 code, its low two the I2 code.
 _ROUND_TO_INTEGER = np.float32(1.5 * 2.0**23)
 # Where each code of ``bits`` sits in a packed little-endian uint32 word, by ``bits``.
 _SHIFTS = {bits: np.arange(0, 32, bits, dtype=np.uint32) for bits in (2, 4)}
@@ -211,7 +211,8 @@ def quantize(x: jax.Array, precision: str) -> tuple[jax.Array, jax.Array]:
   Returns:
     ``(codes, scales)``: F8 codes as ``float8_e4m3fn`` of ``x``'s shape; F4/I4 codes packed
     two per byte as ``uint8`` of shape ``(ceil(n/2),)``, I2 codes four per byte, shape
-    ``(ceil(n/4),)``; scales F32 of shape ``(ceil(n/32),)``. NaN/Inf make the block's scale non-finite (``encode`` refuses them).
+    ``(ceil(n/4),)``; scales F32 of shape ``(ceil(n/32),)``. NaN/Inf make the block's
+    scale non-finite (``encode`` refuses them).
   """
   if precision not in QUANTIZED:
     raise ValueError(f"quantize: precision={precision!r} is not one of {list(QUANTIZED)}.")
