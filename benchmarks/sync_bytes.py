@@ -13,9 +13,9 @@ Figures are bytes per parameter per learner. Beside them, the formula of each la
   update at ``commit_precision``), plus ``O(M²)`` bytes of statistics;
 
 with ``b`` the bytes per value of ``delta_precision`` (F32 4, BF16 2, F8_E4M3 1.125,
-F4/I4 0.625, block scales included), and, for reference, torchft's quantized all-reduce
-``2(M−1)/M·(n + 4R)/n`` (all_to_all, F32 reduce, all_gather of 8-bit values with ``R``
-F32 scales; here ``R = n/32``, our block size) and a ring all-reduce of F32 values,
+F4/I4 0.625, I2 0.375, block scales included), and, for reference, torchft's quantized
+all-reduce ``2(M−1)/M·(n + 4R)/n`` (all_to_all, F32 reduce, all_gather of 8-bit values with
+``R`` F32 scales; here ``R = n/32``, our block size) and a ring all-reduce of F32 values,
 ``2(M−1)/M·4``.
 
 Run: .venv/bin/python benchmarks/sync_bytes.py [--learners 2 4 8] [--formula 16 64]
@@ -39,9 +39,9 @@ from gmjax.transform import hlo
 
 SHAPES = {"w": (1024, 1024), "v": (4000,)}
 BYTES_PER_VALUE = {None: 4.0, "F32": 4.0, "F16": 2.0, "BF16": 2.0, "F8_E4M3": 1.125,
-                   "F4": 0.625, "I4": 0.625}
+                   "F4": 0.625, "I4": 0.625, "I2": 0.375}
 VARIANTS = [(None, None), ("BF16", None), ("F8_E4M3", None), ("F4", None), ("I4", None),
-            ("F8_E4M3", "F8_E4M3"), ("I4", "BF16")]
+            ("F8_E4M3", "F8_E4M3"), ("I4", "BF16"), ("I2", "I2")]
 
 
 def formula(layout: str, delta, commit, m: int) -> float:

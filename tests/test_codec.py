@@ -14,7 +14,8 @@ import pytest
 import gmjax
 from gmjax.core import codec
 
-QMAX = {"F8_E4M3": 448.0, "F4": 6.0, "I4": 7.0}
+QMAX = {"F8_E4M3": 448.0, "F4": 6.0, "I4": 7.0, "I2": 1.0}
+PER_BYTE = {"F4": 2, "I4": 2, "I2": 4}  # packed codes per byte
 TINY = np.float32(2.0**-126)  # the smallest normal float: subnormals count as zero
 F4_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 
@@ -35,6 +36,12 @@ def reference_quantize(x, precision):
   if precision == "F8_E4M3":
     codes = scaled.astype(ml_dtypes.float8_e4m3fn).reshape(-1)[:n]
     return codes.view(np.uint8).reshape(np.shape(x)), scales
+  if precision == "I2":
+    # ml_dtypes stores one int2 per byte, its two's complement bits low.
+    codes = np.clip(np.rint(scaled), -1, 1).astype(np.int8).astype(ml_dtypes.int2)
+    fields = (codes.reshape(-1).view(np.uint8) & 0x03).reshape(-1, 4)
+    packed = (fields[:, 0] | fields[:, 1] << 2 | fields[:, 2] << 4 | fields[:, 3] << 6)
+    return packed.astype(np.uint8)[: -(-n // 4)], scales
   if precision == "F4":
     # ml_dtypes stores one float4 per byte; reading it as uint8 keeps the high nibble's
     # garbage for negative values, so mask it.
@@ -49,6 +56,9 @@ def reference_dequantize(code_bytes, scales, shape, precision):
   n = math.prod(shape)
   if precision == "F8_E4M3":
     values = code_bytes.reshape(-1).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  elif precision == "I2":
+    fields = (code_bytes.reshape(-1, 1) >> np.array([0, 2, 4, 6], np.uint8)) & 0x03
+    values = fields.reshape(-1).view(ml_dtypes.int2).astype(np.float32)
   else:
     nibbles = np.empty(code_bytes.size * 2, np.uint8)
     nibbles[0::2] = code_bytes & 0x0F
@@ -75,7 +85,7 @@ def check_against_reference(x, precision):
   if precision == "F8_E4M3":
     assert codes.dtype == jnp.float8_e4m3fn and codes.shape == x.shape
   else:
-    assert codes.dtype == jnp.uint8 and codes.shape == (-(-x.size // 2),)
+    assert codes.dtype == jnp.uint8 and codes.shape == (-(-x.size // PER_BYTE[precision]),)
   assert scales.dtype == jnp.float32 and scales.shape == (-(-x.size // 32),)
   np.testing.assert_array_equal(code_bytes(codes), want_codes)
   np.testing.assert_array_equal(np.asarray(scales).view(np.uint32), want_scales.view(np.uint32))
@@ -85,7 +95,7 @@ def check_against_reference(x, precision):
   np.testing.assert_array_equal(np.asarray(back), want)
 
 
-PRECISIONS = ("F8_E4M3", "F4", "I4")
+PRECISIONS = ("F8_E4M3", "F4", "I4", "I2")
 SHAPES = [(1,), (31,), (32,), (33,), (65,), (3, 5), (4, 8, 3), (2, 3, 5, 7), ()]
 
 
@@ -114,7 +124,7 @@ def test_special_blocks(precision):
   if precision == "F8_E4M3":
     assert not np.any(code_bytes(codes)[:64])
   else:
-    assert not np.any(np.asarray(codes)[:32])
+    assert not np.any(np.asarray(codes)[: 64 // PER_BYTE[precision]])
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -126,7 +136,7 @@ def test_every_code_roundtrips(precision):
   elif precision == "F4":
     grid = np.concatenate([F4_GRID, -F4_GRID])
   else:
-    grid = np.arange(-7, 8, dtype=np.float32)
+    grid = np.arange(-QMAX[precision], QMAX[precision] + 1, dtype=np.float32)
   qmax = QMAX[precision]
   for start in range(0, grid.size, 31):
     block = np.zeros(32, np.float32)
@@ -155,7 +165,9 @@ def test_subnormal_scales_clip(precision):
   x[160:192] = 1e-36 * np.linspace(-1, 1, 32)
   check_against_reference(x, precision)
   codes, scales = gmjax.quantize(jnp.asarray(x), precision)
-  np.testing.assert_array_equal(np.asarray(scales)[:3], 0)
+  # With Qmax = 1 (I2) a normal absmax is a normal scale: only I2's third block keeps one.
+  third = TINY if QMAX[precision] == 1 else 0
+  np.testing.assert_array_equal(np.asarray(scales)[:3], [0, 0, third])
   assert float(scales[3]) == TINY
 
 
@@ -186,7 +198,7 @@ def grid_step_bound(x, precision):
   padded[:n] = flat
   scale = np.repeat(np.max(np.abs(padded.reshape(-1, 32)), axis=1) / QMAX[precision], 32)[:n]
   scaled = np.abs(np.divide(flat, scale, out=np.zeros_like(flat), where=scale > 0))
-  if precision == "I4":
+  if precision in ("I4", "I2"):
     step = np.ones_like(scaled)
   elif precision == "F4":
     step = np.where(scaled < 2, 0.5, np.where(scaled < 4, 1.0, 2.0))

@@ -106,6 +106,51 @@ def test_quantized_delta_that_decodes_to_infinity_is_rejected(tmp_path):
                         known={"mole"}, key=None, max_steps=2)
 
 
+def _check_i2(run, data):
+  return contributions.check(data, file_name="mole.safetensors", round_=0, fragment=0,
+                             base_version=0, schema=run.schema.subset(run.plan[0]),
+                             precision="I2", known={"mole"}, key=None, max_steps=2)
+
+
+def _i2_entries(run, code_bytes):
+  """I2 entries of the first fragment: every code byte ``code_bytes``, every scale 0.5."""
+  entries = {}
+  for spec in payload_layout(run.schema.subset(run.plan[0]), "I2").parameters:
+    if spec.name.endswith(".scale"):
+      entries[spec.name] = np.full(spec.shape, 0.5, np.float32)
+    else:
+      entries[spec.name] = np.full(spec.shape, code_bytes, np.uint8)
+  return entries
+
+
+def test_i2_code_entry_of_the_wrong_size_is_rejected(tmp_path):
+  config = gmjax.DiLoCo(sync_every=2, delta_precision="I2")
+  run = mail.create(str(tmp_path / "run"), ms.params0(), config)
+  name = run.plan[0][0]
+  size = int(np.prod(ms.params0()[name].shape))
+  for wrong in (-(-size // 2), -(-size // 4) + 1, size):  # I4's size, one byte more, F8's
+    entries = _i2_entries(run, 0)
+    entries[name] = np.zeros((wrong,), np.uint8)
+    with pytest.raises(mail.ContributionRejected,
+                       match=rf"entry '{name}' has shape \({wrong},\), expected"
+                       rf" \({-(-size // 4)},\)"):
+      _check_i2(run, _payload(run, 0, "mole", entries))
+
+
+def test_i2_minus_two_codes_decode_as_defined_and_pass(tmp_path):
+  # -2 (0b10) is never encoded; a payload of them decodes to -2 · scale, as I4's -8 does,
+  # and is judged like any other delta (finite; the closer weighs its norm).
+  config = gmjax.DiLoCo(sync_every=2, delta_precision="I2")
+  run = mail.create(str(tmp_path / "run"), ms.params0(), config)
+  checked = _check_i2(run, _payload(run, 0, "mole", _i2_entries(run, 0b10101010)))
+  count = sum(int(np.prod(ms.params0()[n].shape)) for n in run.plan[0])
+  np.testing.assert_allclose(checked.norm_per_step, np.sqrt(count) / 2, rtol=1e-12)
+  schema = run.schema.subset(run.plan[0])
+  decoded = gmjax.decode(dict(checked.contribution.tensors), schema, "I2")
+  for name, value in decoded.items():
+    np.testing.assert_array_equal(np.asarray(value), -1.0, err_msg=name)
+
+
 @pytest.mark.timeout(120)
 def test_outer_step_that_is_not_finite_is_skipped_and_the_run_goes_on(tmp_path):
   url = str(tmp_path / "run")

@@ -29,6 +29,8 @@ CASES = [
     (1, 1, 0.5, 1, "momentum", "F16", None, True, True),
     (4, 3, 0.5, 0, "adam", "F32", "BF16", True, False),
     (2, 3, 0.0, 1, "adam", None, "F16", False, True),
+    (4, 3, 0.5, 1, "nesterov", "I2", None, True, True),
+    (3, 1, 0.0, 2, "momentum", "I2", "I2", False, False),
 ]
 
 

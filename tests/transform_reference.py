@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 
 F32 = np.float32
-_QMAX = {"F8_E4M3": 448.0, "F4": 6.0, "I4": 7.0}
+_QMAX = {"F8_E4M3": 448.0, "F4": 6.0, "I4": 7.0, "I2": 1.0}
 _CASTS = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
 
 
@@ -40,7 +40,7 @@ def wire(x: np.ndarray, precision, dtype=np.float32) -> np.ndarray:
     codes = np.clip(scaled, -qmax, qmax).astype(ml_dtypes.float8_e4m3fn).astype(F32)
   elif precision == "F4":
     codes = np.clip(scaled, -qmax, qmax).astype(ml_dtypes.float4_e2m1fn).astype(F32)
-  else:
+  else:  # I4, I2: integers, rounded half to even, in [-qmax, qmax]
     codes = np.clip(np.round(scaled), -qmax, qmax).astype(F32)
   return (codes * scale[:, None]).astype(F32).reshape(-1)[:n].reshape(x.shape)
 

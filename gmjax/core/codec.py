@@ -1,8 +1,8 @@
 """The wire codec's pytree API: layouts, and payload entries by leaf name.
 
 A tensor travels at a *precision*: cast to F32/F16/BF16 (round to nearest even), or
-blockwise quantized to F8_E4M3, F4 or I4 codes with one F32 scale per 32 values, stored as
-``<name>`` and ``<name>.scale`` (``layout``). The bit-level kernels are in
+blockwise quantized to F8_E4M3, F4, I4 or I2 codes with one F32 scale per 32 values, stored
+as ``<name>`` and ``<name>.scale`` (``layout``). The bit-level kernels are in
 ``gmjax.core.kernels``; ``quantize``, ``dequantize`` and the block constants are
 re-exported here.
 """
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gmjax.core.kernels import BLOCK as BLOCK
+from gmjax.core.kernels import CODE_BITS as CODE_BITS
 from gmjax.core.kernels import QMAX as QMAX
 from gmjax.core.kernels import all_finite
 from gmjax.core.kernels import dequantize as dequantize
@@ -46,8 +47,8 @@ def layout(schema: Schema, precision: Precision) -> Schema:
   """What ``schema``'s tensors travel as at ``precision``.
 
   Each leaf in that dtype, or as it is with ``None``; a quantized leaf as its codes (F8:
-  ``F8_E4M3`` of the logical shape; F4/I4: ``U8`` of shape ``(ceil(n/2),)``) and
-  ``<name>.scale`` (``F32`` of shape ``(ceil(n/32),)``).
+  ``F8_E4M3`` of the logical shape; F4/I4: ``U8`` of shape ``(ceil(n/2),)``; I2: ``U8`` of
+  shape ``(ceil(n/4),)``) and ``<name>.scale`` (``F32`` of shape ``(ceil(n/32),)``).
   """
   check_precision(precision)
   specs = []
@@ -60,7 +61,8 @@ def layout(schema: Schema, precision: Precision) -> Schema:
       if precision == "F8_E4M3":
         specs.append(ParameterSpec(spec.name, "F8_E4M3", spec.shape))
       else:
-        specs.append(ParameterSpec(spec.name, "U8", (packed_size(spec.size),)))
+        size = packed_size(spec.size, CODE_BITS[precision])
+        specs.append(ParameterSpec(spec.name, "U8", (size,)))
       specs.append(ParameterSpec(scale_name(spec.name), "F32", (num_blocks(spec.size),)))
   return Schema(tuple(specs), payload=True)
 

@@ -1,11 +1,18 @@
-"""Bit-level kernels of the wire codec: blockwise quantization and 4-bit packing.
+"""Bit-level kernels of the wire codec: blockwise quantization and 4- and 2-bit packing.
 
 Quantized formats cut a tensor, flattened row-major, into blocks of 32 elements (the last
 one zero-padded). Per block ``scale = absmax / Qmax`` in F32 (``Qmax`` = 448 for F8_E4M3,
-6 for F4, 7 for I4); codes are ``x / scale`` rounded to nearest even into
-``float8_e4m3fn`` / ``float4_e2m1fn``, or ``clip(round(x / scale), -7, 7)`` for I4. A zero
-block has scale 0 and zero codes. Decoding is ``code · scale`` in F32. 4-bit codes travel
-two per byte, element ``2i`` in the low nibble.
+6 for F4, 7 for I4, 1 for I2); codes are ``x / scale`` rounded to nearest even into
+``float8_e4m3fn`` / ``float4_e2m1fn``, or ``clip(round(x / scale), -Qmax, Qmax)`` for the
+integer formats. A zero block has scale 0 and zero codes. Decoding is ``code · scale`` in
+F32. 4-bit codes travel two per byte, element ``2i`` in the low nibble; 2-bit codes four
+per byte, element ``4i + j`` in bits ``2j, 2j+1`` of byte ``i``. Integer codes are two's
+complement.
+
+The integer formats have one code the encoder never produces: ``-8`` for I4 and ``-2`` for
+I2 (``-Qmax - 1``). A payload is not rejected for holding it; it decodes as any other code
+does, to ``-8 · scale`` or ``-2 · scale`` (finite for a finite scale, and subject to the
+same checks downstream as every decoded value).
 
 Subnormal F32 values count as zero wherever they appear (inputs, scales, decoded values):
 XLA flushes them on CPU and TPU, and doing it explicitly gives the same bytes on every
@@ -27,15 +34,19 @@ from jax import lax
 from gmjax.core.records import QUANTIZED
 
 BLOCK = 32
-QMAX = {"F8_E4M3": 448.0, "F4": 6.0, "I4": 7.0}
+QMAX = {"F8_E4M3": 448.0, "F4": 6.0, "I4": 7.0, "I2": 1.0}
+CODE_BITS = {"F8_E4M3": 8, "F4": 4, "I4": 4, "I2": 2}
+"""Bits per code of each quantized format."""
 
 
 def num_blocks(size: int) -> int:
   return -(-size // BLOCK)
 
 
-def packed_size(size: int) -> int:
-  return -(-size // 2)
+def packed_size(size: int, bits: int = 4) -> int:
+  """Bytes of ``size`` codes of ``bits`` (4 or 2) packed ``8 // bits`` per byte."""
+  per_byte = 8 // bits
+  return -(-size // per_byte)
 
 
 _ABS_BITS = 0x7FFFFFFF
@@ -54,10 +65,10 @@ _F4_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, Fal
              (3.5, True), (5.0, False))
 # Adding 1.5 * 2**23 to a float of magnitude below 2**22 rounds it to an integer, to
 # nearest even, and leaves that integer in the low bits of the sum's bit pattern, in two's
-# complement: its low four bits are the I4 nibble.
+# complement: its low four bits are the I4 code, its low two the I2 code.
 _ROUND_TO_INTEGER = np.float32(1.5 * 2.0**23)
-# Where each of the eight nibbles of a packed little-endian uint32 word sits.
-_NIBBLE_SHIFTS = np.arange(0, 32, 4, dtype=np.uint32)
+# Where each code of ``bits`` sits in a packed little-endian uint32 word, by ``bits``.
+_SHIFTS = {bits: np.arange(0, 32, bits, dtype=np.uint32) for bits in (2, 4)}
 
 
 def _blocks(x: jax.Array) -> jax.Array:
@@ -151,28 +162,43 @@ def f4_values(nibbles: jax.Array) -> jax.Array:
   return jnp.where(nibbles & 8 != 0, -magnitude, magnitude)
 
 
-def pack_nibbles(nibbles: jax.Array) -> jax.Array:
-  """Packs int32 nibbles two per byte along the last axis (a multiple of 8 long): element
-  ``2i`` in the low nibble.
+def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
+  """Packs int32 codes of ``bits`` (4 or 2) ``8 // bits`` per byte along the last axis (a
+  multiple of ``32 // bits`` long): element ``k`` of each byte in bits ``k·bits`` and up.
 
-  Eight nibbles make one little-endian uint32, ``sum(n_k << 4k)``, read back as four bytes.
-  XLA's CPU backend vectorizes this sum over a short axis well, better than a bitwise-or
-  reduction, strided even/odd slices, or uint8 -> uint32 bitcasts (it fuses those into
+  ``32 // bits`` codes make one little-endian uint32, ``sum(c_k << k·bits)``, read back as
+  four bytes. XLA's CPU backend vectorizes this sum over a short axis well, better than a
+  bitwise-or reduction, strided slices, or uint8 -> uint32 bitcasts (it fuses those into
   scalar loops).
   """
-  shape = nibbles.shape[:-1]
-  eights = (nibbles & 0xF).astype(jnp.uint32).reshape(*shape, -1, 8)
-  words = jnp.sum(eights << _NIBBLE_SHIFTS, axis=-1, dtype=jnp.uint32)
+  shape = codes.shape[:-1]
+  shifts = _SHIFTS[bits]
+  mask = (1 << bits) - 1
+  words = (codes & mask).astype(jnp.uint32).reshape(*shape, -1, shifts.size)
+  words = jnp.sum(words << shifts, axis=-1, dtype=jnp.uint32)
   return lax.bitcast_convert_type(words, jnp.uint8).reshape(*shape, -1)
+
+
+def unpack_codes(packed: jax.Array, bits: int) -> jax.Array:
+  """int32 codes of ``bits`` (4 or 2) of packed bytes along the last axis (a multiple of 4
+  long), low bits first: the inverse of ``pack_codes``, each uint32 word shifted right by
+  ``k·bits``."""
+  shape = packed.shape[:-1]
+  words = lax.bitcast_convert_type(packed.reshape(*shape, -1, 4), jnp.uint32)
+  codes = (words[..., None] >> _SHIFTS[bits]) & ((1 << bits) - 1)
+  return codes.astype(jnp.int32).reshape(*shape, -1)
+
+
+def pack_nibbles(nibbles: jax.Array) -> jax.Array:
+  """Packs int32 nibbles two per byte along the last axis (a multiple of 8 long): element
+  ``2i`` in the low nibble (``pack_codes`` of 4 bits)."""
+  return pack_codes(nibbles, 4)
 
 
 def unpack_nibbles(packed: jax.Array) -> jax.Array:
   """int32 nibbles of packed bytes along the last axis (a multiple of 4 long), low nibble
-  first: the inverse of ``pack_nibbles``, each uint32 word shifted right by ``4k``."""
-  shape = packed.shape[:-1]
-  words = lax.bitcast_convert_type(packed.reshape(*shape, -1, 4), jnp.uint32)
-  nibbles = (words[..., None] >> _NIBBLE_SHIFTS) & 0xF
-  return nibbles.astype(jnp.int32).reshape(*shape, -1)
+  first: the inverse of ``pack_nibbles``."""
+  return unpack_codes(packed, 4)
 
 
 def quantize(x: jax.Array, precision: str) -> tuple[jax.Array, jax.Array]:
@@ -180,12 +206,13 @@ def quantize(x: jax.Array, precision: str) -> tuple[jax.Array, jax.Array]:
 
   Args:
     x: a float array of any shape.
-    precision: ``"F8_E4M3"``, ``"F4"`` or ``"I4"``.
+    precision: ``"F8_E4M3"``, ``"F4"``, ``"I4"`` or ``"I2"``.
 
   Returns:
     ``(codes, scales)``: F8 codes as ``float8_e4m3fn`` of ``x``'s shape; F4/I4 codes packed
-    two per byte as ``uint8`` of shape ``(ceil(n/2),)``; scales F32 of shape
-    ``(ceil(n/32),)``. NaN/Inf make the block's scale non-finite (``encode`` refuses them).
+    two per byte as ``uint8`` of shape ``(ceil(n/2),)``, I2 codes four per byte, shape
+    ``(ceil(n/4),)``; scales F32 of shape ``(ceil(n/32),)``. NaN/Inf make the block's
+    scale non-finite (``encode`` refuses them).
   """
   if precision not in QUANTIZED:
     raise ValueError(f"quantize: precision={precision!r} is not one of {list(QUANTIZED)}.")
@@ -215,11 +242,12 @@ def quantize(x: jax.Array, precision: str) -> tuple[jax.Array, jax.Array]:
     codes = f8_e4m3_codes(scaled)
     return codes.reshape(-1)[:size].reshape(x.shape), scales
   if precision == "F4":
-    nibbles = f4_codes(scaled)
-  else:
-    nibbles = lax.bitcast_convert_type(scaled + _ROUND_TO_INTEGER, jnp.int32)
-  # Blocks are 32 long, so the padded codes pair up.
-  return pack_nibbles(nibbles).reshape(-1)[: packed_size(size)], scales
+    fields = f4_codes(scaled)
+  else:  # I4 and I2: |scaled| <= Qmax, the rounded integer in two's complement
+    fields = lax.bitcast_convert_type(scaled + _ROUND_TO_INTEGER, jnp.int32)
+  # Blocks are 32 long, so the padded codes fill whole words.
+  bits = CODE_BITS[precision]
+  return pack_codes(fields, bits).reshape(-1)[: packed_size(size, bits)], scales
 
 
 def dequantize(
@@ -240,15 +268,16 @@ def dequantize(
     if pad:
       values = jnp.pad(values, (0, pad))
   else:
+    bits = CODE_BITS[precision]
     packed = jnp.ravel(codes).astype(jnp.uint8)
-    pad = blocks * BLOCK // 2 - packed.size
+    pad = blocks * BLOCK * bits // 8 - packed.size
     if pad:
       packed = jnp.pad(packed, (0, pad))
-    nibbles = unpack_nibbles(packed.reshape(blocks, BLOCK // 2))
+    fields = unpack_codes(packed.reshape(blocks, BLOCK * bits // 8), bits)
     if precision == "F4":
-      values = f4_values(nibbles)
-    else:
-      values = ((nibbles << 28) >> 28).astype(jnp.float32)  # sign-extend two's complement
+      values = f4_values(fields)
+    else:  # sign-extend two's complement: I4 -8 and I2 -2 decode as they read
+      values = ((fields << (32 - bits)) >> (32 - bits)).astype(jnp.float32)
   values = values.reshape(blocks, BLOCK) * jnp.asarray(scales, jnp.float32)[:, None]
   # Subnormal products count as zero, on every backend (see quantize).
   # (NaN stays NaN, for the checks downstream.)

@@ -14,13 +14,13 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from gmjax.core.schedule import RoundSchedule
 
 DType = Literal["F32", "F16", "BF16"]
-Quantized = Literal["F8_E4M3", "F4", "I4"]
+Quantized = Literal["F8_E4M3", "F4", "I4", "I2"]
 Precision = DType | Quantized | None
 """How a tensor travels: in a parameter dtype, quantized with its scales beside it, or,
 with ``None``, in its own (schema) dtype."""
 
 DTYPES: tuple[str, ...] = ("F32", "F16", "BF16")
-QUANTIZED: tuple[str, ...] = ("F8_E4M3", "F4", "I4")
+QUANTIZED: tuple[str, ...] = ("F8_E4M3", "F4", "I4", "I2")
 PRECISIONS: tuple[Precision, ...] = (None, *DTYPES, *QUANTIZED)
 
 # A tensor as it is held by a record: any array with a dtype and shape (numpy or jax).

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gmjax.core.codec import JNP_DTYPES, QUANTIZED, dequantize, quantize
+from gmjax.core.codec import CODE_BITS, JNP_DTYPES, QUANTIZED, dequantize, quantize
 from gmjax.core.records import Precision
 from gmjax.core.schema import ParameterSpec
 from gmjax.transform import collectives, explicit, shards
@@ -51,7 +51,8 @@ def _to_wire(values: jax.Array, code: str) -> list[jax.Array]:
   """``values`` (F32, ``(R, M, 32)`` or ``(R, 32)``) encoded for the wire, learner dim 1.
 
   Returns the arrays that cross: 16-bit values as ``uint16``, F8 codes as ``uint8``,
-  4-bit codes packed as ``uint8`` ``(…, 16)``, scales F32 with the blocks' shape.
+  4-bit codes packed as ``uint8`` ``(…, 16)``, 2-bit codes as ``uint8`` ``(…, 8)``, scales
+  F32 with the blocks' shape.
   """
   if code not in QUANTIZED:
     cast = values.astype(JNP_DTYPES[code])
@@ -63,7 +64,8 @@ def _to_wire(values: jax.Array, code: str) -> list[jax.Array]:
   scales = scales.reshape(blocks)
   if code == "F8_E4M3":
     return [lax.bitcast_convert_type(codes, jnp.uint8), scales]
-  return [codes.reshape(*blocks, values.shape[-1] // 2), scales]
+  per_byte = 8 // CODE_BITS[code]
+  return [codes.reshape(*blocks, values.shape[-1] // per_byte), scales]
 
 
 def _from_wire(arrays: Sequence[jax.Array], code: str) -> jax.Array:
