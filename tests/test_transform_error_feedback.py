@@ -174,3 +174,25 @@ def test_error_feedback_makes_the_mean_decoded_delta_track_the_true_one(shard):
   residual = np.asarray(state.residual["w"][0])
   np.testing.assert_allclose(fed, true - residual / rounds, rtol=1e-4, atol=1e-6)
   assert error_fed < 0.1 * error_plain
+
+
+@pytest.mark.parametrize("kind,precision,shard", [("overflow", "F16", True),
+                                                  ("nan", "I4", False)])
+def test_a_value_that_cannot_travel_restarts_its_residual(kind, precision, shard):
+  # Learner 1's deltas overflow F16 on the wire (or are NaN) in every round: screening
+  # rejects them, and its residual is zeros again; the others' rounds go on.
+  setup = harness.make_setup(learners=3, fragments=3, steps=STEPS, error_feedback=1.0,
+                             delta_precision=precision)
+  scale = np.float32(1e6) if kind == "overflow" else np.float32(np.nan)
+  setup.targets[1] = {n: v * scale for n, v in setup.targets[1].items()}
+  params, state, _ = harness.run_vmap(setup, STEPS, shard_outer=shard)
+  expected = reference.run(setup, STEPS)
+  assert [entry["rejected"] for entry in expected["log"]] == [1] * len(expected["log"])
+  assert int(np.asarray(state.stats.rejected)[0]) == 1
+  for name, value in state.residual.items():
+    np.testing.assert_array_equal(np.asarray(value)[1], 0.0)
+  for m in (0, 2):
+    harness.assert_tree_close(_learner(params, m), expected["theta"][m], what=f"learner {m}")
+    harness.assert_tree_close(_learner(state.residual, m), expected["residual"][m],
+                              what=f"learner {m} residual")
+  assert any(np.abs(np.asarray(v)[0]).max() > 0 for v in state.residual.values())
