@@ -27,10 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from gmjax.core.codec import decode_flat, encode_flat
-from gmjax.core.records import Precision
+from gmjax.core.records import QUANTIZED, Precision
 from gmjax.core.schema import Schema
 
-_LOSSY = "a quantized one, 'I4', 'F4', 'F8_E4M3', or 16-bit 'BF16'/'F16'"
+_LOSSY = (f"a quantized one, {', '.join(repr(p) for p in QUANTIZED)}, or 16-bit"
+          " 'BF16'/'F16'")
 
 
 def check(beta: Any, delta_precision: Precision) -> float:
