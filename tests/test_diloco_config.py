@@ -175,3 +175,53 @@ def test_schedule_counts():
   for bad in (0, 5, 2.0, True, "2"):
     with pytest.raises(ValueError, match="DiLoCo.schedule"):
       config.schedule(bad)
+
+
+@pytest.mark.parametrize("beta", [0, 0.0, -0.5, 1.5, float("nan"), float("inf"), "0.5", True])
+def test_bad_error_feedback_named(beta):
+  with pytest.raises(ValueError, match=r"error_feedback must be None \(off\) or a number in"
+                     r" \(0, 1\], got"):
+    gmjax.DiLoCo(sync_every=8, delta_precision="I4", error_feedback=beta)
+
+
+def test_error_feedback_needs_lossy_deltas():
+  with pytest.raises(ValueError, match="error_feedback=0.5 with delta_precision='F32'.*pick"
+                     " a lossy delta_precision"):
+    gmjax.DiLoCo(sync_every=8, delta_precision="F32", error_feedback=0.5)
+  # With None the deltas travel at each leaf's dtype: the schema decides.
+  config = gmjax.DiLoCo(sync_every=8, error_feedback=1)
+  f32 = gmjax.Schema.from_tree({"w": np.zeros(3, np.float32)})
+  with pytest.raises(ValueError, match="delta_precision=None and F32 parameters.*pick a"
+                     " lossy delta_precision"):
+    config.check_parameters(f32)
+  config.check_parameters(gmjax.Schema.from_tree({"w": jnp.zeros(3, jnp.bfloat16)}))
+  for precision in ("I4", "F4", "F8_E4M3", "BF16", "F16"):
+    gmjax.DiLoCo(sync_every=8, delta_precision=precision,
+                 error_feedback=0.5).check_parameters(f32)
+  gmjax.DiLoCo(sync_every=8).check_parameters(f32)  # off: nothing to check
+
+
+def test_mail_create_refuses_lossless_error_feedback(tmp_path):
+  from gmjax import mail  # pylint: disable=g-import-not-at-top
+
+  with pytest.raises(ValueError, match="error_feedback=1.0 with delta_precision=None"):
+    mail.create(str(tmp_path / "run"), {"w": np.zeros(3, np.float32)},
+                gmjax.DiLoCo(sync_every=4, error_feedback=1.0))
+  assert not (tmp_path / "run" / "manifest.json").exists()
+
+
+def test_error_feedback_json_round_trip():
+  config = gmjax.DiLoCo(sync_every=8, delta_precision="I4", error_feedback=1)
+  assert config.error_feedback == 1.0 and isinstance(config.error_feedback, float)
+  record = json.loads(json.dumps(config.to_json()))
+  assert record["error_feedback"] == 1.0
+  assert gmjax.DiLoCo.from_json(record) == config
+  assert hash(config) == hash(gmjax.DiLoCo(sync_every=8, delta_precision="I4",
+                                           error_feedback=1.0))
+  assert gmjax.DiLoCo.from_json({**record, "error_feedback": 0.25}).error_feedback == 0.25
+  # Off, the record is what it was before the option existed, and such records load.
+  off = gmjax.DiLoCo(sync_every=8, delta_precision="I4")
+  assert "error_feedback" not in off.to_json()
+  assert gmjax.DiLoCo.from_json(off.to_json()).error_feedback is None
+  with pytest.raises(ValueError, match="error_feedback"):
+    gmjax.DiLoCo.from_json({**record, "error_feedback": 2.0})

@@ -96,10 +96,13 @@ def by_mail(config, tmp_path, poisoned=False):
                      nesterov=False),
         gmjax.DiLoCo(sync_every=4, fragments=2, delta_precision="BF16", outer="adam",
                      outer_options={"learning_rate": 0.05, "b2": 0.99}),
-        gmjax.DiLoCo(sync_every=4, fragments=2, delta_precision="I2", commit_precision="I2"),
+        gmjax.DiLoCo(sync_every=4, fragments=2, delta_precision="I2", commit_precision="I2",
+                     error_feedback=1.0),
+        gmjax.DiLoCo(sync_every=4, fragments=1, delta_precision="F8_E4M3", mixing=0.5,
+                     error_feedback=0.5),
     ],
     ids=["diloco", "streaming-f8-mixing", "streaming-i4-bf16-commits", "outer-adam",
-         "streaming-i2-i2-commits"],
+         "streaming-i2-i2-commits-error-feedback", "f8-mixing-error-feedback-0.5"],
 )
 def test_mail_learners_end_where_in_mesh_learners_end(config, tmp_path):
   config = dataclasses.replace(config, flush_on_close=False)

@@ -29,12 +29,13 @@ SHAPES = {"w": (64, 32), "u": (16, 24), "b": (40,)}
 SHARDED = {"w": True, "u": True, "b": False}
 
 
-def _setup(delta_precision, commit_precision=None, outer="sgd"):
+def _setup(delta_precision, commit_precision=None, outer="sgd", error_feedback=None):
   rng = np.random.default_rng(1)
   draw = lambda scale: {n: (scale * rng.standard_normal(s)).astype(np.float32)
                         for n, s in SHAPES.items()}
   config = gmjax.DiLoCo(sync_every=3, fragments=2, overlap_steps=1, mixing=0.5,
                         delta_precision=delta_precision, commit_precision=commit_precision,
+                        error_feedback=error_feedback,
                         **({"outer": "adam", "outer_learning_rate": 0.05} if outer == "adam"
                            else {}))
   theta0 = [draw(1.0) for _ in range(LEARNERS)]
@@ -44,6 +45,7 @@ def _setup(delta_precision, commit_precision=None, outer="sgd"):
       curvature=[0.5 + 0.25 * m for m in range(LEARNERS)], plan=plan, sync_every=3,
       delta_precision=delta_precision, commit_precision=commit_precision, mixing=0.5,
       overlap=1, outer=outer, outer_lr=0.05 if outer == "adam" else 0.7,
+      error_feedback=error_feedback,
   )
   return setup, config
 
@@ -121,6 +123,9 @@ def _run(setup, config, mode, axis_type=None, shard_outer=True):
       for name, leaf in params.items():  # the parameters stay as they were laid out
         want = ("learner", "fsdp" if SHARDED[name] else None)
         assert tuple(jax.typeof(leaf).sharding.spec)[:2] == want, name
+        if config.error_feedback is not None:  # and so do their residuals
+          residual = jax.typeof(state.residual[name]).sharding.spec
+          assert tuple(residual)[:2] == want, name
     return jax.device_get((params, state)), step
 
 
@@ -158,10 +163,10 @@ def test_fsdp_learners_match_numpy_and_the_unsharded_run(axis_type, mode, delta_
       np.testing.assert_array_equal(a, b)
 
 
-def _fsdp_gathers(axis_type, mode, shard_outer):
+def _fsdp_gathers(axis_type, mode, shard_outer, error_feedback=None):
   """All-gathers of the compiled step over groups other than the learners' (fsdp)."""
   shapes = {"w": (64, 32), "b": (40,)}  # "w" holds whole rows on each fsdp device
-  setup, config = _setup("F8_E4M3")
+  setup, config = _setup("F8_E4M3", error_feedback=error_feedback)
   setup.theta0 = [{n: t[n] for n in shapes} for t in setup.theta0]
   setup.targets = [{n: t[n] for n in shapes} for t in setup.targets]
   optimizer = gmjax.diloco(optax.sgd(setup.lr), config, axis_name="learner",
@@ -186,6 +191,19 @@ def _fsdp_gathers(axis_type, mode, shard_outer):
                          ids=["explicit", "auto"])
 def test_vmap_step_gathers_nothing_over_fsdp(axis_type, shard_outer):
   assert _fsdp_gathers(axis_type, "vmap", shard_outer) == []
+
+
+@pytest.mark.parametrize("shard_outer", [True, False], ids=["sharded", "replicated"])
+def test_error_feedback_residuals_keep_the_fsdp_split(shard_outer):
+  setup, config = _setup("I4", error_feedback=0.5)
+  (params, state), _ = _run(setup, config, "vmap", AxisType.Explicit, shard_outer)
+  expected = reference.run(setup, STEPS)
+  for m in range(LEARNERS):
+    harness.assert_tree_close({n: v[m] for n, v in params.items()}, expected["theta"][m],
+                              what=f"learner {m}")
+    harness.assert_tree_close({n: v[m] for n, v in state.residual.items()},
+                              expected["residual"][m], what=f"learner {m} residual")
+  assert _fsdp_gathers(AxisType.Explicit, "vmap", shard_outer, error_feedback=0.5) == []
 
 
 # The boundary of a shard_map with only the learner axis manual, on an explicit mesh:

@@ -47,6 +47,7 @@ def config_of(setup) -> gmjax.DiLoCo:
       commit_precision=setup.commit_precision,
       mixing=setup.mixing,
       overlap_steps=setup.overlap,
+      error_feedback=setup.error_feedback,
   )
 
 

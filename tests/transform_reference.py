@@ -5,6 +5,8 @@ quadratic losses; every fragment syncs on the staggered schedule, the deltas tra
 through a numpy model of the wire codec, the outer Nesterov/momentum SGD runs on an F32
 master (or outer Adam, with one step count per fragment), and the merge (mixing the
 learner's current fragment with the new anchor) lands ``overlap`` steps after the sync.
+With error feedback ``β`` each learner sends ``wire(β·e + Δ)`` and keeps
+``e ← β·e + Δ − wire(β·e + Δ)`` (zeros again if that is not finite).
 The loop knows nothing of shards: a sharded run must compute what it computes.
 """
 
@@ -71,6 +73,7 @@ class Setup:
   dtype: object = np.float32
   outer: str = "sgd"       # "sgd" (momentum/Nesterov by the fields above) or "adam"
   adam: tuple = (0.9, 0.999, 1e-8)  # b1, b2, eps of the outer Adam
+  error_feedback: object = None     # None, or β in (0, 1]
 
 
 def outer_update(setup: Setup, g: dict, master: dict, momentum: dict, second: dict,
@@ -122,6 +125,7 @@ def run(setup: Setup, steps: int) -> dict:
   merges: dict[int, list] = {}
   log = []
   own = [{n: np.asarray(v, dtype) for n, v in t0.items()} for t0 in setup.theta0]
+  residual = [{n: np.zeros(v.shape, F32) for n, v in start.items()} for _ in range(learners)]
   for t in range(1, steps + 1):
     for m in range(learners):
       # The first gradients were taken at each learner's own start; the update then
@@ -132,11 +136,19 @@ def run(setup: Setup, steps: int) -> dict:
     if t in syncs:
       f = syncs[t]
       names = setup.plan[f]
-      deltas = [
-          {n: wire(anchor[n].astype(F32) - theta[m][n].astype(F32), setup.delta_precision,
-                   dtype) for n in names}
-          for m in range(learners)
-      ]
+      deltas = []
+      for m in range(learners):
+        sent = {n: (anchor[n].astype(F32) - theta[m][n].astype(F32)).astype(F32)
+                for n in names}
+        if setup.error_feedback is not None:
+          beta = F32(setup.error_feedback)
+          sent = {n: (beta * residual[m][n] + sent[n]).astype(F32) for n in names}
+        deltas.append({n: wire(sent[n], setup.delta_precision, dtype) for n in names})
+        if setup.error_feedback is not None:
+          left = {n: (sent[n] - deltas[m][n]).astype(F32) for n in names}
+          if not all(np.all(np.isfinite(v)) for v in left.values()):
+            left = {n: np.zeros_like(v) for n, v in left.items()}
+          residual[m].update(left)
       kept, used, clamped = screen(deltas, counted[:, f], names)
       total = used.sum()
       weights = used / total if total > 0 else np.full(learners, 1.0 / learners)
@@ -171,7 +183,7 @@ def run(setup: Setup, steps: int) -> dict:
           else:
             theta[m][n] = anchor[n].copy()
   return dict(theta=theta, anchor=anchor, master=master, momentum=momentum, second=second,
-              log=log)
+              residual=residual, log=log)
 
 
 OUTLIER_FACTOR = 10.0

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gmjax.core import outer, outer_records
+from gmjax.core import feedback, outer, outer_records
 from gmjax.core.codec import check_precision, decode_values, encode_flat, layout
 from gmjax.core.records import (
     Contribution,
@@ -76,6 +76,13 @@ class DiLoCo:
       outer_learning_rate, momentum=outer_momentum, nesterov=nesterov`` (DiLoCo's
       Nesterov SGD); for any other ``outer`` only ``learning_rate`` defaults to
       ``outer_learning_rate``, and ``outer_momentum``/``nesterov`` are not used.
+    error_feedback: ``β`` in ``(0, 1]``, or None (off). Each learner keeps an F32
+      residual ``e`` of every fragment, publishes ``q = encode(β·e + Δ)`` and keeps
+      ``e ← β·e + Δ − decode(q)``, so what quantization drops from one delta travels
+      with the next ones. It needs deltas that travel lossily (a quantized or 16-bit
+      ``delta_precision``) and costs 4 bytes per parameter on each learner. In mail
+      mode the residuals live in the learner's memory: a restarted learner starts from
+      zero.
 
   References:
     Douillard et al., arXiv 2311.08105; Douillard et al., arXiv 2501.18512.
@@ -96,6 +103,7 @@ class DiLoCo:
   global_batch_size: int | None = None
   outer: str = "sgd"
   outer_options: Mapping[str, Any] | None = None
+  error_feedback: float | None = None
 
   def __post_init__(self):
     _positive_int("sync_every", self.sync_every)
@@ -158,6 +166,18 @@ class DiLoCo:
         ) from None
       object.__setattr__(self, "outer_options", types.MappingProxyType(frozen))
     self.outer_transform()  # fails now, naming the argument, rather than at the first round
+    if self.error_feedback is not None:
+      # A float, so that equal configurations hash alike (their JSON is the same).
+      object.__setattr__(self, "error_feedback",
+                         feedback.check(self.error_feedback, self.delta_precision))
+
+  def check_parameters(self, schema: Schema) -> None:
+    """Checks what the configuration needs of the parameters of ``schema``.
+
+    Raises:
+      ValueError: ``error_feedback`` with deltas that travel exactly (F32).
+    """
+    feedback.check_schema(self.error_feedback, self.delta_precision, schema)
 
   def __hash__(self):
     return hash(json.dumps(self.to_json(), sort_keys=True))
@@ -277,6 +297,10 @@ class DiLoCo:
     record = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
     if record["outer_options"] is not None:
       record["outer_options"] = json.loads(json.dumps(dict(record["outer_options"])))
+    if record["error_feedback"] is None:
+      # Left out when off: the record of a configuration without it reads as before,
+      # and from_json takes a record without it as None.
+      del record["error_feedback"]
     return {"name": "DiLoCo", **record}
 
   @classmethod

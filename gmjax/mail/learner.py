@@ -8,6 +8,10 @@ Which rounds a learner contributes to, and at which base version:
 * A contribution to round ``r`` of fragment ``f`` is ``anchor_f − θ_f`` against base
   version ``r div P`` (the version the round's closer starts from). Before publishing it
   the learner aligns ``f`` with that version if it does not hold it yet.
+* With ``error_feedback = β`` it publishes ``encode(β·e_f + Δ)`` instead, and keeps the
+  residual ``e_f ← β·e_f + Δ − decode(...)`` (``gmjax.core.feedback``) in host memory,
+  F32, one per fragment. The residuals are not stored: a learner that restarts (joins
+  again) starts from zero residuals, which loses at most what they held.
 * With ``overlap_steps = τ`` the commit of a round published at step ``s`` is merged at
   step ``s + τ`` (waiting for it if needed); with ``τ = None`` it is merged at the first
   ``step`` after it lands. At most ``in_flight`` rounds stay outstanding. If the round was
@@ -37,6 +41,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from gmjax.core import feedback
 from gmjax.core.schema import Schema
 from gmjax.mail import heartbeats
 from gmjax.mail import layout
@@ -100,6 +105,11 @@ class Learner:
     self._outstanding: list[tuple[int, int, int | None]] = []  # (round, version, due step)
     self._futures: dict[tuple[int, int], concurrent.futures.Future] = {}
     self._steps_since = [0] * self.fragments
+    # Error feedback: per fragment, the F32 residual of its last delta (zeros at first).
+    self._residuals = {
+        f: {n: np.zeros(self.manifest.schema[n].shape, np.float32) for n in names_}
+        for f, names_ in enumerate(self.manifest.plan)
+    } if self.config.error_feedback is not None else None
     self._tokens_since = [0] * self.fragments
     self._step_seconds: float | None = None
     self._last_step_time: float | None = None
@@ -322,9 +332,16 @@ class Learner:
                round_)
     elif self.primary:
       delta = placement.delta({n: self._anchors[fragment][n] for n in names_}, snapshot)
+      payload = {"delta": delta}
+      if self._residuals is not None:
+        # Encoded here, where the residual lives: it must be the decode of these bytes.
+        entries, self._residuals[fragment] = feedback.encode(
+            self._residuals[fragment], delta, self.config.error_feedback,
+            self.manifest.schema.subset(names_), self.config.delta_precision)
+        payload = {"entries": entries}
       self._worker.publish({
           "round": round_, "fragment": fragment, "base_version": version - 1,
-          "delta": delta, "local_step": self.local_step, "steps": steps, "tokens": count,
+          **payload, "local_step": self.local_step, "steps": steps, "tokens": count,
           "step_seconds": self._step_seconds or 0.0, "final": final,
       })
     self._future(fragment, version)

@@ -227,12 +227,14 @@ def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = N
   Raises:
     RunExists: a run with another schema, configuration, plan or key is at ``url``.
     TypeError: ``config`` is not a ``gmjax.DiLoCo``.
+    ValueError: ``config`` does not fit ``params`` (``DiLoCo.check_parameters``).
   """
   if not isinstance(config, DiLoCo):
     raise TypeError(f"config must be a gmjax.DiLoCo, got {type(config).__name__}.")
   key = _key(key)
   store = open_store(url, storage_options=storage_options)
   schema = Schema.from_tree(params)
+  config.check_parameters(schema)
   manifest = Manifest.new(schema, config, key)
   if not store.create(layout.MANIFEST, manifest.dumps()):
     existing = _read_manifest(store, url)

@@ -4,7 +4,8 @@ The training thread (``Learner``) never touches the closer, the roster or the ca
 It sends the worker requests through a queue and gets answers as
 ``concurrent.futures.Future`` objects:
 
-* ``publish(job)``: encode and upload a contribution, then watch its round;
+* ``publish(job)``: encode (unless the job carries its entries: error feedback) and
+  upload a contribution, then watch its round;
 * ``request(fragment, version)``: a future of Θ of that version, resolved once it is
   committed (from memory when this learner closed the round, rebuilt from the update, or
   read from storage).
@@ -315,7 +316,9 @@ class Worker:
     fragment = job["fragment"]
     schema = self.fragment_schemas[fragment]
     precision = self.manifest.config.delta_precision
-    entries = encode_flat(job["delta"], schema, precision)  # ValueError on NaN/Inf
+    entries = job.get("entries")
+    if entries is None:
+      entries = encode_flat(job["delta"], schema, precision)  # ValueError on NaN/Inf
     entries = to_numpy(entries, payload_layout(schema, precision))
     data = contributions.dumps(
         entries, learner=self.name, round_=job["round"], fragment=fragment,

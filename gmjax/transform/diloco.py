@@ -117,7 +117,9 @@ def diloco(
      ``master ← master − η·(g + μ·u)``); Θ is published from the master
      (``commit_precision``: Θ rebuilt from the encoded update). If ``g``, the new master
      or the new Θ is not finite, the outer step is dropped, the anchor kept, and
-     ``stats.skipped`` counts it.
+     ``stats.skipped`` counts it. With ``config.error_feedback = β`` each learner sends
+     ``q = encode(β·e + Δ_m)`` instead and keeps ``e ← β·e + Δ_m − decode(q)`` in
+     ``state.residual`` (F32, shaped like the parameters; zeros again when not finite).
   4. At ``t = step_of(r) + τ`` (``τ = overlap_steps``; ``τ = 0``: the same step), the
      merge: ``θ_m,f ← mixing·θ_m,f + (1 − mixing)·Θ_f``, where ``θ_m,f`` is the learner's
      current fragment, trained ``τ`` steps past its delta (so with ``mixing = 0`` those
@@ -207,6 +209,7 @@ def diloco(
         pending=jnp.zeros([len(layout.plan)], jnp.int32),
         tokens=token_counts.zeros(len(layout.plan)),
         stats=initial_statistics(),
+        residual=layout.residual_init(params),
     )
 
   def update_fn(updates, state, params=None, *, tokens=None, **extra_args):
@@ -230,7 +233,8 @@ def diloco(
     sync_index = rounds.lookup(layout.table, t % sync_every)
     merge_index = jnp.where(t > tau, rounds.lookup(layout.table, (t - tau) % sync_every), 0)
     round_state = RoundState(state.anchor, state.master, state.outer_state, state.pending,
-                             token_counts.add(state.tokens, step_tokens), state.stats)
+                             token_counts.add(state.tokens, step_tokens), state.stats,
+                             state.residual)
 
     def common(inner_updates, params, round_state):
       del params

@@ -95,7 +95,7 @@ def receive(
     precision: Precision,
     axis_name: Any,
     learners: int,
-) -> list[dict[str, jax.Array]]:
+) -> tuple[list[dict[str, jax.Array]], dict[str, jax.Array]]:
   """Every learner's decoded delta of this learner's shard, in learner order.
 
   Args:
@@ -107,12 +107,15 @@ def receive(
     learners: ``M``.
 
   Returns:
-    ``M`` dicts by leaf name of F32 rows ``(R, 32)``: learner ``m``'s decoded delta of
-    this learner's shard.
+    ``(deltas, sent)``: ``M`` dicts by leaf name of F32 rows ``(R, 32)``, learner
+    ``m``'s decoded delta of this learner's shard; and by leaf name the decode of the
+    very wire arrays this learner sends, rows ``(R, M, 32)`` (error feedback keeps
+    what they did not carry).
   """
-  received = {}
+  received, sent = {}, {}
   for spec in specs:
     wire = _to_wire(delta_rows[spec.name], wire_code(spec, precision))
+    sent[spec.name] = _from_wire(wire, wire_code(spec, precision))
     # Under vmap's spmd_axis_name the exchanged dimension comes out split over the
     # learners' axis; each learner needs every learner's encoding of its shard.
     received[spec.name] = [explicit.pin(r, explicit.spec(w)) for r, w in
@@ -121,7 +124,7 @@ def receive(
       {s.name: _from_wire([a[:, m] for a in received[s.name]], wire_code(s, precision))
        for s in specs}
       for m in range(learners)
-  ]
+  ], sent
 
 
 def publish(

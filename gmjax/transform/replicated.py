@@ -89,7 +89,7 @@ def aggregate(
     specs: Sequence[ParameterSpec],
     precision: Precision,
     axis_name: AxisName,
-) -> tuple[dict[str, jax.Array], jax.Array, screen.Verdict]:
+) -> tuple[dict[str, jax.Array], jax.Array, screen.Verdict, dict[str, jax.Array]]:
   """The outer gradient ``g = Σ_m w_m · decode(Δ_m)`` across ``axis_name``, and the cosine.
 
   The deltas are screened first (``gmjax.transform.screen``), as in the sharded exchange.
@@ -104,19 +104,20 @@ def aggregate(
     axis_name: the learners' mapped axis, or None for a single learner.
 
   Returns:
-    ``(g, cosine, verdict)``: ``g`` in F32 by leaf name (identical on every learner), the
-    mean pairwise cosine of the kept decoded deltas (NaN with fewer than two nonzero
-    ones), and the screening's verdict.
+    ``(g, cosine, verdict, sent)``: ``g`` in F32 by leaf name (identical on every
+    learner), the mean pairwise cosine of the kept decoded deltas (NaN with fewer than
+    two nonzero ones), the screening's verdict, and this learner's own delta decoded
+    from the very entries it sends (by leaf name, flat).
   """
   dtypes = {s.name: s.dtype for s in specs}
   entries, _ = encode_values(dict(delta), dtypes, precision)
+  # The entries cross as their bits (``_as_bytes``), so every learner decodes these.
+  decoded = decode_values(entries, specs, precision)
   if axis_name is None:
-    decoded = decode_values(entries, specs, precision)
     squared, bad = screen.squares_and_non_finite(decoded)
     verdict = screen.judge(squared[None], bad[None], tokens[None])
-    return screen.masked(decoded, verdict.keep[0]), jnp.float32(jnp.nan), verdict
+    return screen.masked(decoded, verdict.keep[0]), jnp.float32(jnp.nan), verdict, decoded
   if travels_as_f32(specs, precision):
-    decoded = decode_values(entries, specs, precision)
     every = lax.all_gather(jnp.stack(screen.squares_and_non_finite(decoded)), axis_name)
     every = explicit.pin(every, (None,) * every.ndim)
     all_tokens = lax.all_gather(tokens, axis_name)
@@ -127,7 +128,7 @@ def aggregate(
     unit, nonzero = _unit(kept)
     weighted = {k: verdict.weights[me] * v for k, v in kept.items()}
     gradient, unit_sum, count = explicit.psum((weighted, unit, nonzero), axis_name)
-    return gradient, mean_cosine(unit_sum, count), verdict
+    return gradient, mean_cosine(unit_sum, count), verdict, decoded
   # Flat entries gather along a new last dimension: an FSDP split of their only
   # dimension stays where it lies (gathered in front, JAX's type would move it to the
   # learners' dimension). Under vmap's spmd_axis_name the learners' dimension comes out
@@ -153,4 +154,4 @@ def aggregate(
   units = [_unit(d) for d in deltas]
   unit_sum = outer.weighted_sum([u for u, _ in units], [1.0] * learners)
   count = sum(n for _, n in units)
-  return gradient, mean_cosine(unit_sum, count), verdict
+  return gradient, mean_cosine(unit_sum, count), verdict, decoded

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from gmjax.core import outer
+from gmjax.core import feedback, outer
 from gmjax.core.codec import JNP_DTYPES, BLOCK
 from gmjax.core.diloco import DiLoCo
 from gmjax.core.schedule import RoundSchedule
@@ -80,10 +80,13 @@ class Layout:
   """What a parameter tree's structure fixes: schema, fragments, schedule, masters, shards.
 
   ``learners`` is the axis size ``M`` when the outer step is sharded, else None.
+  ``beta`` is ``config.error_feedback`` (None: off).
   """
 
   def __init__(self, config: DiLoCo, params: Any, learners: int | None):
     self.schema = Schema.from_tree(params)
+    config.check_parameters(self.schema)
+    self.beta = config.error_feedback
     self.plan = config.plan(self.schema)
     self.schedule = config.schedule(len(self.plan))
     self.table = sync_table(self.schedule)
@@ -126,6 +129,15 @@ class Layout:
       return explicit.zeros(spec.shape, jnp.float32, explicit.spec(like))
     return explicit.zeros(shards.shard_shape(spec.shape, self.learners), jnp.float32,
                           shards.shard_spec(like, self.learners))
+
+  def residual_init(self, params: Any) -> Any:
+    """The residuals before any delta: F32 zeros laid out like ``params``, or
+    ``optax.MaskedNode()`` without error feedback."""
+    if self.beta is None:
+      return optax.MaskedNode()
+    return self.unflatten({
+        n: explicit.zeros(self.schema[n].shape, jnp.float32, explicit.spec(p))
+        for n, p in self.flatten(params).items()})
 
   def masters(self, theta: Any, learner: Any) -> Any:
     """The master tree of Θ: kept leaves' F32 values or shards, ``MaskedNode`` elsewhere."""
@@ -173,8 +185,14 @@ def _finite_count(values) -> jax.Array:
   return sum(jnp.sum(~jnp.isfinite(v)).astype(jnp.float32) for v in values)
 
 
+def _kept_residual(new: dict[str, jax.Array], old: dict[str, jax.Array]) -> dict:
+  """The new residuals of a fragment, or zeros if any is not finite (nothing was sent)."""
+  ok = _finite_count(new.values()) == 0
+  return {n: explicit.where(ok, v, jnp.zeros_like(old[n])) for n, v in new.items()}
+
+
 def _sync_replicated(layout, config, tx, axis_name, fragment, names, anchor, master,
-                     outer_state, counts, theta_of):
+                     outer_state, counts, theta_of, residual):
   # The codec runs on flat leaves, whose row-major pieces stay where an FSDP split of
   # the leading dimension put them (the codec's own reshapes to the leaf's shape would
   # not, on an explicit mesh).
@@ -183,8 +201,13 @@ def _sync_replicated(layout, config, tx, axis_name, fragment, names, anchor, mas
   flat = lambda x: explicit.flatten(x, BLOCK)
   delta = {n: flat(anchor[n].astype(jnp.float32) - theta_of(n).astype(jnp.float32))
            for n in names}
-  gradient, cosine, verdict = replicated.aggregate(
+  if layout.beta is not None:
+    delta = feedback.compensated({n: flat(residual[n]) for n in names}, delta, layout.beta)
+  gradient, cosine, verdict, sent = replicated.aggregate(
       delta, counts, specs, config.delta_precision, axis_name)
+  if layout.beta is not None:
+    residual = _kept_residual(
+        {n: explicit.unflatten(delta[n] - sent[n], anchor[n]) for n in names}, residual)
   gradient = {n: explicit.unflatten(gradient[n], anchor[n]) for n in names}
   old = tuple(master[n] if layout.keep[n] else anchor[n].astype(jnp.float32) for n in names)
   new_master, new_state = outer.apply_outer(
@@ -195,21 +218,25 @@ def _sync_replicated(layout, config, tx, axis_name, fragment, names, anchor, mas
   theta = {n: explicit.unflatten(theta[n], anchor[n]) for n in names}
   bad = _finite_count([*gradient.values(), *new_master, *theta.values()])
   squared = sum(jnp.sum(jnp.square(g)) for g in gradient.values())
-  return theta, new_master, new_state, squared, bad == 0, cosine, verdict
+  return theta, new_master, new_state, squared, bad == 0, cosine, verdict, residual
 
 
 def _sync_sharded(layout, config, tx, axis_name, learner, fragment, names, anchor,
-                  master, outer_state, counts, theta_of):
+                  master, outer_state, counts, theta_of, residual):
   learners = layout.learners
   specs = layout.schema.subset(names).parameters
-  rows = {
-      n: shards.to_rows(anchor[n].astype(jnp.float32) - theta_of(n).astype(jnp.float32),
-                        learners)
-      for n in names
-  }
+  delta = {n: anchor[n].astype(jnp.float32) - theta_of(n).astype(jnp.float32)
+           for n in names}
+  if layout.beta is not None:
+    delta = feedback.compensated({n: residual[n] for n in names}, delta, layout.beta)
+  rows = {n: shards.to_rows(delta[n], learners) for n in names}
   every = lax.all_gather(counts, axis_name)
   every = explicit.pin(every, (None,) * every.ndim)
-  deltas = exchange.receive(rows, specs, config.delta_precision, axis_name, learners)
+  deltas, sent = exchange.receive(rows, specs, config.delta_precision, axis_name, learners)
+  if layout.beta is not None:
+    residual = _kept_residual(
+        {s.name: explicit.like(shards.from_rows(rows[s.name] - sent[s.name], s.shape),
+                               residual[s.name]) for s in specs}, residual)
   partial = jnp.concatenate([
       gram(deltas).reshape(-1),
       jnp.stack([screen.squares_and_non_finite(d)[1] for d in deltas])])
@@ -233,7 +260,7 @@ def _sync_sharded(layout, config, tx, axis_name, learner, fragment, names, ancho
   squared, bad = summed[0], summed[1]
   both = verdict.keep[:, None] & verdict.keep[None, :]
   cosine = exchange.mean_cosine(jnp.where(both, matrix, 0.0))
-  return theta, new_master, new_state, squared, bad == 0, cosine, verdict
+  return theta, new_master, new_state, squared, bad == 0, cosine, verdict, residual
 
 
 def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState, first,
@@ -246,7 +273,9 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
   the new ``RoundState``.
   """
   flat_start, flat_params, flat_updates = (layout.flatten(x) for x in inputs)
-  flat = (layout.flatten(state.anchor), layout.flatten(state.master))
+  # Without error feedback there is no residual ({}: nothing crosses the branches).
+  flat = (layout.flatten(state.anchor), layout.flatten(state.master),
+          {} if layout.beta is None else layout.flatten(state.residual))
   rest = (state.outer_state, state.pending, state.tokens, state.stats)
 
   def theta_of(n):
@@ -260,14 +289,17 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
   def sync_of(fragment, names):
     def sync(flat, rest):
       outer_states, pending, counts, stats = rest
-      anchor, master = (dict(x) for x in flat)
+      anchor, master, residual = (dict(x) for x in flat)
       common = (fragment, names, anchor, master, outer_states[fragment], counts[fragment],
-                theta_of)
+                theta_of, residual)
       if layout.learners is None:
         result = _sync_replicated(layout, config, tx, axis_name, *common)
       else:
         result = _sync_sharded(layout, config, tx, axis_name, learner, *common)
-      theta, new_master, new_state, squared, finite, cosine, verdict = result
+      theta, new_master, new_state, squared, finite, cosine, verdict, left = result
+      # The residual is what this learner's wire did not carry, whatever the round's
+      # outcome: a learner does not learn it (the mail runtime's learners cannot).
+      residual.update(left)
       # A round none of whose deltas was kept has no outer step.
       finite = finite & jnp.any(verdict.keep)
       for i, n in enumerate(names):
@@ -288,7 +320,7 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
       )
       pending = pending.at[fragment].set(jnp.where(finite, MERGE, RESET))
       counts = counts.at[fragment].set(jnp.zeros([2], jnp.int32))
-      return vary_like(((anchor, master), (outer_states, pending, counts, stats)),
+      return vary_like(((anchor, master, residual), (outer_states, pending, counts, stats)),
                        (flat, rest))
 
     return sync
@@ -336,6 +368,7 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
 
   branches = [no_merge] + [merge_of(f, names) for f, names in enumerate(layout.plan)]
   flat_updates_out, pending = lax.switch(merge_index, branches, flat_anchor, pending)
-  anchor, master = (layout.unflatten(x) for x in flat)
+  anchor, master = (layout.unflatten(x) for x in flat[:2])
+  residual = state.residual if layout.beta is None else layout.unflatten(flat[2])
   return layout.unflatten(flat_updates_out), RoundState(
-      anchor, master, outer_states, pending, counts, stats)
+      anchor, master, outer_states, pending, counts, stats, residual)

@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 # Codes of ``DiLoCoState.pending``: what the next merge of a fragment does.
 NOTHING = 0
@@ -73,6 +74,9 @@ class DiLoCoState(NamedTuple):
     tokens: per fragment, tokens trained since the learner's last delta of it, exact
       int32 pairs ``(high, low)`` = ``high·2^24 + low``, shape ``(P, 2)``.
     stats: ``DiLoCoStatistics`` of the latest round.
+    residual: with ``error_feedback``, this learner's F32 residual ``e`` of every leaf
+      (``gmjax.core.feedback``), shaped and laid out like the parameters (each learner
+      holds its own residual of whole fragments); ``optax.MaskedNode()`` without.
   """
 
   inner_state: Any
@@ -83,6 +87,7 @@ class DiLoCoState(NamedTuple):
   pending: jax.Array
   tokens: jax.Array
   stats: DiLoCoStatistics
+  residual: Any = optax.MaskedNode()
 
 
 class RoundState(NamedTuple):
@@ -94,3 +99,4 @@ class RoundState(NamedTuple):
   pending: jax.Array
   tokens: jax.Array
   stats: DiLoCoStatistics
+  residual: Any = optax.MaskedNode()

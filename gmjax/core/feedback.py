@@ -1,0 +1,115 @@
+"""Error feedback: what quantization drops from one delta travels with the next ones.
+
+A learner keeps an F32 residual ``e`` per fragment (zeros at first), and instead of its
+delta ``Δ`` publishes ``q = encode(β·e + Δ)``, keeping ``e ← β·e + Δ − decode(q)``: the
+part of ``β·e + Δ`` that the wire did not carry. With ``β = 1`` the decoded deltas sum to
+the true ones up to the last residual, ``Σ_t decode(q_t) = Σ_t Δ_t − e_T``.
+
+The residual is computed from the very bytes that travel, so it is what every other
+learner (or the mail closer) decodes. A value ``β·e + Δ`` that is not finite cannot be
+sent (the mail runtime refuses it; in-mesh screening rejects it) and its residual
+restarts at zero.
+
+References:
+  Seide et al., *1-bit stochastic gradient descent and its application to data-parallel
+  distributed training of speech DNNs*, Interspeech 2014.
+  Karimireddy et al., *Error Feedback Fixes SignSGD and other Gradient Compression
+  Schemes*, arXiv 1901.09847.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gmjax.core.codec import decode_flat, encode_flat
+from gmjax.core.records import QUANTIZED, Precision
+from gmjax.core.schema import Schema
+
+_LOSSY = (f"a quantized one, {', '.join(repr(p) for p in QUANTIZED)}, or 16-bit"
+          " 'BF16'/'F16'")
+
+
+def check(beta: Any, delta_precision: Precision) -> float:
+  """``beta`` as a float if it is a valid ``error_feedback`` for ``delta_precision``.
+
+  Raises:
+    ValueError: ``beta`` is not a number in ``(0, 1]``, or ``delta_precision`` is F32
+      (deltas then travel exactly: there is no error to feed back).
+  """
+  if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 < beta <= 1:
+    raise ValueError(
+        f"DiLoCo error_feedback must be None (off) or a number in (0, 1], got {beta!r}:"
+        " it is the decay β of the residual e ← β·e + Δ − decode(q) (1 keeps all of it)."
+    )
+  if delta_precision == "F32":
+    raise ValueError(
+        f"DiLoCo error_feedback={beta!r} with delta_precision='F32': F32 deltas travel"
+        f" exactly, so there is no error to feed back; pick a lossy delta_precision"
+        f" ({_LOSSY}), or error_feedback=None."
+    )
+  return float(beta)
+
+
+def check_schema(beta: float | None, delta_precision: Precision, schema: Schema) -> None:
+  """Refuses error feedback on parameters whose deltas all travel exactly.
+
+  With ``delta_precision=None`` each delta travels at its leaf's dtype: F32 leaves
+  exactly (their residual would stay zero), 16-bit ones rounded.
+
+  Raises:
+    ValueError: ``beta`` is set, ``delta_precision`` is None and every leaf is F32.
+  """
+  if (beta is not None and delta_precision is None
+      and all(spec.dtype == "F32" for spec in schema.parameters)):
+    raise ValueError(
+        f"DiLoCo error_feedback={beta!r} with delta_precision=None and F32 parameters:"
+        " the deltas travel as F32, exactly, so there is no error to feed back; pick a"
+        f" lossy delta_precision ({_LOSSY}), or error_feedback=None."
+    )
+
+
+def compensated(residual: Any, delta: Any, beta: float) -> Any:
+  """``β·e + Δ`` in F32, leaf by leaf: the value that is encoded and sent."""
+  return jax.tree.map(
+      lambda e, d: jnp.float32(beta) * e + d.astype(jnp.float32), residual, delta)
+
+
+_compensated = jax.jit(compensated, static_argnames=("beta",))
+_subtract = jax.jit(lambda a, b: jax.tree.map(jnp.subtract, a, b))
+
+
+def encode(
+    residual: Mapping[str, np.ndarray],
+    delta: Mapping[str, Any],
+    beta: float,
+    schema: Schema,
+    precision: Precision,
+) -> tuple[dict[str, jax.Array], dict[str, np.ndarray]]:
+  """The payload entries of ``q = encode(β·e + Δ)`` and the new residual.
+
+  Args:
+    residual: ``e`` by leaf name, F32 (zeros before the first delta).
+    delta: ``Δ`` by leaf name.
+    beta: ``β``, in ``(0, 1]``.
+    schema: the leaves' specs (their dtypes are the target of ``precision=None``).
+    precision: ``delta_precision``.
+
+  Returns:
+    ``(entries, residual)``: the entries ``encode_flat`` gives for ``β·e + Δ``, and
+    ``β·e + Δ − decode(entries)`` as host F32 arrays.
+
+  Raises:
+    ValueError: ``β·e + Δ`` holds NaN or Inf (names the leaf); nothing is sent, and the
+      caller keeps its residual.
+  """
+  value = _compensated(dict(residual), dict(delta), beta=float(beta))
+  entries = encode_flat(value, schema, precision)
+  decoded = decode_flat(entries, schema, precision)
+  left = _subtract(value, {n: decoded[n] for n in value})
+  return entries, {n: np.asarray(v, np.float32) for n, v in jax.device_get(left).items()}
+
