@@ -34,7 +34,10 @@ def test_join_mid_run_and_leave(tmp_path):
   threads.start(_slow_train, mail.open(url), "early", 0, 30, out)
   ms.wait_for(lambda: run.store.exists(layout.commit(0, 3)), 60, "round 2's commit")
   late_threads = ms.Threads()
-  late_threads.start(_slow_train, mail.open(url), "late", 1, 7, out)  # leaves mid-interval
+  # The same goal as "early": with another one, the late learner's first deltas (far from
+  # its goal) can be more than OUTLIER_FACTOR times those of "early" (near its goal by
+  # then), and the closer rightly rejects them, depending on when "late" joins.
+  late_threads.start(_slow_train, mail.open(url), "late", 0, 7, out)  # leaves mid-interval
   late_threads.join(timeout=100)
   threads.join(timeout=100)
 
@@ -49,7 +52,10 @@ def test_join_mid_run_and_leave(tmp_path):
   rounds = run.rounds()
   assert [r["round"] for r in rounds] == list(range(15))
   late = [r["round"] for r in rounds if "late" in {p["learner"] for p in r["participants"]}]
-  assert late == list(range(first_round, first_round + 4))  # 7 steps: 3 rounds + 1 final
+  # 7 steps: 3 rounds + 1 final. Its first round may have closed before its heartbeat
+  # said it was live (then it publishes nothing there and merges the commit).
+  assert late and late == list(range(late[0], first_round + 4)), late
+  assert first_round <= late[0] <= first_round + 1, (first_round, late)
   final = rounds[late[-1]]
   assert final["final"] == ["late"]
   late_weight = {p["learner"]: p["steps"] for p in final["participants"]}["late"]
