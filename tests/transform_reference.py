@@ -45,6 +45,24 @@ def wire(x: np.ndarray, precision, dtype=np.float32) -> np.ndarray:
   return (codes * scale[:, None]).astype(F32).reshape(-1)[:n].reshape(x.shape)
 
 
+def sparse_wire(x: np.ndarray, precision, dtype, topk: int, chunk: int) -> np.ndarray:
+  """What an F32 array reads as after travelling top-k sparse: per chunk of ``chunk``
+  values of the flattened array the ``min(topk, length)`` largest magnitudes (subnormals
+  as zero, ties to the lower index), by ascending index, travel as one vector at
+  ``precision``; the rest reads as zero."""
+  flat = np.asarray(x, F32).reshape(-1)
+  magnitude = np.abs(flat).astype(np.float64)
+  magnitude[magnitude < 2.0**-126] = 0.0
+  positions = []
+  for start in range(0, flat.size, chunk):
+    order = np.argsort(-magnitude[start:start + chunk], kind="stable")[:topk]
+    positions.append(start + np.sort(order))
+  positions = np.concatenate(positions)
+  out = np.zeros(flat.size, F32)
+  out[positions] = wire(flat[positions], precision, dtype)
+  return out.reshape(np.shape(x))
+
+
 def step_of(r: int, sync_every: int, fragments: int) -> int:
   cycle, position = divmod(r, fragments)
   return cycle * sync_every + (position + 1) * sync_every // fragments
@@ -64,6 +82,8 @@ class Setup:
   outer_momentum: float = 0.9
   nesterov: bool = True
   delta_precision: object = None
+  delta_topk: object = None   # None: dense deltas; k: top-k per chunk (sparse_wire)
+  delta_chunk: int = 4096
   commit_precision: object = None
   mixing: float = 0.0
   overlap: int = 0
@@ -132,11 +152,13 @@ def run(setup: Setup, steps: int) -> dict:
     if t in syncs:
       f = syncs[t]
       names = setup.plan[f]
-      deltas = [
-          {n: wire(anchor[n].astype(F32) - theta[m][n].astype(F32), setup.delta_precision,
-                   dtype) for n in names}
-          for m in range(learners)
-      ]
+      if setup.delta_topk is None:
+        travel = lambda x: wire(x, setup.delta_precision, dtype)
+      else:
+        travel = lambda x: sparse_wire(x, setup.delta_precision, dtype, setup.delta_topk,
+                                       setup.delta_chunk)
+      deltas = [{n: travel(anchor[n].astype(F32) - theta[m][n].astype(F32)) for n in names}
+                for m in range(learners)]
       kept, used, clamped = screen(deltas, counted[:, f], names)
       total = used.sum()
       weights = used / total if total > 0 else np.full(learners, 1.0 / learners)

@@ -184,7 +184,8 @@ def _sync_replicated(layout, config, tx, axis_name, fragment, names, anchor, mas
   delta = {n: flat(anchor[n].astype(jnp.float32) - theta_of(n).astype(jnp.float32))
            for n in names}
   gradient, cosine, verdict = replicated.aggregate(
-      delta, counts, specs, config.delta_precision, axis_name)
+      delta, counts, specs, config.delta_precision, axis_name, config.delta_topk,
+      config.delta_chunk)
   gradient = {n: explicit.unflatten(gradient[n], anchor[n]) for n in names}
   old = tuple(master[n] if layout.keep[n] else anchor[n].astype(jnp.float32) for n in names)
   new_master, new_state = outer.apply_outer(
@@ -202,14 +203,17 @@ def _sync_sharded(layout, config, tx, axis_name, learner, fragment, names, ancho
                   master, outer_state, counts, theta_of):
   learners = layout.learners
   specs = layout.schema.subset(names).parameters
-  rows = {
-      n: shards.to_rows(anchor[n].astype(jnp.float32) - theta_of(n).astype(jnp.float32),
-                        learners)
-      for n in names
-  }
+  delta = {n: anchor[n].astype(jnp.float32) - theta_of(n).astype(jnp.float32)
+           for n in names}
   every = lax.all_gather(counts, axis_name)
   every = explicit.pin(every, (None,) * every.ndim)
-  deltas = exchange.receive(rows, specs, config.delta_precision, axis_name, learners)
+  if config.delta_topk is None:
+    rows = {n: shards.to_rows(delta[n], learners) for n in names}
+    deltas = exchange.receive(rows, specs, config.delta_precision, axis_name, learners)
+  else:
+    deltas = exchange.receive_sparse(delta, specs, config.delta_precision,
+                                     config.delta_topk, config.delta_chunk, axis_name,
+                                     learners, learner)
   partial = jnp.concatenate([
       gram(deltas).reshape(-1),
       jnp.stack([screen.squares_and_non_finite(d)[1] for d in deltas])])
