@@ -97,9 +97,11 @@ def by_mail(config, tmp_path, poisoned=False):
         gmjax.DiLoCo(sync_every=4, fragments=2, delta_precision="BF16", outer="adam",
                      outer_options={"learning_rate": 0.05, "b2": 0.99}),
         gmjax.DiLoCo(sync_every=4, fragments=2, delta_precision="I2", commit_precision="I2"),
+        gmjax.DiLoCo(sync_every=4, fragments=2, delta_precision="I4", delta_topk=2,
+                     delta_chunk=5),
     ],
     ids=["diloco", "streaming-f8-mixing", "streaming-i4-bf16-commits", "outer-adam",
-         "streaming-i2-i2-commits"],
+         "streaming-i2-i2-commits", "streaming-i4-top2-of-5"],
 )
 def test_mail_learners_end_where_in_mesh_learners_end(config, tmp_path):
   config = dataclasses.replace(config, flush_on_close=False)
