@@ -225,3 +225,36 @@ def test_error_feedback_json_round_trip():
   assert gmjax.DiLoCo.from_json(off.to_json()).error_feedback is None
   with pytest.raises(ValueError, match="error_feedback"):
     gmjax.DiLoCo.from_json({**record, "error_feedback": 2.0})
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"delta_topk": 0}, r"delta_topk must be None \(dense deltas\) or a positive int, got 0"),
+    ({"delta_topk": 2.0}, r"delta_topk .* got 2.0"),
+    ({"delta_topk": True}, r"delta_topk .* got True"),
+    ({"delta_topk": 4, "delta_chunk": 0}, r"delta_chunk must be a positive int .* got 0"),
+    ({"delta_chunk": "4096"}, r"delta_chunk .* got '4096'"),
+    ({"delta_topk": 64, "delta_chunk": 32},
+     r"delta_chunk >= delta_topk, got delta_chunk=32, delta_topk=64: .* raise delta_chunk"),
+])
+def test_bad_sparse_settings_named(options, match):
+  with pytest.raises(ValueError, match=match):
+    gmjax.DiLoCo(sync_every=4, **options)
+
+
+def test_sparse_json_round_trip_and_old_records_dense():
+  config = gmjax.DiLoCo(sync_every=4, delta_precision="I4", delta_topk=64, delta_chunk=1024)
+  record = json.loads(json.dumps(config.to_json()))
+  assert record["delta_topk"] == 64 and record["delta_chunk"] == 1024
+  again = gmjax.DiLoCo.from_json(record)
+  assert again == config and hash(again) == hash(config)
+  assert gmjax.DiLoCo(sync_every=4, delta_topk=64) != gmjax.DiLoCo(sync_every=4)
+  old = {k: v for k, v in gmjax.DiLoCo(sync_every=4).to_json().items()
+         if k not in ("delta_topk", "delta_chunk")}
+  dense = gmjax.DiLoCo.from_json(old)
+  assert dense.delta_topk is None and dense == gmjax.DiLoCo(sync_every=4)
+  schema = gmjax.Schema((gmjax.ParameterSpec("w", "F32", (3000,)),))
+  assert dense.delta_layout(schema) == gmjax.layout(schema, None)
+  sparse_layout = config.delta_layout(schema)
+  assert {s.name: (s.dtype, s.shape) for s in sparse_layout.parameters} == {
+      # 2 full chunks of 1024 keep 64 each, the last (952 values) 64: 192 kept values.
+      "w": ("U8", (96,)), "w.scale": ("F32", (6,)), "w.index": ("U16", (192,))}

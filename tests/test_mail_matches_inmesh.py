@@ -100,9 +100,12 @@ def by_mail(config, tmp_path, poisoned=False):
                      error_feedback=1.0),
         gmjax.DiLoCo(sync_every=4, fragments=1, delta_precision="F8_E4M3", mixing=0.5,
                      error_feedback=0.5),
+        gmjax.DiLoCo(sync_every=4, fragments=2, delta_precision="I2", delta_topk=2,
+                     delta_chunk=5, error_feedback=1.0),
     ],
     ids=["diloco", "streaming-f8-mixing", "streaming-i4-bf16-commits", "outer-adam",
-         "streaming-i2-i2-commits-error-feedback", "f8-mixing-error-feedback-0.5"],
+         "streaming-i2-i2-commits-error-feedback", "f8-mixing-error-feedback-0.5",
+         "streaming-i2-top2-of-5-error-feedback"],
 )
 def test_mail_learners_end_where_in_mesh_learners_end(config, tmp_path):
   config = dataclasses.replace(config, flush_on_close=False)

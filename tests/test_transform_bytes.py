@@ -28,10 +28,12 @@ PRECISIONS = [
 ]
 
 
-def sync_collectives(learners, delta_precision, commit_precision):
+def sync_collectives(learners, delta_precision, commit_precision, shard_outer=True,
+                     **sparse):
   config = gmjax.DiLoCo(sync_every=2, delta_precision=delta_precision,
-                        commit_precision=commit_precision)
-  optimizer = gmjax.diloco(optax.sgd(0.1), config, axis_name="learner")
+                        commit_precision=commit_precision, **sparse)
+  optimizer = gmjax.diloco(optax.sgd(0.1), config, axis_name="learner",
+                           shard_outer=shard_outer)
   mesh = jax.make_mesh((learners,), ("learner",), devices=jax.devices()[:learners])
 
   def body(params, state):
@@ -66,4 +68,36 @@ def test_sync_bytes_within_the_bound(learners, delta_precision, commit_precision
   assert sent <= bound + statistics
   # The payload itself is not smaller than the bound's main term allows: it is there.
   assert sent >= bound
+  assert not [c for c in found if c.dtype.startswith("f8") or c.dtype in ("bf16", "f16")]
+
+
+# (delta_precision, b_value) of top-k deltas: k = 32 of every chunk of 256 (d = 1/8, U8
+# indices), 256 kept values of the leaf.
+SPARSE = [("F32", 4.0), ("I4", 0.5), ("I2", 0.25)]
+TOPK, CHUNK = 32, 256
+
+
+@pytest.mark.parametrize("learners", [2, 4])
+@pytest.mark.parametrize("shard_outer", [True, False], ids=["sharded", "replicated"])
+@pytest.mark.parametrize("delta_precision,b_value", SPARSE)
+def test_sparse_sync_bytes(learners, shard_outer, delta_precision, b_value):
+  found = sync_collectives(learners, delta_precision, None, shard_outer,
+                           delta_topk=TOPK, delta_chunk=CHUNK)
+  sent = hlo.total_bytes_sent(found)
+  kept = N * TOPK // CHUNK
+  scales = 0 if delta_precision == "F32" else 4 * kept // 32
+  # Every learner's values, scales and indices, from each of the M − 1 others.
+  gathered = (learners - 1) * (kept * b_value + scales + kept * 1)
+  assert gathered == (learners - 1) * (TOPK / CHUNK * (b_value + 1) * N + scales)
+  if shard_outer:  # Θ shards at F32, and the Gram psum as in the dense exchange
+    publish = (learners - 1) / learners * 4 * N
+    statistics = 2 * 4 * (learners**2 + 2) + 8 * learners
+  else:  # Θ computed by every learner; the token pairs, and screening figures
+    publish = 0
+    statistics = 8 * learners + 4 * 8 * learners
+  print(f"M={learners} {delta_precision} top-{TOPK}/{CHUNK} sharded={shard_outer}:"
+        f" {sent:.0f} bytes, {sent / N:.3f} per parameter")
+  gather = hlo.total_bytes_sent(found, ops=["all-gather"])
+  assert gather >= gathered
+  assert gathered + publish <= sent <= gathered + publish + statistics
   assert not [c for c in found if c.dtype.startswith("f8") or c.dtype in ("bf16", "f16")]

@@ -94,3 +94,28 @@ def test_one_learner_without_axis_matches_numpy(fragments, overlap):
   _check_against_reference(setup, params, state, learners=1)
   assert np.isnan(state.stats.cosine)
   assert step._cache_size() == 1
+
+
+# (learners, fragments, delta_precision, delta_topk, delta_chunk, shard_outer): top-k
+# deltas. Leaves of 8, 12 and 40 values in chunks of 5 (the last chunk of 8 and 12
+# shorter than k = 3 in the first case, of 40 whole) or 16 (12 and 8 shorter than the
+# chunk, 40 leaving a chunk of 8).
+SPARSE_CASES = [
+    (3, 1, "F32", 3, 5, True),
+    (3, 3, "F32", 3, 5, False),
+    (1, 3, "I4", 4, 16, True),
+    (3, 3, "I2", 4, 16, True),
+    (1, 1, "F32", 6, 16, False),
+    (3, 1, "I4", 5, 16, False),
+]
+
+
+@pytest.mark.parametrize("learners,fragments,precision,topk,chunk,shard", SPARSE_CASES)
+def test_sparse_deltas_match_numpy_diloco(learners, fragments, precision, topk, chunk,
+                                          shard):
+  setup = harness.make_setup(
+      learners=learners, fragments=fragments, mixing=0.5, overlap=1, tokens=True,
+      delta_precision=precision, delta_topk=topk, delta_chunk=chunk, steps=STEPS)
+  params, state, step = harness.run_vmap(setup, STEPS, shard_outer=shard)
+  _check_against_reference(setup, params, state, learners=learners, sharded=shard)
+  assert step._cache_size() == 1

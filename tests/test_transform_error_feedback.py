@@ -31,6 +31,17 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("precision,shard", [("I2", True), ("F32", False), ("I4", True)])
+def test_top_k_deltas_with_error_feedback_match_numpy(precision, shard):
+  # Sparse deltas drop most values at any precision (F32 included): the residual keeps
+  # them for the next rounds.
+  setup = harness.make_setup(learners=3, fragments=3, delta_precision=precision,
+                             delta_topk=3, delta_chunk=8, error_feedback=1.0, steps=STEPS)
+  params, state, step = harness.run_vmap(setup, STEPS, shard_outer=shard)
+  _check(setup, params, state, 3, sharded=shard)
+  assert step._cache_size() == 1
+
+
 def _learner(tree, m, batched=True):
   return {n: np.asarray(v)[m] if batched else np.asarray(v) for n, v in tree.items()}
 

@@ -44,6 +44,8 @@ def config_of(setup) -> gmjax.DiLoCo:
       outer_momentum=setup.outer_momentum,
       nesterov=setup.nesterov,
       delta_precision=setup.delta_precision,
+      delta_topk=setup.delta_topk,
+      delta_chunk=setup.delta_chunk,
       commit_precision=setup.commit_precision,
       mixing=setup.mixing,
       overlap_steps=setup.overlap,

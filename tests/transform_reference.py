@@ -47,6 +47,24 @@ def wire(x: np.ndarray, precision, dtype=np.float32) -> np.ndarray:
   return (codes * scale[:, None]).astype(F32).reshape(-1)[:n].reshape(x.shape)
 
 
+def sparse_wire(x: np.ndarray, precision, dtype, topk: int, chunk: int) -> np.ndarray:
+  """What an F32 array reads as after travelling top-k sparse: per chunk of ``chunk``
+  values of the flattened array the ``min(topk, length)`` largest magnitudes (subnormals
+  as zero, ties to the lower index), by ascending index, travel as one vector at
+  ``precision``; the rest reads as zero."""
+  flat = np.asarray(x, F32).reshape(-1)
+  magnitude = np.abs(flat).astype(np.float64)
+  magnitude[magnitude < 2.0**-126] = 0.0
+  positions = []
+  for start in range(0, flat.size, chunk):
+    order = np.argsort(-magnitude[start:start + chunk], kind="stable")[:topk]
+    positions.append(start + np.sort(order))
+  positions = np.concatenate(positions)
+  out = np.zeros(flat.size, F32)
+  out[positions] = wire(flat[positions], precision, dtype)
+  return out.reshape(np.shape(x))
+
+
 def step_of(r: int, sync_every: int, fragments: int) -> int:
   cycle, position = divmod(r, fragments)
   return cycle * sync_every + (position + 1) * sync_every // fragments
@@ -66,6 +84,8 @@ class Setup:
   outer_momentum: float = 0.9
   nesterov: bool = True
   delta_precision: object = None
+  delta_topk: object = None   # None: dense deltas; k: top-k per chunk (sparse_wire)
+  delta_chunk: int = 4096
   commit_precision: object = None
   mixing: float = 0.0
   overlap: int = 0
@@ -136,6 +156,11 @@ def run(setup: Setup, steps: int) -> dict:
     if t in syncs:
       f = syncs[t]
       names = setup.plan[f]
+      if setup.delta_topk is None:
+        travel = lambda x: wire(x, setup.delta_precision, dtype)
+      else:
+        travel = lambda x: sparse_wire(x, setup.delta_precision, dtype, setup.delta_topk,
+                                       setup.delta_chunk)
       deltas = []
       for m in range(learners):
         sent = {n: (anchor[n].astype(F32) - theta[m][n].astype(F32)).astype(F32)
@@ -143,7 +168,7 @@ def run(setup: Setup, steps: int) -> dict:
         if setup.error_feedback is not None:
           beta = F32(setup.error_feedback)
           sent = {n: (beta * residual[m][n] + sent[n]).astype(F32) for n in names}
-        deltas.append({n: wire(sent[n], setup.delta_precision, dtype) for n in names})
+        deltas.append({n: travel(sent[n]) for n in names})
         if setup.error_feedback is not None:
           left = {n: (sent[n] - deltas[m][n]).astype(F32) for n in names}
           if not all(np.all(np.isfinite(v)) for v in left.values()):

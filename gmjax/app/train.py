@@ -22,7 +22,6 @@ import gmjax
 from gmjax.app import config as config_lib
 from gmjax.app import model, plots
 from gmjax.app.baseline import train_baseline
-from gmjax.core.codec import layout
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -42,7 +41,7 @@ def _bytes_sent(cfg: config_lib.TrainConfig, params: Any, rounds: list[dict[str,
   """Cumulative bytes each learner sent, for DiLoCo rounds and for per-step all-reduce."""
   schema = gmjax.Schema.from_tree(params)
   plan = cfg.diloco.plan(schema)
-  per_fragment = [layout(schema.subset(names), cfg.diloco.delta_precision).nbytes for names in plan]
+  per_fragment = [cfg.diloco.delta_layout(schema.subset(names)).nbytes for names in plan]
   total, diloco = 0.0, [(0, 0.0)]
   for record in rounds:
     if record.get("participants"):

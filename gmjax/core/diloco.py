@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gmjax.core import feedback, outer, outer_records
-from gmjax.core.codec import check_precision, decode_values, encode_flat, layout
+from gmjax.core import feedback, outer, outer_records, sparse
+from gmjax.core.codec import check_precision, encode_flat
 from gmjax.core.records import (
     Contribution,
     FragmentState,
@@ -58,6 +58,10 @@ class DiLoCo:
     outer_momentum: ``μ`` of the outer SGD, in ``[0, 1)`` (0.9 in the paper).
     nesterov: Nesterov momentum (the paper's choice) or plain momentum.
     delta_precision: how deltas travel (None: the parameter dtype).
+    delta_topk: None sends deltas dense; ``k`` sends, per chunk of ``delta_chunk`` values
+      of each flattened leaf, the ``k`` largest magnitudes (at ``delta_precision``) and
+      their indices within the chunk (``gmjax.core.sparse``).
+    delta_chunk: the chunk length of ``delta_topk``, at least ``delta_topk``.
     commit_precision: None publishes Θ; otherwise commits carry ``master − Θ_old`` at it.
     mixing: the share of its local θ a learner keeps when it aligns, in ``[0, 1)``.
     overlap_steps: ``τ``, steps trained past publishing before merging a round's commit;
@@ -104,6 +108,8 @@ class DiLoCo:
   outer: str = "sgd"
   outer_options: Mapping[str, Any] | None = None
   error_feedback: float | None = None
+  delta_topk: int | None = None
+  delta_chunk: int = 4096
 
   def __post_init__(self):
     _positive_int("sync_every", self.sync_every)
@@ -129,6 +135,7 @@ class DiLoCo:
       raise ValueError(f"DiLoCo nesterov must be a bool, got {self.nesterov!r}.")
     check_precision(self.delta_precision, "delta_precision")
     check_precision(self.commit_precision, "commit_precision")
+    self._check_sparse()
     mixing = self.mixing
     if isinstance(mixing, bool) or not isinstance(mixing, (int, float)) or not 0 <= mixing < 1:
       raise ValueError(
@@ -169,7 +176,8 @@ class DiLoCo:
     if self.error_feedback is not None:
       # A float, so that equal configurations hash alike (their JSON is the same).
       object.__setattr__(self, "error_feedback",
-                         feedback.check(self.error_feedback, self.delta_precision))
+                         feedback.check(self.error_feedback, self.delta_precision,
+                                        self.delta_topk))
 
   def check_parameters(self, schema: Schema) -> None:
     """Checks what the configuration needs of the parameters of ``schema``.
@@ -177,7 +185,31 @@ class DiLoCo:
     Raises:
       ValueError: ``error_feedback`` with deltas that travel exactly (F32).
     """
-    feedback.check_schema(self.error_feedback, self.delta_precision, schema)
+    feedback.check_schema(self.error_feedback, self.delta_precision, schema,
+                          self.delta_topk)
+
+  def _check_sparse(self):
+    topk, chunk = self.delta_topk, self.delta_chunk
+    if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
+      raise ValueError(
+          f"DiLoCo delta_topk must be None (dense deltas) or a positive int, got {topk!r}:"
+          " it is the number of values each chunk of delta_chunk values keeps."
+      )
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= 2**32:
+      raise ValueError(
+          f"DiLoCo delta_chunk must be a positive int (at most 2**32), got {chunk!r}:"
+          " it is the length of the chunks delta_topk keeps values of (4096 by default)."
+      )
+    if topk is not None and chunk < topk:
+      raise ValueError(
+          f"DiLoCo needs delta_chunk >= delta_topk, got delta_chunk={chunk},"
+          f" delta_topk={topk}: a chunk keeps at most all its values, so raise"
+          " delta_chunk or lower delta_topk."
+      )
+
+  def delta_layout(self, schema: Schema) -> Schema:
+    """The payload layout of ``schema``'s deltas (``gmjax.core.sparse.layout``)."""
+    return sparse.layout(schema, self.delta_precision, self.delta_topk, self.delta_chunk)
 
   def __hash__(self):
     return hash(json.dumps(self.to_json(), sort_keys=True))
@@ -330,11 +362,13 @@ def _outer_transform(config: DiLoCo) -> optax.GradientTransformation:
 @functools.partial(
     jax.jit,
     static_argnames=("specs", "delta_precision", "commit_precision", "transform",
-                     "aliases", "keep_master"),
+                     "aliases", "keep_master", "delta_topk", "delta_chunk"),
 )
 def _close(theta, outer_state, contributions, weights, *, specs, delta_precision,
-           commit_precision, transform, aliases, keep_master):
-  deltas = [decode_values(c, specs, delta_precision) for c in contributions]
+           commit_precision, transform, aliases, keep_master, delta_topk=None,
+           delta_chunk=None):
+  deltas = [sparse.decode_values(c, specs, delta_precision, delta_topk, delta_chunk)
+            for c in contributions]
   gradient = outer.weighted_sum(deltas, list(weights))
   master = {
       s.name: (outer_state[master_name(s.name)] if keep_master[i]
@@ -414,6 +448,8 @@ class DiLoCoAggregator:
         transform=_outer_transform(self.config),
         aliases=outer_records.seed_aliases(self.config.outer),
         keep_master=tuple(self.config.keeps_master(s.dtype) for s in specs),
+        delta_topk=self.config.delta_topk,
+        delta_chunk=self.config.delta_chunk,
     )
     participants = tuple(
         Participant(c.learner, c.local_step, c.steps, c.tokens, float(w))
@@ -428,8 +464,8 @@ class DiLoCoAggregator:
 
   def zero_contribution(self) -> dict[str, np.ndarray]:
     """Payload entries of an all-zero delta at the delta precision (padding)."""
-    return {s.name: np.zeros(s.shape, NUMPY_DTYPES[s.dtype])
-            for s in layout(self.schema, self.config.delta_precision).parameters}
+    return sparse.zero_entries(self.schema, self.config.delta_precision,
+                               self.config.delta_topk, self.config.delta_chunk)
 
   def warm(self, capacity: int) -> None:
     """Compiles the close of a round of up to ``capacity`` contributions (by closing

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gmjax.core.codec import decode_flat, encode_flat
+from gmjax.core import sparse
 from gmjax.core.records import QUANTIZED, Precision
 from gmjax.core.schema import Schema
 
@@ -34,28 +34,30 @@ _LOSSY = (f"a quantized one, {', '.join(repr(p) for p in QUANTIZED)}, or 16-bit"
           " 'BF16'/'F16'")
 
 
-def check(beta: Any, delta_precision: Precision) -> float:
+def check(beta: Any, delta_precision: Precision, topk: int | None = None) -> float:
   """``beta`` as a float if it is a valid ``error_feedback`` for ``delta_precision``.
 
   Raises:
     ValueError: ``beta`` is not a number in ``(0, 1]``, or ``delta_precision`` is F32
-      (deltas then travel exactly: there is no error to feed back).
+      and the deltas are dense (``topk`` None: they then travel exactly, there is no
+      error to feed back; a top-k delta drops values at any precision).
   """
   if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 < beta <= 1:
     raise ValueError(
         f"DiLoCo error_feedback must be None (off) or a number in (0, 1], got {beta!r}:"
         " it is the decay β of the residual e ← β·e + Δ − decode(q) (1 keeps all of it)."
     )
-  if delta_precision == "F32":
+  if delta_precision == "F32" and topk is None:
     raise ValueError(
         f"DiLoCo error_feedback={beta!r} with delta_precision='F32': F32 deltas travel"
         f" exactly, so there is no error to feed back; pick a lossy delta_precision"
-        f" ({_LOSSY}), or error_feedback=None."
+        f" ({_LOSSY}), send sparse deltas (delta_topk), or error_feedback=None."
     )
   return float(beta)
 
 
-def check_schema(beta: float | None, delta_precision: Precision, schema: Schema) -> None:
+def check_schema(beta: float | None, delta_precision: Precision, schema: Schema,
+                 topk: int | None = None) -> None:
   """Refuses error feedback on parameters whose deltas all travel exactly.
 
   With ``delta_precision=None`` each delta travels at its leaf's dtype: F32 leaves
@@ -64,7 +66,7 @@ def check_schema(beta: float | None, delta_precision: Precision, schema: Schema)
   Raises:
     ValueError: ``beta`` is set, ``delta_precision`` is None and every leaf is F32.
   """
-  if (beta is not None and delta_precision is None
+  if (beta is not None and delta_precision is None and topk is None
       and all(spec.dtype == "F32" for spec in schema.parameters)):
     raise ValueError(
         f"DiLoCo error_feedback={beta!r} with delta_precision=None and F32 parameters:"
@@ -89,6 +91,8 @@ def encode(
     beta: float,
     schema: Schema,
     precision: Precision,
+    topk: int | None = None,
+    chunk: int | None = None,
 ) -> tuple[dict[str, jax.Array], dict[str, np.ndarray]]:
   """The payload entries of ``q = encode(β·e + Δ)`` and the new residual.
 
@@ -98,9 +102,10 @@ def encode(
     beta: ``β``, in ``(0, 1]``.
     schema: the leaves' specs (their dtypes are the target of ``precision=None``).
     precision: ``delta_precision``.
+    topk, chunk: ``delta_topk`` (None: dense deltas) and ``delta_chunk``.
 
   Returns:
-    ``(entries, residual)``: the entries ``encode_flat`` gives for ``β·e + Δ``, and
+    ``(entries, residual)``: the entries ``sparse.encode_flat`` gives for ``β·e + Δ``, and
     ``β·e + Δ − decode(entries)`` as host F32 arrays.
 
   Raises:
@@ -108,8 +113,8 @@ def encode(
       caller keeps its residual.
   """
   value = _compensated(dict(residual), dict(delta), beta=float(beta))
-  entries = encode_flat(value, schema, precision)
-  decoded = decode_flat(entries, schema, precision)
+  entries = sparse.encode_flat(value, schema, precision, topk, chunk)
+  decoded = sparse.decode_flat(entries, schema, precision, topk, chunk)
   left = _subtract(value, {n: decoded[n] for n in value})
   return entries, {n: np.asarray(v, np.float32) for n, v in jax.device_get(left).items()}
 

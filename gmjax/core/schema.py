@@ -23,6 +23,8 @@ NUMPY_DTYPES: dict[str, np.dtype] = {
     "BF16": np.dtype(ml_dtypes.bfloat16),
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
     "U8": np.dtype(np.uint8),
+    "U16": np.dtype(np.uint16),
+    "U32": np.dtype(np.uint32),
 }
 _CODES = {dtype: code for code, dtype in NUMPY_DTYPES.items()}
 PARAMETER_DTYPES = ("F32", "F16", "BF16")

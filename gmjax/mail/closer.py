@@ -41,7 +41,6 @@ from gmjax.core import guards
 from gmjax.core.diloco import padded_count
 from gmjax.core.records import Contribution, FragmentState
 from gmjax.core.schedule import Estimates
-from gmjax.core.codec import layout as payload_layout
 from gmjax.mail import contributions
 from gmjax.mail import layout
 from gmjax.mail import recovery
@@ -117,8 +116,8 @@ class Closer:
     for fragment, names in enumerate(manifest.plan):
       self._aggregators[fragment] = manifest.config.aggregator(manifest.schema, names)
       self._schemas[fragment] = manifest.schema.subset(names)
-      self._max_bytes[fragment] = contributions.max_bytes(payload_layout(
-          self._schemas[fragment], manifest.config.delta_precision))
+      self._max_bytes[fragment] = contributions.max_bytes(
+          manifest.config.delta_layout(self._schemas[fragment]))
 
   def timeout(self) -> float:
     return self.estimates.timeout(self.poll_interval)
@@ -196,7 +195,8 @@ class Closer:
         data, file_name=entry, round_=watch.round, fragment=watch.fragment,
         base_version=watch.version - 1, schema=self._schemas[watch.fragment],
         precision=self.manifest.config.delta_precision, known=known, key=self.key,
-        max_steps=self.schedule.sync_every)
+        max_steps=self.schedule.sync_every, topk=self.manifest.config.delta_topk,
+        chunk=self.manifest.config.delta_chunk)
     watch.norms[checked.contribution.learner] = checked.norm_per_step
     watch.clamped.extend(checked.clamped)
     return checked.contribution

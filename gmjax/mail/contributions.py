@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from gmjax.core import payload
-from gmjax.core.codec import BLOCK, decode_flat, layout as payload_layout
+from gmjax.core import payload, sparse
+from gmjax.core.codec import BLOCK
 from gmjax.core.guards import quote
 from gmjax.core.records import QUANTIZED, Contribution
 from gmjax.core.schema import NUMPY_DTYPES, Schema
@@ -113,14 +113,16 @@ def _int(metadata: Mapping[str, str], field: str, learner: str, minimum: int = 0
 
 def check(data: bytes, *, file_name: str, round_: int, fragment: int, base_version: int,
           schema: Schema, precision: str | None, known: Container[str],
-          key: bytes | None, max_steps: int) -> Checked:
+          key: bytes | None, max_steps: int, topk: int | None = None,
+          chunk: int | None = None) -> Checked:
   """Parses and validates a contribution found at ``rounds/<round_>/<file_name>``.
 
   Checks, in order: the file name, the safetensors header (bounded by the layout), the
   metadata fields (learner, round, fragment, base version, counts and their bounds,
   precision), the signature when the run has a key, that the learner joined the run,
-  the layout (names, dtypes, shapes, sizes), that every float entry is finite and that
-  the decoded delta is.
+  the layout (names, dtypes, shapes, sizes), that every float entry is finite, that
+  sparse indices lie in their chunks and rise strictly within each, and that the
+  decoded delta is finite.
 
   Args:
     data: the file's bytes (read with the bound ``max_bytes`` gives).
@@ -131,6 +133,7 @@ def check(data: bytes, *, file_name: str, round_: int, fragment: int, base_versi
     known: names of the learners that joined the run.
     key: the run's key, or None.
     max_steps: the most steps a contribution can cover (the run's ``sync_every``).
+    topk, chunk: the run's ``delta_topk`` and ``delta_chunk`` (None: dense deltas).
 
   Returns:
     The contribution, its delta's norm per step, and what was clamped.
@@ -145,7 +148,7 @@ def check(data: bytes, *, file_name: str, round_: int, fragment: int, base_versi
   if not layout.is_valid_name(learner):
     raise ContributionRejected(label(learner), "learner name does not match"
                                f" {layout.NAME_PATTERN.pattern}")
-  payload_schema = payload_layout(schema, precision)
+  payload_schema = sparse.layout(schema, precision, topk, chunk)
   try:
     entries, metadata = payload.loads(
         data, max_header_bytes=payload.bounds(payload_schema)[0])
@@ -205,7 +208,13 @@ def check(data: bytes, *, file_name: str, round_: int, fragment: int, base_versi
                                  f" expected {spec.shape}")
     if spec.dtype in _FLOAT_CODES and not np.isfinite(array.astype(np.float32, copy=False)).all():
       raise ContributionRejected(learner, f"entry {name!r} holds NaN or Inf")
-  norm = _norm(entries, schema, precision)
+  if topk is not None:
+    for spec in schema.parameters:
+      name = sparse.index_name(spec.name)
+      problem = sparse.index_problem(entries[name], spec.size, topk, chunk)
+      if problem is not None:
+        raise ContributionRejected(learner, f"entry {name!r}: {problem}")
+  norm = _norm(entries, schema, precision, topk, chunk)
   if not math.isfinite(norm):
     raise ContributionRejected(learner, "the delta decodes to NaN or Inf in F32 (finite"
                                " codes times finite scales can overflow)")
@@ -221,10 +230,14 @@ def check(data: bytes, *, file_name: str, round_: int, fragment: int, base_versi
   return Checked(contribution, norm / steps, tuple(clamped))
 
 
-def _norm(entries: Mapping[str, np.ndarray], schema: Schema, precision: str | None) -> float:
+def _norm(entries: Mapping[str, np.ndarray], schema: Schema, precision: str | None,
+          topk: int | None = None, chunk: int | None = None) -> float:
   """‖decode(Δ)‖₂ in float64; inf if any decoded F32 value is not finite."""
   if precision in QUANTIZED:  # codes times scales, in F32 as the aggregator decodes them
-    values = {k: np.asarray(v) for k, v in decode_flat(entries, schema, precision).items()}
+    values = {k: np.asarray(v) for k, v in sparse.decode_flat(
+        entries, schema, precision, topk, chunk).items()}
+  elif topk is not None:  # the kept values are the nonzero ones, already checked finite
+    values = {spec.name: entries[spec.name] for spec in schema.parameters}
   else:  # F32/F16/BF16 values are their own decoding, already checked finite
     values = {spec.name: entries[spec.name] for spec in schema.parameters}
   total = 0.0

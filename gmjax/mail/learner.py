@@ -337,7 +337,8 @@ class Learner:
         # Encoded here, where the residual lives: it must be the decode of these bytes.
         entries, self._residuals[fragment] = feedback.encode(
             self._residuals[fragment], delta, self.config.error_feedback,
-            self.manifest.schema.subset(names_), self.config.delta_precision)
+            self.manifest.schema.subset(names_), self.config.delta_precision,
+            self.config.delta_topk, self.config.delta_chunk)
         payload = {"entries": entries}
       self._worker.publish({
           "round": round_, "fragment": fragment, "base_version": version - 1,

@@ -33,7 +33,8 @@ import jax
 import numpy as np
 
 from gmjax.core import outer
-from gmjax.core.codec import encode_flat, layout as payload_layout, to_numpy
+from gmjax.core import sparse
+from gmjax.core.codec import to_numpy
 from gmjax.core.schedule import Estimates
 from gmjax.mail import contributions
 from gmjax.mail import layout
@@ -315,11 +316,13 @@ class Worker:
   def _upload(self, job: dict[str, Any]) -> None:
     fragment = job["fragment"]
     schema = self.fragment_schemas[fragment]
-    precision = self.manifest.config.delta_precision
+    config = self.manifest.config
+    precision = config.delta_precision
     entries = job.get("entries")
     if entries is None:
-      entries = encode_flat(job["delta"], schema, precision)  # ValueError on NaN/Inf
-    entries = to_numpy(entries, payload_layout(schema, precision))
+      entries = sparse.encode_flat(job["delta"], schema, precision, config.delta_topk,
+                                   config.delta_chunk)  # ValueError on NaN/Inf
+    entries = to_numpy(entries, config.delta_layout(schema))
     data = contributions.dumps(
         entries, learner=self.name, round_=job["round"], fragment=fragment,
         base_version=job["base_version"], local_step=job["local_step"],

@@ -23,6 +23,12 @@ With ``M`` learners on the axis, learner ``k`` owns shard ``k`` of every leaf (s
 4. One ``psum`` of 2 F32 values: the squared norm of ``g`` on the shard, and the count of
    non-finite values (gradient, master, Θ), which decides for every learner alike whether
    the round is kept.
+
+Sparse (top-k) deltas (``gmjax.core.sparse``) replace step 1: every learner's top-k set
+is its own, so each learner encodes its whole delta and the entries (kept values' codes
+and scales, indices, as unsigned integers) are ``all_gather``-ed, ``(M−1)·d·(b_delta +
+b_index)·n`` bytes per learner for a density ``d = k / chunk`` plus the scales; every
+learner decodes them all and keeps the rows of its own shard.
 """
 
 from __future__ import annotations
@@ -34,10 +40,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gmjax.core import sparse
 from gmjax.core.codec import CODE_BITS, JNP_DTYPES, QUANTIZED, dequantize, quantize
 from gmjax.core.records import Precision
 from gmjax.core.schema import ParameterSpec
 from gmjax.transform import collectives, explicit, shards
+from gmjax.transform.replicated import _as_bytes, _from_bytes
 
 _UINT = {2: jnp.uint16}
 
@@ -125,6 +133,49 @@ def receive(
        for s in specs}
       for m in range(learners)
   ], sent
+
+
+def receive_sparse(
+    delta: Mapping[str, jax.Array],
+    specs: Sequence[ParameterSpec],
+    precision: Precision,
+    topk: int,
+    chunk: int,
+    axis_name: Any,
+    learners: int,
+    learner: jax.Array,
+) -> tuple[list[dict[str, jax.Array]], dict[str, jax.Array]]:
+  """Every learner's decoded sparse delta of this learner's shard, in learner order.
+
+  Args:
+    delta: this learner's F32 delta of each leaf of the fragment (any shape).
+    specs: the fragment's specs.
+    precision: ``delta_precision``.
+    topk, chunk: ``delta_topk`` and ``delta_chunk``.
+    axis_name: the learners' axis.
+    learners: ``M``.
+    learner: this learner's index on the axis.
+
+  Returns:
+    ``(deltas, sent)``: ``M`` dicts by leaf name of F32 rows ``(R, 32)``, as ``receive``
+    gives them, and this learner's own delta decoded from the entries it sends, by leaf
+    name in the leaf's shape.
+  """
+  flat = [ParameterSpec(s.name, s.dtype, (s.size,)) for s in specs]
+  entries, _ = sparse.encode_values({s.name: jnp.ravel(delta[s.name]) for s in specs},
+                                    {s.name: s.dtype for s in specs}, precision, topk, chunk)
+  wire = _as_bytes(entries)
+  gathered = {n: explicit.pin(g, _gathered_spec(wire[n])) for n, g in zip(
+      wire, collectives.all_gather(list(wire.values()), axis_name, learners))}
+  gathered = _from_bytes(gathered, entries)
+  out = []
+  for m in range(learners):
+    decoded = sparse.decode_values({n: v[:, m] for n, v in gathered.items()}, flat,
+                                   precision, topk, chunk)
+    out.append({s.name: shards.own(shards.to_rows(decoded[s.name], learners), learner)
+                for s in specs})
+  mine = sparse.decode_values(entries, flat, precision, topk, chunk)
+  return out, {s.name: mine[s.name].reshape(s.shape) for s in specs}
 
 
 def publish(

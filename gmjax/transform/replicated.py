@@ -11,7 +11,10 @@ Deltas cross the axis at ``delta_precision``, as the mail runtime stores them:
   widens float8 and bf16 collectives to wider floats.
 
 This moves ``(M−1)·b·n`` bytes per learner for an all-gather: the sharded exchange
-(``gmjax.transform.exchange``) is the bandwidth-optimal one.
+(``gmjax.transform.exchange``) is the bandwidth-optimal one. Sparse (top-k) deltas
+(``gmjax.core.sparse``) are always all-gathered, every learner's top-k set being its
+own: their kept values' codes (and scales) and indices, ``(M−1)·d·(b + b_index)·n``
+bytes per learner for a density ``d = k / chunk``, plus the scales.
 
 References:
   Douillard et al., *Streaming DiLoCo with overlapping communication*, arXiv 2501.18512
@@ -27,8 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gmjax.core import outer
-from gmjax.core.codec import decode_values, encode_values
+from gmjax.core import outer, sparse
 from gmjax.core.records import Precision
 from gmjax.core.schema import ParameterSpec
 from gmjax.transform import collectives, explicit, screen
@@ -89,6 +91,8 @@ def aggregate(
     specs: Sequence[ParameterSpec],
     precision: Precision,
     axis_name: AxisName,
+    topk: int | None = None,
+    chunk: int | None = None,
 ) -> tuple[dict[str, jax.Array], jax.Array, screen.Verdict, dict[str, jax.Array]]:
   """The outer gradient ``g = Σ_m w_m · decode(Δ_m)`` across ``axis_name``, and the cosine.
 
@@ -102,6 +106,7 @@ def aggregate(
     specs: the fragment's parameter specs, sorted by name, with the flat shapes.
     precision: ``delta_precision``.
     axis_name: the learners' mapped axis, or None for a single learner.
+    topk, chunk: ``delta_topk`` (None: dense deltas) and ``delta_chunk``.
 
   Returns:
     ``(g, cosine, verdict, sent)``: ``g`` in F32 by leaf name (identical on every
@@ -110,14 +115,15 @@ def aggregate(
     from the very entries it sends (by leaf name, flat).
   """
   dtypes = {s.name: s.dtype for s in specs}
-  entries, _ = encode_values(dict(delta), dtypes, precision)
+  entries, _ = sparse.encode_values(dict(delta), dtypes, precision, topk, chunk)
+  decode_values = lambda e: sparse.decode_values(e, specs, precision, topk, chunk)
   # The entries cross as their bits (``_as_bytes``), so every learner decodes these.
-  decoded = decode_values(entries, specs, precision)
+  decoded = decode_values(entries)
   if axis_name is None:
     squared, bad = screen.squares_and_non_finite(decoded)
     verdict = screen.judge(squared[None], bad[None], tokens[None])
     return screen.masked(decoded, verdict.keep[0]), jnp.float32(jnp.nan), verdict, decoded
-  if travels_as_f32(specs, precision):
+  if topk is None and travels_as_f32(specs, precision):
     every = lax.all_gather(jnp.stack(screen.squares_and_non_finite(decoded)), axis_name)
     every = explicit.pin(every, (None,) * every.ndim)
     all_tokens = lax.all_gather(tokens, axis_name)
@@ -143,7 +149,7 @@ def aggregate(
   gathered = _from_bytes(gathered, entries)
   learners = all_tokens.shape[0]
   deltas = [
-      decode_values({k: v[:, m] for k, v in gathered.items()}, specs, precision)
+      decode_values({k: v[:, m] for k, v in gathered.items()})
       for m in range(learners)
   ]
   judged = [screen.squares_and_non_finite(d) for d in deltas]

@@ -22,7 +22,6 @@ from gmjax.core.schedule import RoundSchedule
 from gmjax.core.schema import Schema
 from gmjax.core.stats import gram
 from gmjax.transform import exchange, explicit, replicated, screen, shards
-from gmjax.transform import tokens as token_counts
 from gmjax.transform.state import MERGE, NOTHING, RESET, DiLoCoStatistics, RoundState
 
 
@@ -204,7 +203,8 @@ def _sync_replicated(layout, config, tx, axis_name, fragment, names, anchor, mas
   if layout.beta is not None:
     delta = feedback.compensated({n: flat(residual[n]) for n in names}, delta, layout.beta)
   gradient, cosine, verdict, sent = replicated.aggregate(
-      delta, counts, specs, config.delta_precision, axis_name)
+      delta, counts, specs, config.delta_precision, axis_name, config.delta_topk,
+      config.delta_chunk)
   if layout.beta is not None:
     residual = _kept_residual(
         {n: explicit.unflatten(delta[n] - sent[n], anchor[n]) for n in names}, residual)
@@ -229,14 +229,21 @@ def _sync_sharded(layout, config, tx, axis_name, learner, fragment, names, ancho
            for n in names}
   if layout.beta is not None:
     delta = feedback.compensated({n: residual[n] for n in names}, delta, layout.beta)
-  rows = {n: shards.to_rows(delta[n], learners) for n in names}
   every = lax.all_gather(counts, axis_name)
   every = explicit.pin(every, (None,) * every.ndim)
-  deltas, sent = exchange.receive(rows, specs, config.delta_precision, axis_name, learners)
+  if config.delta_topk is None:
+    rows = {n: shards.to_rows(delta[n], learners) for n in names}
+    deltas, sent = exchange.receive(rows, specs, config.delta_precision, axis_name,
+                                    learners)
+    left = {s.name: shards.from_rows(rows[s.name] - sent[s.name], s.shape) for s in specs}
+  else:
+    deltas, sent = exchange.receive_sparse(delta, specs, config.delta_precision,
+                                           config.delta_topk, config.delta_chunk,
+                                           axis_name, learners, learner)
+    left = {n: delta[n] - sent[n] for n in names}
   if layout.beta is not None:
     residual = _kept_residual(
-        {s.name: explicit.like(shards.from_rows(rows[s.name] - sent[s.name], s.shape),
-                               residual[s.name]) for s in specs}, residual)
+        {n: explicit.like(v, residual[n]) for n, v in left.items()}, residual)
   partial = jnp.concatenate([
       gram(deltas).reshape(-1),
       jnp.stack([screen.squares_and_non_finite(d)[1] for d in deltas])])

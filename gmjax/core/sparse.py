@@ -1,0 +1,246 @@
+"""Sparse top-k deltas: per chunk of a flattened leaf, its ``k`` largest magnitudes.
+
+A leaf of ``n`` values, flattened row-major, is cut into chunks of ``chunk`` values (the
+last one may be shorter). Each chunk keeps ``min(k, its length)`` values: those of the
+largest magnitude, ties going to the lower index. Magnitudes are compared as
+``gmjax.core.kernels`` treats values: subnormals count as zero (NaN ranks above Inf,
+above every finite value; such a delta is refused anyway).
+
+The kept values, chunk after chunk and by ascending index within a chunk, form a vector
+of ``K`` values that travels as a dense tensor of shape ``(K,)`` at the delta precision
+(``codec.layout``: a cast, or codes with one F32 scale per 32 kept values) under the
+leaf's name; ``<name>.index`` holds each kept value's index within its chunk, ``(K,)``
+in the smallest unsigned dtype that holds ``chunk`` (``U8`` up to 256, ``U16`` up to
+65536, else ``U32``). Decoding scatters the decoded values to their positions, zeros
+elsewhere.
+
+Encoding and decoding are pure functions of the arrays they are given (jittable); with
+``topk=None`` every function here is the dense codec's.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from gmjax.core import codec
+from gmjax.core.records import QUANTIZED, Precision
+from gmjax.core.schema import NUMPY_DTYPES, ParameterSpec, Schema
+
+INDEX = ".index"
+_ABS_BITS = 0x7FFFFFFF
+_SMALLEST_NORMAL_BITS = 0x00800000
+_JNP_INDEX = {"U8": jnp.uint8, "U16": jnp.uint16, "U32": jnp.uint32}
+
+
+def index_name(name: str) -> str:
+  return name + INDEX
+
+
+def index_dtype(chunk: int) -> str:
+  """The dtype code of ``<name>.index`` entries for chunks of ``chunk`` values."""
+  if chunk <= 256:
+    return "U8"
+  if chunk <= 65536:
+    return "U16"
+  return "U32"
+
+
+def chunk_counts(size: int, topk: int, chunk: int) -> tuple[int, ...]:
+  """Values kept in each chunk of a leaf of ``size`` values."""
+  full, last = divmod(size, chunk)
+  return (min(topk, chunk),) * full + ((min(topk, last),) if last else ())
+
+
+def kept_size(size: int, topk: int, chunk: int) -> int:
+  """``K``: values a leaf of ``size`` keeps."""
+  return sum(chunk_counts(size, topk, chunk))
+
+
+def _kept_specs(specs: Sequence[ParameterSpec], topk: int, chunk: int
+                ) -> tuple[ParameterSpec, ...]:
+  return tuple(ParameterSpec(s.name, s.dtype, (kept_size(s.size, topk, chunk),))
+               for s in specs)
+
+
+def layout(schema: Schema, precision: Precision, topk: int | None = None,
+           chunk: int | None = None) -> Schema:
+  """What ``schema``'s deltas travel as: ``codec.layout`` with ``topk=None``; otherwise
+  the kept values ``(K,)`` at ``precision`` and ``<name>.index`` beside them."""
+  if topk is None:
+    return codec.layout(schema, precision)
+  kept = Schema(_kept_specs(schema.parameters, topk, chunk))
+  code = index_dtype(chunk)
+  specs = list(codec.layout(kept, precision).parameters)
+  specs += [ParameterSpec(index_name(s.name), code, s.shape) for s in kept.parameters]
+  return Schema(tuple(specs), payload=True)
+
+
+def select(value: jax.Array, topk: int, chunk: int) -> tuple[jax.Array, jax.Array]:
+  """The kept values of ``value`` (flattened) and their indices within their chunks.
+
+  Returns:
+    ``(values, indices)``, both ``(K,)``: ``value``'s dtype, and int32.
+  """
+  flat = jnp.ravel(value)
+  size = flat.size
+  chunks = -(-size // chunk)
+  key = lax.bitcast_convert_type(flat.astype(jnp.float32), jnp.int32) & _ABS_BITS
+  key = jnp.where(key < _SMALLEST_NORMAL_BITS, 0, key)
+  # Padding ranks below every value, so it is kept only where a chunk is shorter than k,
+  # and then after every real index.
+  key = jnp.pad(key, (0, chunks * chunk - size), constant_values=-1).reshape(chunks, chunk)
+  order = lax.broadcasted_iota(jnp.int32, key.shape, 1)
+  _, order = lax.sort((-key, order), dimension=1, num_keys=2)
+  top = jnp.sort(order[:, :min(topk, chunk)], axis=1)
+  count = kept_size(size, topk, chunk)
+  indices = top.reshape(-1)[:count]
+  return flat[_chunk_starts(size, topk, chunk) + indices], indices
+
+
+def _chunk_starts(size: int, topk: int, chunk: int) -> np.ndarray:
+  """The first position of the chunk of each kept value (static)."""
+  counts = chunk_counts(size, topk, chunk)
+  return np.repeat(np.arange(len(counts), dtype=np.int32) * chunk, counts)
+
+
+def scatter(values: jax.Array, indices: jax.Array, size: int, topk: int, chunk: int
+            ) -> jax.Array:
+  """The ``(size,)`` F32 vector holding ``values`` at their chunks' ``indices``, else 0."""
+  positions = _chunk_starts(size, topk, chunk) + jnp.asarray(indices).astype(jnp.int32)
+  return jnp.zeros(size, jnp.float32).at[positions].set(values.astype(jnp.float32))
+
+
+def encode_values(values: Mapping[str, Any], dtypes: Mapping[str, str], precision: Precision,
+                  topk: int | None = None, chunk: int | None = None
+                  ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+  """Pure (traceable) encode of values by name to payload entries (see ``layout``).
+
+  Args:
+    values: arrays by leaf name.
+    dtypes: each leaf's schema dtype code (the values' target with ``precision=None``).
+    precision: a known precision.
+    topk: values kept per chunk, or None for the dense codec.
+    chunk: the chunk length.
+
+  Returns:
+    ``(entries, finite)`` as ``codec.encode_values`` gives them, the index entries added.
+  """
+  if topk is None:
+    return codec.encode_values(values, dtypes, precision)
+  kept, indices = {}, {}
+  for name, value in values.items():
+    kept[name], indices[name] = select(jnp.asarray(value), topk, chunk)
+  entries, finite = codec.encode_values(kept, dtypes, precision)
+  code = _JNP_INDEX[index_dtype(chunk)]
+  for name, index in indices.items():
+    entries[index_name(name)] = index.astype(code)
+  return entries, finite
+
+
+def decode_values(entries: Mapping[str, Any], specs: Sequence[ParameterSpec],
+                  precision: Precision, topk: int | None = None, chunk: int | None = None
+                  ) -> dict[str, jax.Array]:
+  """Pure (traceable) decode of payload ``entries`` for ``specs`` to F32 values by name."""
+  if topk is None:
+    return codec.decode_values(entries, specs, precision)
+  kept = codec.decode_values(entries, _kept_specs(specs, topk, chunk), precision)
+  return {s.name: scatter(kept[s.name], entries[index_name(s.name)], s.size, topk,
+                          chunk).reshape(s.shape)
+          for s in specs}
+
+
+@functools.partial(jax.jit, static_argnames=("dtypes", "precision", "topk", "chunk"))
+def _encode_jit(values, dtypes, precision, topk, chunk):
+  return encode_values(values, dict(dtypes), precision, topk, chunk)
+
+
+@functools.partial(jax.jit, static_argnames=("specs", "precision", "topk", "chunk"))
+def _decode_jit(entries, specs, precision, topk, chunk):
+  return decode_values(entries, specs, precision, topk, chunk)
+
+
+def encode_flat(values: Mapping[str, Any], schema: Schema, precision: Precision,
+                topk: int | None = None, chunk: int | None = None) -> dict[str, jax.Array]:
+  """Payload entries of ``values`` by leaf name (``codec.encode_flat`` with ``topk=None``).
+
+  Raises:
+    ValueError: a kept value holds NaN or Inf (or overflows the target dtype); names the
+      leaf.
+  """
+  codec.check_precision(precision)
+  if topk is None:
+    return codec.encode_flat(values, schema, precision)
+  values = {name: jnp.asarray(v) for name, v in values.items()}
+  dtypes = tuple(sorted((n, schema[n].dtype) for n in values))
+  entries, finite = _encode_jit(values, dtypes, precision, topk, chunk)
+  bad = sorted(name for name, ok in jax.device_get(finite).items() if not ok)
+  if bad:
+    raise ValueError(
+        f"cannot encode leaf {bad[0]!r}"
+        + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+        + f" at precision {precision!r} with delta_topk={topk}: a kept value is NaN or"
+        " Inf; a payload must be finite, so check the loss and learning rate.")
+  return entries
+
+
+def decode_flat(entries: Mapping[str, Any], schema: Schema, precision: Precision,
+                topk: int | None = None, chunk: int | None = None) -> dict[str, jax.Array]:
+  """F32 values by leaf name from the entries ``encode_flat`` produced."""
+  if topk is None:
+    return codec.decode_flat(entries, schema, precision)
+  wanted = layout(schema, precision, topk, chunk).names
+  missing = [n for n in wanted if n not in entries]
+  if missing:
+    raise KeyError(f"payload lacks entries {missing}")
+  return _decode_jit({n: entries[n] for n in wanted}, schema.parameters, precision, topk,
+                     chunk)
+
+
+def zero_entries(schema: Schema, precision: Precision, topk: int | None = None,
+                 chunk: int | None = None) -> dict[str, np.ndarray]:
+  """Host entries of an all-zero delta (valid indices: the first of each chunk)."""
+  entries = {s.name: np.zeros(s.shape, NUMPY_DTYPES[s.dtype])
+             for s in layout(schema, precision, topk, chunk).parameters}
+  if topk is not None:
+    for spec in schema.parameters:
+      counts = chunk_counts(spec.size, topk, chunk)
+      index = np.concatenate([np.arange(c) for c in counts]) if counts else np.zeros(0)
+      entries[index_name(spec.name)] = index.astype(NUMPY_DTYPES[index_dtype(chunk)])
+  return entries
+
+
+def index_problem(index: np.ndarray, size: int, topk: int, chunk: int) -> str | None:
+  """Why a ``<name>.index`` entry of a leaf of ``size`` is invalid, or None.
+
+  Each chunk's indices must lie in ``[0, chunk length)`` and rise strictly (sorted,
+  no repeats). The entry's dtype and shape are checked against the layout beforehand.
+  """
+  counts = chunk_counts(size, topk, chunk)
+  index = np.asarray(index).astype(np.int64).reshape(-1)
+  starts = np.cumsum((0,) + counts[:-1])
+  lengths = np.array([min(chunk, size - c * chunk) for c in range(len(counts))], np.int64)
+  length = np.repeat(lengths, counts)
+  out = np.flatnonzero(index >= length)
+  if out.size:
+    i = int(out[0])
+    chunk_of = int(np.searchsorted(starts, i, side="right") - 1)
+    return (f"index {int(index[i])} at position {i} is out of range for chunk {chunk_of}"
+            f" of {int(length[i])} values")
+  first = np.zeros(index.size, bool)
+  first[starts[np.asarray(counts) > 0]] = True
+  step = np.diff(index, prepend=-1)
+  bad = np.flatnonzero(~first & (step <= 0))
+  if bad.size:
+    i = int(bad[0])
+    chunk_of = int(np.searchsorted(starts, i, side="right") - 1)
+    what = "repeats" if step[i] == 0 else "is below"
+    return (f"index {int(index[i])} at position {i} {what} the index before it in chunk"
+            f" {chunk_of}: indices must rise strictly within a chunk")
+  return None
