@@ -5,7 +5,7 @@ import pytest
 
 import gmjax
 from gmjax import mail
-from gmjax.core import diloco
+from gmjax.core import aggregator
 from gmjax.mail import closer as closer_lib
 from gmjax.mail import contributions
 from gmjax.mail import heartbeats
@@ -29,17 +29,17 @@ def test_close_compiles_once_for_any_count(tmp_path):
   run = mail.create(str(tmp_path / "run"), params, gmjax.DiLoCo(
       sync_every=2, delta_precision="I4"))
   learners = ["l0", "l1", "l2"]
-  before = diloco._close._cache_size()  # pylint: disable=protected-access
+  before = aggregator._close._cache_size()  # pylint: disable=protected-access
   for name in learners:
     joined = run.join(name, poll_interval=ms.POLL)
     joined.close(joined.pull(params))
     # pull returns once the closer is compiled, before any round is due.
-    assert diloco._close._cache_size() > before  # pylint: disable=protected-access
+    assert aggregator._close._cache_size() > before  # pylint: disable=protected-access
   closer = closer_lib.Closer(run.store, run.manifest, None, "c", ms.POLL)
   roster = heartbeats.Roster(run.store)
   roster.refresh()
   closer.grow(len(learners))  # as a learner's worker does at join
-  compiled = diloco._close._cache_size()  # pylint: disable=protected-access
+  compiled = aggregator._close._cache_size()  # pylint: disable=protected-access
   for round_, count in enumerate((1, 2, 3, 1)):
     for index in range(count):
       _contribute(run, params, round_, learners[index], 0.1 * (index + 1))
@@ -48,7 +48,7 @@ def test_close_compiles_once_for_any_count(tmp_path):
     record = closer.close(watch, roster)
     assert len(record.participants) == count and record.version == round_ + 1
     assert (record.cosine is None) == (count == 1)
-  assert diloco._close._cache_size() == compiled  # pylint: disable=protected-access
+  assert aggregator._close._cache_size() == compiled  # pylint: disable=protected-access
 
 
 def test_padding_leaves_the_result_unchanged():

@@ -266,7 +266,7 @@ def test_token_counts_exact_past_two_to_the_24():
 
 
 def test_close_round_compiles_once_per_shape():
-  from gmjax.core import diloco
+  from gmjax.core import aggregator as aggregator_lib
   algorithm, schema, aggregator, state = make(outer="adam")
   rng = np.random.default_rng(7)
 
@@ -277,8 +277,8 @@ def test_close_round_compiles_once_per_shape():
         state, [contribution(schema, n, d, 1, None) for n, d in zip("ab", deltas)]).state
 
   state = close(aggregator, state)
-  compiled = diloco._close._cache_size()
+  compiled = aggregator_lib._close._cache_size()
   state = close(aggregator, state)
   # An equal configuration (another closer) builds the same transformation.
   close(gmjax.DiLoCo(sync_every=4, outer="adam").aggregator(schema, schema.names), state)
-  assert diloco._close._cache_size() == compiled
+  assert aggregator_lib._close._cache_size() == compiled

@@ -34,11 +34,12 @@ import logging
 import math
 import time
 import uuid
+from typing import Any
 
 import numpy as np
 
 from gmjax.core import guards
-from gmjax.core.diloco import padded_count
+from gmjax.core.aggregator import padded_count
 from gmjax.core.records import Contribution, FragmentState
 from gmjax.core.schedule import Estimates
 from gmjax.mail import contributions

@@ -1,0 +1,162 @@
+"""``DiLoCoAggregator``: how one fragment's round is closed from its contributions.
+
+The mail closer (``gmjax.mail.closer``) runs it; ``gmjax.DiLoCo.aggregator`` builds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from gmjax.core import outer, outer_records, sparse
+from gmjax.core.codec import encode_flat
+from gmjax.core.records import Contribution, FragmentState, Participant, RoundResult
+from gmjax.core.schema import NUMPY_DTYPES, ParameterSpec, Schema, master_name
+from gmjax.core.stats import cosine_from_gram, gram
+
+if TYPE_CHECKING:
+  from gmjax.core.diloco import DiLoCo
+
+
+def _numpy_dtype(spec: ParameterSpec):
+  return NUMPY_DTYPES[spec.dtype]
+
+
+@functools.lru_cache(maxsize=64)
+def _outer_transform(config: DiLoCo) -> optax.GradientTransformation:
+  # One transformation per configuration: ``_close`` takes it as a static argument, which
+  # jit compares by its functions' identity, so a fresh one per round would recompile.
+  return config.outer_transform()
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("specs", "delta_precision", "commit_precision", "transform",
+                     "aliases", "keep_master", "delta_topk", "delta_chunk"),
+)
+def _close(theta, outer_state, contributions, weights, *, specs, delta_precision,
+           commit_precision, transform, aliases, keep_master, delta_topk=None,
+           delta_chunk=None):
+  deltas = [sparse.decode_values(c, specs, delta_precision, delta_topk, delta_chunk)
+            for c in contributions]
+  gradient = outer.weighted_sum(deltas, list(weights))
+  master = {
+      s.name: (outer_state[master_name(s.name)] if keep_master[i]
+               else theta[s.name].astype(jnp.float32))
+      for i, s in enumerate(specs)
+  }
+  # The optimizer's state structure, shapes and dtypes come from its own init (traced
+  # for shapes only); the values from the stored records.
+  template = jax.eval_shape(transform.init, master)
+  state = outer_records.unflatten(outer_state, template, aliases)
+  master, state = outer.apply_outer(transform, gradient, state, master)
+  new_theta, update = outer.publish(master, theta, specs, commit_precision)
+  new_outer = outer_records.flatten(state, aliases)
+  for i, s in enumerate(specs):
+    if keep_master[i]:
+      new_outer[master_name(s.name)] = master[s.name]
+  return new_theta, new_outer, update, gram(deltas)
+
+
+@dataclasses.dataclass(frozen=True)
+class DiLoCoAggregator:
+  """Closes rounds of one fragment: weighted mean of deltas, outer step, publish.
+
+  ``g = Σ_m w_m · decode(Δ_m)`` with ``w_m = tokens_m / Σ tokens`` (equal weights when no
+  tokens were counted; token counts are Python ints, exact at any size, each weight is
+  their ratio in float64 as the record lists it, and F32 in the sum), summed in sorted learner order, then the
+  config's outer optimizer (``apply_outer``) and ``publish``. The outer state travels as
+  named records (``gmjax.core.outer_records``).
+  """
+
+  config: DiLoCo
+  schema: Schema
+
+  def close_round(
+      self, state: FragmentState, contributions: Sequence[Contribution], *,
+      capacity: int = 0,
+  ) -> RoundResult:
+    """Closes one round.
+
+    Args:
+      state: the fragment's base state.
+      contributions: the valid contributions (any order; one per learner).
+      capacity: the jitted step is compiled for a fixed number of contributions, the
+        smallest power of two that is at least ``max(capacity, len(contributions))``;
+        missing ones are zeros with zero weight, which leave every sum unchanged. Rounds
+        with any count up to it share one compilation.
+    """
+    specs = self.schema.parameters
+    ordered = sorted(contributions, key=lambda c: c.learner)
+    learners = [c.learner for c in ordered]
+    if len(set(learners)) != len(learners):
+      raise ValueError(f"close_round got two contributions from one learner: {learners}")
+    if not ordered:
+      # No valid contribution: the version advances with Θ and the outer state unchanged.
+      update = None
+      if self.config.commit_precision is not None:
+        zeros = {s.name: np.zeros(s.shape, np.float32) for s in specs}
+        update = _host(encode_flat(zeros, self.schema, self.config.commit_precision))
+      return RoundResult(
+          FragmentState(state.version + 1, dict(state.theta), dict(state.outer)), (), None, update
+      )
+    total = sum(c.tokens for c in ordered)
+    if total > 0:
+      weights = [c.tokens / total for c in ordered]
+    else:
+      weights = [1.0 / len(ordered)] * len(ordered)
+    slots = padded_count(max(capacity, len(ordered)))
+    padding = [self.zero_contribution()] * (slots - len(ordered))
+    theta, outer_state, update, dots = _close(
+        {s.name: state.theta[s.name] for s in specs},
+        dict(state.outer),
+        [dict(c.tensors) for c in ordered] + padding,
+        np.asarray(weights + [0.0] * len(padding), np.float32),
+        specs=specs,
+        delta_precision=self.config.delta_precision,
+        commit_precision=self.config.commit_precision,
+        transform=_outer_transform(self.config),
+        aliases=outer_records.seed_aliases(self.config.outer),
+        keep_master=tuple(self.config.keeps_master(s.dtype) for s in specs),
+        delta_topk=self.config.delta_topk,
+        delta_chunk=self.config.delta_chunk,
+    )
+    participants = tuple(
+        Participant(c.learner, c.local_step, c.steps, c.tokens, float(w))
+        for c, w in zip(ordered, weights)
+    )
+    return RoundResult(
+        state=FragmentState(state.version + 1, _host(theta), _host(outer_state)),
+        participants=participants,
+        cosine=cosine_from_gram(np.asarray(dots)[: len(ordered), : len(ordered)]),
+        update=None if update is None else _host(update),
+    )
+
+  def zero_contribution(self) -> dict[str, np.ndarray]:
+    """Payload entries of an all-zero delta at the delta precision (padding)."""
+    return sparse.zero_entries(self.schema, self.config.delta_precision,
+                               self.config.delta_topk, self.config.delta_chunk)
+
+  def warm(self, capacity: int) -> None:
+    """Compiles the close of a round of up to ``capacity`` contributions (by closing
+    one on zeros), so that the first real round does not wait on a compile."""
+    zeros = {s.name: np.zeros(s.shape, NUMPY_DTYPES[s.dtype]) for s in self.schema.parameters}
+    state = self.config.initial_state(self.schema, self.schema.names, zeros)
+    self.close_round(state, [Contribution("warm", 0, 0, 0, 0.0, False,
+                                          self.zero_contribution())], capacity=capacity)
+
+
+def padded_count(count: int) -> int:
+  """The number of contribution slots ``_close`` is compiled for: a power of two."""
+  return 1 << max(0, count - 1).bit_length()
+
+
+def _host(tree: Mapping[str, Any]) -> dict[str, np.ndarray]:
+  return {k: np.asarray(v) for k, v in jax.device_get(dict(tree)).items()}
