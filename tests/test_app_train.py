@@ -48,6 +48,12 @@ def test_train_writes_metrics_plots_and_a_run(tmp_path):
   assert summary["rounds"] == 5
   assert set(summary["final_val_loss"]) == {"learner-0", "learner-1", "baseline"}
   assert all(v is not None and 0 < v < 10 for v in summary["final_val_loss"].values())
+  sent = summary["bytes_sent"]
+  assert set(sent) == {"learner-0", "learner-1", "baseline"}
+  # F8 deltas once per round against F32 gradients every step: far fewer bytes.
+  assert 0 < sent["learner-0"] < sent["baseline"] / 4
+  table = result.stdout[result.stdout.index("| learner |"):]
+  assert all(f"| {name} |" in table for name in sent)
   for name in ("loss.png", "bytes.png", "cosine.png"):
     assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

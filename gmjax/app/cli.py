@@ -8,6 +8,21 @@ import os
 import sys
 
 
+def results_table(losses: dict, sent: dict) -> str:
+  """Each learner's and the baseline's held-out loss and bytes sent, against the baseline."""
+  base_loss, base_sent = losses.get("baseline"), sent.get("baseline")
+  rows = ["| learner | held-out loss | / baseline | sent | / baseline's |",
+          "| --- | --- | --- | --- | --- |"]
+  for name, value in losses.items():
+    loss = "-" if value is None else f"{value:.4f}"
+    ratio = "-" if value is None or not base_loss else f"{value / base_loss:.3f}"
+    mib = sent.get(name, 0) / 2**20
+    share = ("-" if not base_sent or not sent.get(name)
+             else "1" if name == "baseline" else f"1/{base_sent / sent[name]:,.0f}")
+    rows.append(f"| {name} | {loss} | {ratio} | {mib:,.2f} MiB | {share} |")
+  return "\n".join(rows)
+
+
 def _train(args: argparse.Namespace) -> int:
   from gmjax.app import config as config_lib  # pylint: disable=g-import-not-at-top
   from gmjax.app.train import train  # pylint: disable=g-import-not-at-top
@@ -21,8 +36,7 @@ def _train(args: argparse.Namespace) -> int:
   losses = summary["final_val_loss"]
   print(f"\nrun: {summary['run']}  rounds committed: {summary['rounds']}"
         f"  mean cosine: {summary['mean_cosine'] if summary['mean_cosine'] is None else round(summary['mean_cosine'], 3)}")
-  for name, value in losses.items():
-    print(f"  final validation loss {name:>10}: {value:.4f}" if value is not None else f"  {name}: -")
+  print(results_table(losses, summary["bytes_sent"]))
   print(f"figures: {', '.join(summary['figures'])}\nmetrics: {summary['metrics']}")
   print(f"see the rounds with: gmjax status {summary['run']}")
   return 0

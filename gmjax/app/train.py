@@ -55,6 +55,26 @@ def _bytes_sent(cfg: config_lib.TrainConfig, params: Any, rounds: list[dict[str,
   return {label: diloco[1:] or diloco, "data-parallel all-reduce (F32, ring)": baseline}
 
 
+def bytes_by_learner(cfg: config_lib.TrainConfig, params: Any, rounds: list[dict[str, Any]],
+                     names: list[str]) -> dict[str, int]:
+  """Bytes each learner published (its delta payloads, rejected ones included), and the
+  baseline's: a ring all-reduce of F32 gradients on every step, as data parallelism sends."""
+  schema = gmjax.Schema.from_tree(params)
+  per_fragment = [cfg.diloco.delta_layout(schema.subset(names_)).nbytes
+                  for names_ in cfg.diloco.plan(schema)]
+  sent = dict.fromkeys(names, 0)
+  for record in rounds:
+    senders = [p["learner"] for p in record.get("participants", ())]
+    senders += [r["learner"] for r in record.get("rejected", ())]
+    for name in senders:
+      if name in sent:
+        sent[name] += per_fragment[record["fragment"]]
+  m = cfg.learners
+  ring = 2 * (m - 1) / m if m > 1 else 1.0
+  sent["baseline"] = int(sum(p.size * 4 for p in schema.parameters) * ring * cfg.steps)
+  return sent
+
+
 def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True) -> dict[str, Any]:
   """Runs the demo job; returns a summary (also written to ``<out>/summary.json``)."""
   out = Path(cfg.out)
@@ -140,6 +160,7 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True) -> dict[st
       "run": str(run_dir),
       "rounds": len(rounds),
       "final_val_loss": {n: final(n) for n in [*names, *(["baseline"] if cfg.baseline else [])]},
+      "bytes_sent": bytes_by_learner(cfg, params, rounds, names),
       "mean_cosine": sum(cosines) / len(cosines) if cosines else None,
       "diloco_seconds": round(diloco_seconds, 1),
       "baseline_seconds": None if baseline_seconds is None else round(baseline_seconds, 1),
