@@ -1,49 +1,186 @@
-"""Convergence and bytes: DiLoCo learners against synchronous data-parallel training.
+"""Convergence study: DiLoCo variants against synchronous data-parallel training, in-mesh.
 
-Runs the demo job (``gmjax train``) for a config and reports, from that one run, the
-final validation loss of each DiLoCo learner and of the data-parallel baseline (same
-model, same data, same inner optimizer, same number of inner steps), their ratio, and the
-bytes each learner sent under each scheme.
-Run: ``.venv/bin/python benchmarks/convergence.py configs/quickstart.toml``.
+The same tokens, model and inner optimizer for every row: a byte-level transformer LM
+(``gmjax.app.model``, d_model 128, 2 layers, 0.47M parameters) on the Python standard
+library's sources, ``M = 4`` learners under ``jax.vmap`` (each on its own shard of the
+training bytes, the same batches in every row), AdamW inner steps. "data-parallel"
+``pmean``s the gradients every step (one model, the same global batch); the DiLoCo rows
+run ``gmjax.diloco`` with the row's settings. Every row reports the held-out loss of its
+final global model (the anchor Θ, or data-parallel's parameters) over the same held-out
+batches, and the bytes each learner sent: data-parallel a ring all-reduce of F32
+gradients per step, ``2(M−1)/M · 4n``; DiLoCo its delta payloads (``config.delta_layout``:
+codes, scales and sparse indices), once per round of each fragment.
+
+Run: .venv/bin/python benchmarks/convergence.py [--steps 1200] [--only LABEL ...]
+     [--json out.json] [--plot convergence.png]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
 
 import gmjax
-from gmjax.app import config as config_lib
-from gmjax.app import model
-from gmjax.app.train import _bytes_sent, train
+from gmjax.app import data, model
+
+LEARNERS = 4
+BATCH = 8          # per learner and step
+MODEL = model.ModelConfig(d_model=128, layers=2, heads=4, mlp=512, seq_len=64)
+EVAL_BATCHES = 16  # of 32 windows each
+
+# label -> gmjax.DiLoCo settings (None: data-parallel).
+VARIANTS = {
+    "data-parallel": None,
+    "DiLoCo H=30": dict(sync_every=30),
+    "DiLoCo H=100": dict(sync_every=100),
+    "Streaming P=4 H=30 F8": dict(sync_every=30, fragments=4, delta_precision="F8_E4M3"),
+    "Streaming P=4 H=30 I4": dict(sync_every=30, fragments=4, delta_precision="I4"),
+    "Streaming P=4 H=30 I4+EF": dict(sync_every=30, fragments=4, delta_precision="I4",
+                                     error_feedback=1.0),
+    "Streaming P=4 H=30 top-3% I2+EF": dict(sync_every=30, fragments=4,
+                                            delta_precision="I2", delta_topk=128,
+                                            delta_chunk=4096, error_feedback=1.0),
+}
 
 
-def main():
-  parser = argparse.ArgumentParser()
-  parser.add_argument("config", nargs="?", default="configs/quickstart.toml")
-  parser.add_argument("--out", default="runs/benchmark-convergence")
+def inner_optimizer(steps: int) -> optax.GradientTransformation:
+  schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, min(100, steps // 10), steps,
+                                                end_value=3e-4)
+  return optax.adamw(schedule, weight_decay=0.1)
+
+
+def bytes_per_step_dp(n: int) -> float:
+  return 2 * (LEARNERS - 1) / LEARNERS * 4 * n
+
+
+def bytes_diloco(config: gmjax.DiLoCo, schema: gmjax.Schema, steps: int) -> int:
+  """Bytes of the delta payloads one learner publishes in ``steps`` steps."""
+  sent = 0
+  plan = config.plan(schema)
+  for names in plan:
+    layout = config.delta_layout(schema.subset(names))
+    payload = sum(s.nbytes for s in layout.parameters)
+    sent += payload * (steps // config.sync_every)
+  return sent
+
+
+def run(label: str, settings: dict | None, steps: int, corpus, every: int):
+  train, valid = corpus
+  graphdef, params = model.build(MODEL, seed=0)
+  params = nnx.to_pure_dict(params)
+  n = sum(x.size for x in jax.tree.leaves(params))
+
+  def loss(p, batch):
+    return model.loss_fn(nnx.merge(graphdef, nnx.State(p)), batch)
+
+  inner = inner_optimizer(steps)
+  if settings is None:
+    optimizer = inner
+  else:
+    config = gmjax.DiLoCo(overlap_steps=0, **settings)
+    optimizer = gmjax.diloco(inner, config, axis_name="learner")
+
+  def step(p, state, batch):
+    value, grads = jax.value_and_grad(loss)(p, batch)
+    if settings is None:
+      grads = jax.lax.pmean(grads, "learner")
+    updates, state = optimizer.update(grads, state, p)
+    return optax.apply_updates(p, updates), state, value
+
+  stacked = jax.tree.map(lambda x: jnp.stack([x] * LEARNERS), params)
+  state = jax.vmap(optimizer.init, axis_name="learner")(stacked)
+  train_step = jax.jit(jax.vmap(step, axis_name="learner"), donate_argnums=(0, 1))
+  evaluate = jax.jit(jax.vmap(loss, in_axes=(None, 0)))
+  batches = [data.Batches(train, seq_len=MODEL.seq_len, batch_size=BATCH, shard=m,
+                          shards=LEARNERS, seed=0) for m in range(LEARNERS)]
+  held_out = data.Batches(valid, seq_len=MODEL.seq_len, batch_size=32, seed=1)
+  eval_set = jnp.stack([held_out.next() for _ in range(EVAL_BATCHES)])
+
+  def global_model(p, state):
+    tree = p if settings is None else state.anchor
+    return jax.tree.map(lambda x: x[0], tree)
+
+  curve = []
+  start = time.perf_counter()
+  for t in range(1, steps + 1):
+    batch = jnp.asarray(np.stack([b.next() for b in batches]))
+    stacked, state, _ = train_step(stacked, state, batch)
+    jax.block_until_ready(stacked)
+    if t % every == 0 or t == steps:
+      curve.append((t, float(jnp.mean(evaluate(global_model(stacked, state), eval_set)))))
+  seconds = time.perf_counter() - start
+  schema = gmjax.Schema.from_tree(params)
+  sent = (bytes_per_step_dp(n) * steps if settings is None
+          else bytes_diloco(gmjax.DiLoCo(**settings), schema, steps))
+  stats = None if settings is None else jax.tree.map(lambda x: np.asarray(x)[0].item(),
+                                                     state.stats._asdict())
+  return dict(label=label, params=n, steps=steps, loss=curve[-1][1], curve=curve,
+              bytes=sent, seconds=seconds, stats=stats)
+
+
+def table(results: list[dict]) -> str:
+  base = next(r for r in results if r["label"] == "data-parallel")
+  lines = ["| run | held-out loss | / data-parallel | bytes per learner | / data-parallel |",
+           "| --- | --- | --- | --- | --- |"]
+  for r in results:
+    lines.append(f"| {r['label']} | {r['loss']:.4f} | {r['loss'] / base['loss']:.3f} |"
+                 f" {r['bytes'] / 2**20:,.2f} MiB | 1/{base['bytes'] / r['bytes']:,.0f} |"
+                 if r is not base else
+                 f"| {r['label']} | {r['loss']:.4f} | 1.000 | {r['bytes'] / 2**20:,.1f} MiB"
+                 " | 1 |")
+  return "\n".join(lines)
+
+
+def plot(results: list[dict], path: str) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  figure, axis = plt.subplots(figsize=(7, 4.2))
+  for r in results:
+    steps, losses = zip(*r["curve"])
+    axis.plot(steps, losses, label=r["label"], lw=2 if r["label"] == "data-parallel" else 1)
+  axis.set_xlabel("inner step")
+  axis.set_ylabel("held-out loss (nats per byte)")
+  axis.set_ylim(top=min(3.0, max(r["curve"][0][1] for r in results)))
+  axis.legend(fontsize=7)
+  axis.grid(alpha=0.3)
+  figure.tight_layout()
+  figure.savefig(path, dpi=120)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--steps", type=int, default=1200)
+  parser.add_argument("--every", type=int, default=100, help="held-out loss every N steps")
+  parser.add_argument("--only", nargs="*", default=None, help="labels to run")
+  parser.add_argument("--json", default=None)
+  parser.add_argument("--plot", default=None)
   args = parser.parse_args()
-  cfg = dataclasses.replace(config_lib.load(args.config), out=args.out, baseline=True)
-  summary = train(cfg, show_progress=False)
-  _, params = model.build(cfg.model, seed=cfg.seed)
-  rounds = gmjax.mail.open(summary["run"]).rounds()
-  sent = {label: series[-1][1] for label, series in _bytes_sent(cfg, params, rounds).items()}
-  losses = dict(summary["final_val_loss"])
-  baseline = losses.pop("baseline")
-  print(f"config {args.config}: {cfg.learners} learners x {cfg.steps} steps, "
-        f"{sum(p.size for p in gmjax.Schema.from_tree(params)) / 1e6:.2f}M parameters,"
-        f" {summary['rounds']} rounds, mean cosine {summary['mean_cosine']:.3f}")
-  print(f"{'':>28} {'val loss':>9} {'/ baseline':>11}")
-  print(f"{'data-parallel baseline':>28} {baseline:>9.4f} {1.0:>11.3f}")
-  for name, value in losses.items():
-    print(f"{'DiLoCo ' + name:>28} {value:>9.4f} {value / baseline:>11.3f}")
-  (dp_label, dp), = [(k, v) for k, v in sent.items() if "all-reduce" in k]
-  for label, value in sent.items():
-    print(f"{label:>45}: {value / 2**20:9.3f} MiB per learner ({dp / value:7.1f}x less than all-reduce)")
-  print(f"wall: DiLoCo {summary['diloco_seconds']} s (learners in parallel processes),"
-        f" baseline {summary['baseline_seconds']} s (one process)")
-  print(json.dumps({"losses": summary["final_val_loss"], "bytes": sent}))
+  corpus = data.load_corpus(4_000_000)
+  labels = args.only or list(VARIANTS)
+  results = []
+  for label in labels:
+    result = run(label, VARIANTS[label], args.steps, corpus, args.every)
+    results.append(result)
+    print(f"{label}: held-out {result['loss']:.4f}, {result['bytes'] / 2**20:.3f} MiB sent,"
+          f" {result['seconds']:.0f} s, stats {result['stats']}", flush=True)
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(results, f)
+  print(f"{results[0]['params']:,} parameters, {LEARNERS} learners x {args.steps} steps,"
+        f" batch {BATCH} x {MODEL.seq_len} bytes per learner and step")
+  if any(r["label"] == "data-parallel" for r in results):
+    print(table(results))
+  if args.plot:
+    plot(results, args.plot)
 
 
 if __name__ == "__main__":
