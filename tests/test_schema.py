@@ -62,6 +62,7 @@ def test_nnx_state():
     [{"w": jnp.zeros(2), "momentum.w": jnp.zeros(2)},
      {"w": jnp.zeros(2), "master.w": jnp.zeros(2)},
      {"w": jnp.zeros(2), "w.scale": jnp.zeros(2)},
+     {"w": jnp.zeros(2), "w.index": jnp.zeros(2)},
      {"a/b": jnp.zeros(2), "a": {"b": jnp.zeros(2)}},
      {"w": jnp.zeros(2), "outer.0.mu.w": jnp.zeros(2)},
      {"outer.0.count": jnp.zeros(())}],

@@ -32,6 +32,7 @@ PARAMETER_DTYPES = ("F32", "F16", "BF16")
 MOMENTUM = "momentum."
 MASTER = "master."
 SCALE = ".scale"
+INDEX = ".index"  # a sparse delta's index entry (``gmjax.core.sparse``)
 # Records of an outer optimizer's state other than the default SGD's momentum
 # (``gmjax.core.outer_records``): every name under this prefix is reserved.
 OUTER = "outer."
@@ -145,8 +146,8 @@ class Schema:
         if base in self._index:
           raise ValueError(
               f"Schema leaf name {name!r} collides with a name gmjax derives from leaf"
-              f" {base!r} ('momentum.<name>', 'master.<name>', '<name>.scale'); rename"
-              " the leaf."
+              f" {base!r} ('momentum.<name>', 'master.<name>', '<name>.scale',"
+              " '<name>.index'); rename the leaf."
           )
 
   @classmethod
@@ -249,3 +250,5 @@ def _derived_bases(name: str) -> Iterator[str]:
     yield name[len(MASTER):]
   if name.endswith(SCALE):
     yield name[: -len(SCALE)]
+  if name.endswith(INDEX):
+    yield name[: -len(INDEX)]

@@ -31,9 +31,8 @@ from jax import lax
 
 from gmjax.core import codec
 from gmjax.core.records import QUANTIZED, Precision
-from gmjax.core.schema import NUMPY_DTYPES, ParameterSpec, Schema
+from gmjax.core.schema import INDEX, NUMPY_DTYPES, ParameterSpec, Schema
 
-INDEX = ".index"
 _ABS_BITS = 0x7FFFFFFF
 _SMALLEST_NORMAL_BITS = 0x00800000
 _JNP_INDEX = {"U8": jnp.uint8, "U16": jnp.uint16, "U32": jnp.uint32}
