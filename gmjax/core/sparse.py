@@ -30,7 +30,7 @@ import numpy as np
 from jax import lax
 
 from gmjax.core import codec
-from gmjax.core.records import QUANTIZED, Precision
+from gmjax.core.records import Precision
 from gmjax.core.schema import INDEX, NUMPY_DTYPES, ParameterSpec, Schema
 
 _ABS_BITS = 0x7FFFFFFF
