@@ -12,7 +12,7 @@ gradients per step, ``2(M−1)/M · 4n``; DiLoCo its delta payloads (``config.de
 codes, scales and sparse indices), once per round of each fragment.
 
 Run: .venv/bin/python benchmarks/convergence.py [--steps 1200] [--only LABEL ...]
-     [--json out.json] [--plot convergence.png]
+     [--variant 'LABEL={"sync_every": 30, ...}'] [--json out.json] [--plot convergence.png]
 """
 
 from __future__ import annotations
@@ -161,14 +161,21 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=1200)
   parser.add_argument("--every", type=int, default=100, help="held-out loss every N steps")
   parser.add_argument("--only", nargs="*", default=None, help="labels to run")
+  parser.add_argument("--variant", action="append", default=[], metavar="LABEL=JSON",
+                      help="an extra row: a label and its gmjax.DiLoCo settings as JSON")
   parser.add_argument("--json", default=None)
   parser.add_argument("--plot", default=None)
   args = parser.parse_args()
   corpus = data.load_corpus(4_000_000)
-  labels = args.only or list(VARIANTS)
+  variants = dict(VARIANTS)
+  for text in args.variant:
+    label, settings = text.split("={", 1)  # labels may hold "=" (H=30)
+    variants[label] = json.loads("{" + settings)
+  labels = args.only if args.only is not None else list(variants)
+  labels += [text.split("={", 1)[0] for text in args.variant if args.only is not None]
   results = []
   for label in labels:
-    result = run(label, VARIANTS[label], args.steps, corpus, args.every)
+    result = run(label, variants[label], args.steps, corpus, args.every)
     results.append(result)
     print(f"{label}: held-out {result['loss']:.4f}, {result['bytes'] / 2**20:.3f} MiB sent,"
           f" {result['seconds']:.0f} s, stats {result['stats']}", flush=True)

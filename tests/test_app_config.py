@@ -58,3 +58,12 @@ def test_bad_configs_name_the_problem(tmp_path, text, message):
 def test_missing_file():
   with pytest.raises(FileNotFoundError, match="quickstart"):
     config_lib.load("no/such/file.toml")
+
+
+@pytest.mark.parametrize(
+    "path", sorted((pathlib.Path(__file__).parent.parent / "configs").glob("*.toml")),
+    ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+  cfg = config_lib.load(path)
+  assert cfg.steps > 0 and cfg.learners >= 1
+  assert cfg.diloco.sync_every > 0
