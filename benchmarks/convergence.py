@@ -143,14 +143,17 @@ def plot(results: list[dict], path: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
-  figure, axis = plt.subplots(figsize=(7, 4.2))
-  for r in results:
+  figure, axis = plt.subplots(figsize=(11, 4.6))
+  colors = plt.get_cmap("tab20").colors
+  for i, r in enumerate(results):
     steps, losses = zip(*r["curve"])
-    axis.plot(steps, losses, label=r["label"], lw=2 if r["label"] == "data-parallel" else 1)
+    dp = r["label"] == "data-parallel"
+    axis.plot(steps, losses, label=r["label"], lw=2.5 if dp else 1.2,
+              color="black" if dp else colors[i % len(colors)])
   axis.set_xlabel("inner step")
   axis.set_ylabel("held-out loss (nats per byte)")
   axis.set_ylim(top=min(3.0, max(r["curve"][0][1] for r in results)))
-  axis.legend(fontsize=7)
+  axis.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
   axis.grid(alpha=0.3)
   figure.tight_layout()
   figure.savefig(path, dpi=120)
