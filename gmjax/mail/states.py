@@ -37,6 +37,7 @@ import numpy as np
 from gmjax.core import payload
 from gmjax.core.records import FragmentState
 from gmjax.mail import layout
+from gmjax.mail import store_local
 from gmjax.mail.errors import CorruptRecord
 from gmjax.mail.store import Store
 # The commit records, here for the modules that read states and commits together.
@@ -143,18 +144,8 @@ def _fsync_tree(directory: str) -> None:
     for name in files:
       with open(os.path.join(root, name), "rb") as f:
         os.fsync(f.fileno())
-    _fsync_dir(root)
-  _fsync_dir(os.path.dirname(directory))
-
-
-def _fsync_dir(directory: str) -> None:
-  fd = os.open(directory, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  except OSError as error:  # some filesystems refuse fsync on a directory
-    log.debug("fsync of directory %s failed: %r", directory, error)
-  finally:
-    os.close(fd)
+    store_local.fsync_dir(root)
+  store_local.fsync_dir(os.path.dirname(directory))
 
 
 def save_state(store: Store, fragment: int, state: FragmentState, nonce: str

@@ -44,19 +44,6 @@ class LocalStore(Store):
         os.fsync(f.fileno())
     return temporary
 
-  def _sync_dir(self, directory: str) -> None:
-    try:
-      fd = os.open(directory, os.O_RDONLY)
-    except OSError as error:
-      log.debug("cannot open %s to fsync it: %r", directory, error)
-      return
-    try:
-      os.fsync(fd)
-    except OSError as error:  # some filesystems refuse fsync on a directory
-      log.debug("fsync of directory %s failed: %r", directory, error)
-    finally:
-      os.close(fd)
-
   def _put(self, path: str, data: bytes, durable: bool = True) -> None:
     """Writes ``data`` at ``path``, replacing what is there, all at once."""
     target = self._path(path)
@@ -67,7 +54,7 @@ class LocalStore(Store):
       _unlink_quietly(temporary)
       raise
     if durable:
-      self._sync_dir(os.path.dirname(target))
+      fsync_dir(os.path.dirname(target))
 
   def _create(self, path: str, data: bytes) -> None:
     target = self._path(path)
@@ -76,7 +63,7 @@ class LocalStore(Store):
       os.link(temporary, target)
     finally:
       _unlink_quietly(temporary)
-    self._sync_dir(os.path.dirname(target))
+    fsync_dir(os.path.dirname(target))
 
   def _get(self, path: str) -> bytes:
     target = self._path(path)
@@ -147,3 +134,18 @@ def _unlink_quietly(path: str) -> None:
     os.unlink(path)
   except FileNotFoundError:
     pass  # already gone: nothing to clean up
+
+
+def fsync_dir(directory: str) -> None:
+  """Flushes ``directory``'s entries to disk, so the names in it survive a crash."""
+  try:
+    fd = os.open(directory, os.O_RDONLY)
+  except OSError as error:
+    log.debug("cannot open %s to fsync it: %r", directory, error)
+    return
+  try:
+    os.fsync(fd)
+  except OSError as error:  # some filesystems refuse fsync on a directory
+    log.debug("fsync of directory %s failed: %r", directory, error)
+  finally:
+    os.close(fd)
