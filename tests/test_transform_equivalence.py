@@ -3,10 +3,8 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
-import gmjax
 import transform_harness as harness
 import transform_reference as reference
 
@@ -84,13 +82,7 @@ def test_one_learner_without_axis_matches_numpy(fragments, overlap):
   setup = harness.make_setup(
       learners=1, fragments=fragments, overlap=overlap, mixing=0.5, steps=STEPS
   )
-  optimizer = gmjax.diloco(optax.sgd(setup.lr), harness.config_of(setup))
-  params = {n: jnp.asarray(v) for n, v in setup.theta0[0].items()}
-  targets = {n: jnp.asarray(v) for n, v in setup.targets[0].items()}
-  state = optimizer.init(params)
-  step = jax.jit(harness.learner_step(optimizer, with_tokens=False))
-  for _ in range(STEPS):
-    params, state = step(params, state, targets, setup.curvature[0], None)
+  params, state, step = harness.run_single(setup, STEPS)
   _check_against_reference(setup, params, state, learners=1)
   assert np.isnan(state.stats.cosine)
   assert step._cache_size() == 1

@@ -89,14 +89,7 @@ def test_residuals_and_parameters_match_numpy(learners, fragments, precision, sh
 def test_one_learner_without_axis_matches_numpy(fragments):
   setup = harness.make_setup(learners=1, fragments=fragments, delta_precision="I4",
                              error_feedback=1.0, overlap=1, steps=STEPS)
-  optimizer = gmjax.diloco(optax.sgd(setup.lr), harness.config_of(setup))
-  params = {n: jnp.asarray(v) for n, v in setup.theta0[0].items()}
-  targets = {n: jnp.asarray(v) for n, v in setup.targets[0].items()}
-  state = optimizer.init(params)
-  step = jax.jit(harness.learner_step(optimizer, with_tokens=False))
-  for _ in range(STEPS):
-    params, state = jax.block_until_ready(
-        step(params, state, targets, setup.curvature[0], None))
+  params, state, step = harness.run_single(setup, STEPS)
   _check(setup, params, state, 1, sharded=False, batched=False)
   assert step._cache_size() == 1
 

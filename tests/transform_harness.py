@@ -85,6 +85,19 @@ def tokens_at(setup, t):
   return jnp.asarray(setup.tokens[t], jnp.float32)
 
 
+def run_single(setup, steps):
+  """Runs ``setup``'s one learner without a mapped axis; returns params, state, step."""
+  optimizer = gmjax.diloco(optax.sgd(setup.lr), config_of(setup))
+  params = {n: jnp.asarray(v) for n, v in setup.theta0[0].items()}
+  targets = {n: jnp.asarray(v) for n, v in setup.targets[0].items()}
+  state = optimizer.init(params)
+  step = jax.jit(learner_step(optimizer, with_tokens=False))
+  for _ in range(steps):
+    params, state = jax.block_until_ready(
+        step(params, state, targets, setup.curvature[0], None))
+  return params, state, step
+
+
 def run_vmap(setup, steps, dtype=jnp.float32, **options):
   """Runs ``setup`` with ``M`` learners under ``jax.vmap``; returns params, state, step."""
   optimizer = gmjax.diloco(optax.sgd(setup.lr), config_of(setup), axis_name="learner",
