@@ -50,9 +50,9 @@ VARIANTS = {
 }
 
 
-def inner_optimizer(steps: int) -> optax.GradientTransformation:
-  schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, min(100, steps // 10), steps,
-                                                end_value=3e-4)
+def inner_optimizer(steps: int, lr: float = 3e-3) -> optax.GradientTransformation:
+  schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(100, steps // 10), steps,
+                                                end_value=lr / 10)
   return optax.adamw(schedule, weight_decay=0.1)
 
 
@@ -71,7 +71,8 @@ def bytes_diloco(config: gmjax.DiLoCo, schema: gmjax.Schema, steps: int) -> int:
   return sent
 
 
-def run(label: str, settings: dict | None, steps: int, corpus, every: int):
+def run(label: str, settings: dict | None, steps: int, corpus, every: int,
+        batch_size: int = BATCH, lr: float = 3e-3):
   train, valid = corpus
   graphdef, params = model.build(MODEL, seed=0)
   params = nnx.to_pure_dict(params)
@@ -80,7 +81,7 @@ def run(label: str, settings: dict | None, steps: int, corpus, every: int):
   def loss(p, batch):
     return model.loss_fn(nnx.merge(graphdef, nnx.State(p)), batch)
 
-  inner = inner_optimizer(steps)
+  inner = inner_optimizer(steps, lr)
   if settings is None:
     optimizer = inner
   else:
@@ -98,7 +99,7 @@ def run(label: str, settings: dict | None, steps: int, corpus, every: int):
   state = jax.vmap(optimizer.init, axis_name="learner")(stacked)
   train_step = jax.jit(jax.vmap(step, axis_name="learner"), donate_argnums=(0, 1))
   evaluate = jax.jit(jax.vmap(loss, in_axes=(None, 0)))
-  batches = [data.Batches(train, seq_len=MODEL.seq_len, batch_size=BATCH, shard=m,
+  batches = [data.Batches(train, seq_len=MODEL.seq_len, batch_size=batch_size, shard=m,
                           shards=LEARNERS, seed=0) for m in range(LEARNERS)]
   held_out = data.Batches(valid, seq_len=MODEL.seq_len, batch_size=32, seed=1)
   eval_set = jnp.stack([held_out.next() for _ in range(EVAL_BATCHES)])
@@ -166,6 +167,8 @@ def main() -> None:
   parser.add_argument("--only", nargs="*", default=None, help="labels to run")
   parser.add_argument("--variant", action="append", default=[], metavar="LABEL=JSON",
                       help="an extra row: a label and its gmjax.DiLoCo settings as JSON")
+  parser.add_argument("--batch", type=int, default=BATCH, help="windows per learner and step")
+  parser.add_argument("--lr", type=float, default=3e-3, help="peak inner learning rate")
   parser.add_argument("--json", default=None)
   parser.add_argument("--plot", default=None)
   args = parser.parse_args()
@@ -178,7 +181,8 @@ def main() -> None:
   labels += [text.split("={", 1)[0] for text in args.variant if args.only is not None]
   results = []
   for label in labels:
-    result = run(label, variants[label], args.steps, corpus, args.every)
+    result = run(label, variants[label], args.steps, corpus, args.every, args.batch,
+                 args.lr)
     results.append(result)
     print(f"{label}: held-out {result['loss']:.4f}, {result['bytes'] / 2**20:.3f} MiB sent,"
           f" {result['seconds']:.0f} s, stats {result['stats']}", flush=True)
@@ -186,7 +190,8 @@ def main() -> None:
       with open(args.json, "w") as f:
         json.dump(results, f)
   print(f"{results[0]['params']:,} parameters, {LEARNERS} learners x {args.steps} steps,"
-        f" batch {BATCH} x {MODEL.seq_len} bytes per learner and step")
+        f" batch {args.batch} x {MODEL.seq_len} bytes per learner and step, peak inner lr"
+        f" {args.lr:g}")
   if any(r["label"] == "data-parallel" for r in results):
     print(table(results))
   if args.plot:

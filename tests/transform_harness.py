@@ -12,7 +12,7 @@ import transform_reference as reference
 
 SHAPES = {"a": (8,), "b": (4, 3), "c": (40,)}
 # The plan of SHAPES by bytes, written out: fragments sorted by their first name.
-PLANS = {1: [("a", "b", "c")], 3: [("a",), ("b",), ("c",)]}
+PLANS = {1: [("a", "b", "c")], 2: [("a", "b"), ("c",)], 3: [("a",), ("b",), ("c",)]}
 
 
 def make_setup(learners=3, fragments=3, steps=13, tokens=False, seed=0, **settings):
@@ -50,6 +50,8 @@ def config_of(setup) -> gmjax.DiLoCo:
       mixing=setup.mixing,
       overlap_steps=setup.overlap,
       error_feedback=setup.error_feedback,
+      outer_delay=setup.outer_delay,
+      eager=setup.eager,
   )
 
 

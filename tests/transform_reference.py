@@ -7,6 +7,12 @@ master (or outer Adam, with one step count per fragment), and the merge (mixing 
 learner's current fragment with the new anchor) lands ``overlap`` steps after the sync.
 With error feedback ``β`` each learner sends ``wire(β·e + Δ)`` and keeps
 ``e ← β·e + Δ − wire(β·e + Δ)`` (zeros again if that is not finite).
+With ``outer_delay = 1`` (Kale et al., arXiv 2502.12996) each learner's delta is taken
+from the start of its own inner phase, and the next phase starts from the Θ before the
+round (the outer step on the previous round's aggregate). With ``eager`` every learner
+runs its own outer optimizer (its own F32 copy and momentum) on the paper's
+``g̃_m = g_{k−1} − w_{m,k−1}·Δ_{m,k−1} + w_{m,k−1}·Δ_{m,k}`` (``w = 1/M`` before any
+round) and starts its next phase there.
 The loop knows nothing of shards: a sharded run must compute what it computes.
 """
 
@@ -94,6 +100,8 @@ class Setup:
   outer: str = "sgd"       # "sgd" (momentum/Nesterov by the fields above) or "adam"
   adam: tuple = (0.9, 0.999, 1e-8)  # b1, b2, eps of the outer Adam
   error_feedback: object = None     # None, or β in (0, 1]
+  outer_delay: int = 0
+  eager: bool = False
 
 
 def outer_update(setup: Setup, g: dict, master: dict, momentum: dict, second: dict,
@@ -146,6 +154,16 @@ def run(setup: Setup, steps: int) -> dict:
   log = []
   own = [{n: np.asarray(v, dtype) for n, v in t0.items()} for t0 in setup.theta0]
   residual = [{n: np.zeros(v.shape, F32) for n, v in start.items()} for _ in range(learners)]
+  # Delayed / eager: each learner's phase start, its own outer copy and momentum, the
+  # previous aggregate of each fragment, its previous decoded delta and weight.
+  begin = [{n: v.astype(F32) for n, v in start.items()} for _ in range(learners)]
+  own_master = [{n: v.astype(F32) for n, v in start.items()} for _ in range(learners)]
+  own_momentum = [{n: np.zeros(v.shape, F32) for n, v in start.items()}
+                  for _ in range(learners)]
+  previous_g = {n: np.zeros(v.shape, F32) for n, v in start.items()}
+  previous_delta = [{n: np.zeros(v.shape, F32) for n, v in start.items()}
+                    for _ in range(learners)]
+  previous_weight = np.full((learners, len(setup.plan)), 1.0 / learners)
   for t in range(1, steps + 1):
     for m in range(learners):
       # The first gradients were taken at each learner's own start; the update then
@@ -163,7 +181,8 @@ def run(setup: Setup, steps: int) -> dict:
                                        setup.delta_chunk)
       deltas = []
       for m in range(learners):
-        sent = {n: (anchor[n].astype(F32) - theta[m][n].astype(F32)).astype(F32)
+        reference = begin[m] if setup.outer_delay else anchor
+        sent = {n: (reference[n].astype(F32) - theta[m][n].astype(F32)).astype(F32)
                 for n in names}
         if setup.error_feedback is not None:
           beta = F32(setup.error_feedback)
@@ -182,6 +201,25 @@ def run(setup: Setup, steps: int) -> dict:
         for n in names:
           g[n] = (g[n] + F32(weights[m]) * deltas[m][n]).astype(F32)
       finite = bool(kept) and all(np.all(np.isfinite(g[n])) for n in names)
+      before = {n: anchor[n].astype(F32) for n in names}
+      if setup.eager:
+        for m in range(learners):
+          ok = all(np.all(np.isfinite(deltas[m][n])) for n in names)
+          w = F32(previous_weight[m, f])
+          mine = {n: deltas[m][n] if ok else np.zeros_like(deltas[m][n]) for n in names}
+          mixture = {n: (previous_g[n] - w * previous_delta[m][n] + w * mine[n]).astype(F32)
+                     for n in names}
+          outer_update(setup, mixture, own_master[m], own_momentum[m], None, 0)
+          for n in names:
+            begin[m][n] = own_master[m][n].copy()
+            previous_delta[m][n] = mine[n]
+          previous_weight[m, f] = weights[m] if finite and m in kept else 0.0
+        for n in names:
+          previous_g[n] = g[n] if finite else np.zeros_like(g[n])
+      elif setup.outer_delay:
+        for m in range(learners):
+          for n in names:
+            begin[m][n] = before[n].copy()
       if finite:
         outer_steps[f] += 1
         outer_update(setup, g, master, momentum, second, outer_steps[f])
@@ -201,14 +239,16 @@ def run(setup: Setup, steps: int) -> dict:
     for f, finite in merges.pop(t, []):
       for m in range(learners):
         for n in setup.plan[f]:
-          if finite:
+          if setup.outer_delay:
+            theta[m][n] = begin[m][n].astype(dtype)
+          elif finite:
             mixed = (F32(setup.mixing) * theta[m][n].astype(F32)
                      + F32(1 - setup.mixing) * anchor[n].astype(F32))
             theta[m][n] = mixed.astype(dtype)
           else:
             theta[m][n] = anchor[n].copy()
   return dict(theta=theta, anchor=anchor, master=master, momentum=momentum, second=second,
-              residual=residual, log=log)
+              residual=residual, begin=begin, log=log)
 
 
 OUTLIER_FACTOR = 10.0

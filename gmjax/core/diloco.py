@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from gmjax.core import eager as eager_updates
 from gmjax.core import feedback, outer, outer_records, sparse
 from gmjax.core.aggregator import DiLoCoAggregator, _numpy_dtype, _outer_transform
 from gmjax.core.codec import check_precision
@@ -82,9 +83,22 @@ class DiLoCo:
       ``delta_precision``) and costs 4 bytes per parameter on each learner. In mail
       mode the residuals live in the learner's memory: a restarted learner starts from
       zero.
+    outer_delay: ``0`` (DiLoCo) or ``1``: delayed outer gradients (Kale et al.). A
+      learner that sends the delta of an inner phase does not wait for its round: it
+      starts the next phase from the previous round's Θ, so the outer step that uses
+      round ``k``'s aggregate shapes the start of phase ``k + 2``, and the exchange has a
+      whole inner phase to finish. Each delta is ``start − θ``, from the phase's own start.
+      It needs ``overlap_steps=0`` and ``mixing=0``.
+    eager: with ``outer_delay=1``, eager updates (Kale et al.): each learner also runs
+      the outer step on its own fresh delta in place of its stale one, so its start is
+      ``outer(Θ, g_{k−1} − w·Δ_{m,k−1} + w·Δ_{m,k})`` (``gmjax.core.eager``). It needs
+      the outer SGD at a constant learning rate, and costs 16 bytes per parameter on
+      each learner.
 
   References:
-    Douillard et al., arXiv 2311.08105; Douillard et al., arXiv 2501.18512.
+    Douillard et al., arXiv 2311.08105; Douillard et al., arXiv 2501.18512; Kale,
+    Douillard and Donchev, *Eager Updates For Overlapped Communication and Computation
+    in DiLoCo*, arXiv 2502.12996.
   """
 
   sync_every: int
@@ -105,6 +119,8 @@ class DiLoCo:
   error_feedback: float | None = None
   delta_topk: int | None = None
   delta_chunk: int = 4096
+  outer_delay: int = 0
+  eager: bool = False
 
   def __post_init__(self):
     _positive_int("sync_every", self.sync_every)
@@ -168,6 +184,7 @@ class DiLoCo:
         ) from None
       object.__setattr__(self, "outer_options", types.MappingProxyType(frozen))
     self.outer_transform()  # fails now, naming the argument, rather than at the first round
+    eager_updates.check(self)
     if self.error_feedback is not None:
       # A float, so that equal configurations hash alike (their JSON is the same).
       object.__setattr__(self, "error_feedback",
@@ -328,6 +345,9 @@ class DiLoCo:
       # Left out when off: the record of a configuration without it reads as before,
       # and from_json takes a record without it as None.
       del record["error_feedback"]
+    for name in ("outer_delay", "eager"):
+      if not record[name]:
+        del record[name]  # likewise
     return {"name": "DiLoCo", **record}
 
   @classmethod

@@ -55,6 +55,10 @@ def _check(inner: Any, config: Any, axis_name: Any, outer: Any, shard_outer: Any
     )
   if shard_outer not in (None, True, False):
     raise ValueError(f"gmjax.diloco: shard_outer must be None or a bool, got {shard_outer!r}.")
+  if outer is not None and config.eager:
+    raise ValueError(
+        "gmjax.diloco: config.eager=True runs each learner's own copy of the outer step,"
+        " which it builds from the config (outer SGD); leave outer=None.")
   if shard_outer and axis_name is None:
     raise ValueError(
         "gmjax.diloco: shard_outer=True shards the outer state over the learners' axis,"
@@ -210,6 +214,7 @@ def diloco(
         tokens=token_counts.zeros(len(layout.plan)),
         stats=initial_statistics(),
         residual=layout.residual_init(params),
+        delay=layout.delay_init(tx, params),
     )
 
   def update_fn(updates, state, params=None, *, tokens=None, **extra_args):
@@ -234,7 +239,7 @@ def diloco(
     merge_index = jnp.where(t > tau, rounds.lookup(layout.table, (t - tau) % sync_every), 0)
     round_state = RoundState(state.anchor, state.master, state.outer_state, state.pending,
                              token_counts.add(state.tokens, step_tokens), state.stats,
-                             state.residual)
+                             state.residual, state.delay)
 
     def common(inner_updates, params, round_state):
       del params

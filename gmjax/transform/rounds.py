@@ -15,14 +15,15 @@ import numpy as np
 import optax
 from jax import lax
 
-from gmjax.core import feedback, outer
+from gmjax.core import eager, feedback, outer
 from gmjax.core.codec import JNP_DTYPES, BLOCK
 from gmjax.core.diloco import DiLoCo
 from gmjax.core.schedule import RoundSchedule
 from gmjax.core.schema import Schema
 from gmjax.core.stats import gram
 from gmjax.transform import exchange, explicit, replicated, screen, shards
-from gmjax.transform.state import MERGE, NOTHING, RESET, DiLoCoStatistics, RoundState
+from gmjax.transform.state import (MERGE, NOTHING, RESET, DelayState, DiLoCoStatistics,
+                                   RoundState)
 
 
 def vary_like(new: Any, old: Any) -> Any:
@@ -86,6 +87,8 @@ class Layout:
     self.schema = Schema.from_tree(params)
     config.check_parameters(self.schema)
     self.beta = config.error_feedback
+    self.delay = config.outer_delay == 1
+    self.eager = config.eager
     self.plan = config.plan(self.schema)
     self.schedule = config.schedule(len(self.plan))
     self.table = sync_table(self.schedule)
@@ -138,6 +141,23 @@ class Layout:
         n: explicit.zeros(self.schema[n].shape, jnp.float32, explicit.spec(p))
         for n, p in self.flatten(params).items()})
 
+  def delay_init(self, tx: optax.GradientTransformation, params: Any) -> Any:
+    """The ``DelayState`` before any round (its start: ``params`` in F32), or
+    ``optax.MaskedNode()`` without ``outer_delay``."""
+    if not self.delay:
+      return optax.MaskedNode()
+    flat = self.flatten(params)
+    start = self.unflatten({n: explicit.like(jnp.array(p, jnp.float32, copy=True), p)
+                            for n, p in flat.items()})
+    if not self.eager:
+      return DelayState(start)
+    zeros = {n: explicit.zeros(self.schema[n].shape, jnp.float32, explicit.spec(p))
+             for n, p in flat.items()}
+    copy = lambda: self.unflatten({n: jnp.array(z, copy=True) for n, z in zeros.items()})
+    # A negative weight stands for 1/M, which only the sync, inside the axis, knows.
+    return DelayState(start, copy(), copy(), -jnp.ones([len(self.plan)], jnp.float32),
+                      tuple(eager.initial_state(tx, zeros, names) for names in self.plan))
+
   def masters(self, theta: Any, learner: Any) -> Any:
     """The master tree of Θ: kept leaves' F32 values or shards, ``MaskedNode`` elsewhere."""
     flat = self.flatten(theta)
@@ -175,6 +195,9 @@ def start(layout: Layout, tx, axis_name: Any, learner: Any):
     )
     new = state._replace(anchor=theta, master=master,
                          outer_state=layout.outer_init(tx, values))
+    if layout.delay:
+      new = new._replace(delay=new.delay._replace(start=layout.unflatten(
+          {n: explicit.like(v.astype(jnp.float32), v) for n, v in flat.items()})))
     return vary_like((shared, new), (params, state))
 
   return run
@@ -190,15 +213,22 @@ def _kept_residual(new: dict[str, jax.Array], old: dict[str, jax.Array]) -> dict
   return {n: explicit.where(ok, v, jnp.zeros_like(old[n])) for n, v in new.items()}
 
 
+def _own(weights: jax.Array, index: Any) -> jax.Array:
+  """``weights[index]`` as a masked sum (an index batched over learners is a gather)."""
+  if index is None:
+    return weights[0]
+  return jnp.sum(jnp.where(jnp.arange(weights.shape[0]) == index, weights, 0.0))
+
+
 def _sync_replicated(layout, config, tx, axis_name, fragment, names, anchor, master,
-                     outer_state, counts, theta_of, residual):
+                     outer_state, counts, theta_of, residual, base):
   # The codec runs on flat leaves, whose row-major pieces stay where an FSDP split of
   # the leading dimension put them (the codec's own reshapes to the leaf's shape would
   # not, on an explicit mesh).
   specs = [dataclasses.replace(s, shape=(s.size,))
            for s in layout.schema.subset(names).parameters]
   flat = lambda x: explicit.flatten(x, BLOCK)
-  delta = {n: flat(anchor[n].astype(jnp.float32) - theta_of(n).astype(jnp.float32))
+  delta = {n: flat(base[n].astype(jnp.float32) - theta_of(n).astype(jnp.float32))
            for n in names}
   if layout.beta is not None:
     delta = feedback.compensated({n: flat(residual[n]) for n in names}, delta, layout.beta)
@@ -218,14 +248,17 @@ def _sync_replicated(layout, config, tx, axis_name, fragment, names, anchor, mas
   theta = {n: explicit.unflatten(theta[n], anchor[n]) for n in names}
   bad = _finite_count([*gradient.values(), *new_master, *theta.values()])
   squared = sum(jnp.sum(jnp.square(g)) for g in gradient.values())
-  return theta, new_master, new_state, squared, bad == 0, cosine, verdict, residual
+  own = (None if not layout.eager else
+         ({n: explicit.unflatten(sent[n], anchor[n]) for n in names},
+          _own(verdict.weights, None if axis_name is None else lax.axis_index(axis_name))))
+  return theta, new_master, new_state, squared, bad == 0, cosine, verdict, residual, own
 
 
 def _sync_sharded(layout, config, tx, axis_name, learner, fragment, names, anchor,
-                  master, outer_state, counts, theta_of, residual):
+                  master, outer_state, counts, theta_of, residual, base):
   learners = layout.learners
   specs = layout.schema.subset(names).parameters
-  delta = {n: anchor[n].astype(jnp.float32) - theta_of(n).astype(jnp.float32)
+  delta = {n: base[n].astype(jnp.float32) - theta_of(n).astype(jnp.float32)
            for n in names}
   if layout.beta is not None:
     delta = feedback.compensated({n: residual[n] for n in names}, delta, layout.beta)
@@ -236,6 +269,8 @@ def _sync_sharded(layout, config, tx, axis_name, learner, fragment, names, ancho
     deltas, sent = exchange.receive(rows, specs, config.delta_precision, axis_name,
                                     learners)
     left = {s.name: shards.from_rows(rows[s.name] - sent[s.name], s.shape) for s in specs}
+    sent = {s.name: explicit.like(shards.from_rows(sent[s.name], s.shape), delta[s.name])
+            for s in specs}
   else:
     deltas, sent = exchange.receive_sparse(delta, specs, config.delta_precision,
                                            config.delta_topk, config.delta_chunk,
@@ -267,7 +302,8 @@ def _sync_sharded(layout, config, tx, axis_name, learner, fragment, names, ancho
   squared, bad = summed[0], summed[1]
   both = verdict.keep[:, None] & verdict.keep[None, :]
   cosine = exchange.mean_cosine(jnp.where(both, matrix, 0.0))
-  return theta, new_master, new_state, squared, bad == 0, cosine, verdict, residual
+  own = None if not layout.eager else (sent, _own(verdict.weights, learner))
+  return theta, new_master, new_state, squared, bad == 0, cosine, verdict, residual, own
 
 
 def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState, first,
@@ -281,9 +317,15 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
   """
   flat_start, flat_params, flat_updates = (layout.flatten(x) for x in inputs)
   # Without error feedback there is no residual ({}: nothing crosses the branches).
+  delay = state.delay
+  flat_of = lambda tree, on: layout.flatten(tree) if on else {}
   flat = (layout.flatten(state.anchor), layout.flatten(state.master),
-          {} if layout.beta is None else layout.flatten(state.residual))
-  rest = (state.outer_state, state.pending, state.tokens, state.stats)
+          flat_of(state.residual, layout.beta is not None),
+          flat_of(getattr(delay, "start", None), layout.delay),
+          flat_of(getattr(delay, "correction", None), layout.eager),
+          flat_of(getattr(delay, "previous", None), layout.eager))
+  rest = (state.outer_state, state.pending, state.tokens, state.stats,
+          delay.weight if layout.eager else (), delay.outer if layout.eager else ())
 
   def theta_of(n):
     """``θ`` of leaf ``n``, at the parameter dtype, as ``optax.apply_updates`` forms it."""
@@ -295,20 +337,42 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
 
   def sync_of(fragment, names):
     def sync(flat, rest):
-      outer_states, pending, counts, stats = rest
-      anchor, master, residual = (dict(x) for x in flat)
+      outer_states, pending, counts, stats, weights, own_states = rest
+      anchor, master, residual, start, correction, previous = (dict(x) for x in flat)
       common = (fragment, names, anchor, master, outer_states[fragment], counts[fragment],
-                theta_of, residual)
+                theta_of, residual, start if layout.delay else anchor)
       if layout.learners is None:
         result = _sync_replicated(layout, config, tx, axis_name, *common)
       else:
         result = _sync_sharded(layout, config, tx, axis_name, learner, *common)
-      theta, new_master, new_state, squared, finite, cosine, verdict, left = result
+      theta, new_master, new_state, squared, finite, cosine, verdict, left, own = result
       # The residual is what this learner's wire did not carry, whatever the round's
       # outcome: a learner does not learn it (the mail runtime's learners cannot).
       residual.update(left)
       # A round none of whose deltas was kept has no outer step.
       finite = finite & jnp.any(verdict.keep)
+      if layout.delay:
+        # The next phase starts at the Θ before this round (gmjax.core.eager) ...
+        for n in names:
+          start[n] = explicit.like(anchor[n].astype(jnp.float32), start[n])
+      if layout.eager:
+        # ... plus this learner's correction for its fresh delta.
+        sent, weight = own
+        ok = eager.finite(sent)
+        first_weight = 1.0 / (1 if axis_name is None else int(lax.psum(1, axis_name)))
+        old_weight = jnp.where(weights[fragment] < 0, first_weight, weights[fragment])
+        d = eager.proxy(sent, previous, old_weight)
+        d = {n: explicit.where(ok, v, jnp.zeros_like(v)) for n, v in d.items()}
+        new_correction, new_own = eager.correct(tx, d, own_states[fragment], correction,
+                                                names)
+        for n in names:
+          correction[n] = explicit.like(new_correction[n], correction[n])
+          previous[n] = explicit.where(ok, explicit.like(sent[n], previous[n]),
+                                       jnp.zeros_like(previous[n]))
+          start[n] = start[n] + correction[n]
+        weights = weights.at[fragment].set(jnp.where(finite, weight, 0.0))
+        own_states = tuple(new_own if f == fragment else x
+                           for f, x in enumerate(own_states))
       for i, n in enumerate(names):
         anchor[n] = explicit.where(finite, theta[n], anchor[n])
         if layout.keep[n]:
@@ -327,15 +391,17 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
       )
       pending = pending.at[fragment].set(jnp.where(finite, MERGE, RESET))
       counts = counts.at[fragment].set(jnp.zeros([2], jnp.int32))
-      return vary_like(((anchor, master, residual), (outer_states, pending, counts, stats)),
+      return vary_like(((anchor, master, residual, start, correction, previous),
+                        (outer_states, pending, counts, stats, weights, own_states)),
                        (flat, rest))
 
     return sync
 
   branches = [no_sync] + [sync_of(f, names) for f, names in enumerate(layout.plan)]
   flat, rest = lax.switch(sync_index, branches, flat, rest)
-  outer_states, pending, counts, stats = rest
-  flat_anchor = flat[0]
+  outer_states, pending, counts, stats, weights, own_states = rest
+  # With a delay a merge adopts the learner's new start, not the new Θ.
+  flat_anchor = flat[3] if layout.delay else flat[0]
 
   def difference(n, theta):
     """The update that takes the parameters to ``theta``, at the updates' dtype."""
@@ -377,5 +443,11 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
   flat_updates_out, pending = lax.switch(merge_index, branches, flat_anchor, pending)
   anchor, master = (layout.unflatten(x) for x in flat[:2])
   residual = state.residual if layout.beta is None else layout.unflatten(flat[2])
+  if layout.delay:
+    delay = DelayState(layout.unflatten(flat[3]))
+    if layout.eager:
+      delay = delay._replace(correction=layout.unflatten(flat[4]),
+                             previous=layout.unflatten(flat[5]), weight=weights,
+                             outer=own_states)
   return layout.unflatten(flat_updates_out), RoundState(
-      anchor, master, outer_states, pending, counts, stats, residual)
+      anchor, master, outer_states, pending, counts, stats, residual, delay)

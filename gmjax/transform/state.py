@@ -77,6 +77,8 @@ class DiLoCoState(NamedTuple):
     residual: with ``error_feedback``, this learner's F32 residual ``e`` of every leaf
       (``gmjax.core.feedback``), shaped and laid out like the parameters (each learner
       holds its own residual of whole fragments); ``optax.MaskedNode()`` without.
+    delay: with ``outer_delay=1``, this learner's ``DelayState``; ``optax.MaskedNode()``
+      without.
   """
 
   inner_state: Any
@@ -88,6 +90,29 @@ class DiLoCoState(NamedTuple):
   tokens: jax.Array
   stats: DiLoCoStatistics
   residual: Any = optax.MaskedNode()
+  delay: Any = optax.MaskedNode()
+
+
+class DelayState(NamedTuple):
+  """A learner's own state under ``outer_delay=1`` (``gmjax.core.eager``), per learner.
+
+  Attributes:
+    start: F32, shaped and laid out like the parameters: where each fragment's current
+      inner phase started (its deltas are ``start − θ``).
+    correction: with ``eager``, the F32 correction ``p`` (start = previous Θ + p), else
+      ``optax.MaskedNode()``; likewise the others.
+    previous: with ``eager``, the learner's last decoded delta of each fragment, F32.
+    weight: with ``eager``, F32 ``(P,)``: the weight the learner had in each fragment's
+      last round (``1/M`` before any).
+    outer: with ``eager``, per fragment, the state of the learner's own copy of the
+      outer optimizer over the fragment's leaves (whole leaves, not sharded).
+  """
+
+  start: Any
+  correction: Any = optax.MaskedNode()
+  previous: Any = optax.MaskedNode()
+  weight: Any = optax.MaskedNode()
+  outer: Any = optax.MaskedNode()
 
 
 class RoundState(NamedTuple):
@@ -100,3 +125,4 @@ class RoundState(NamedTuple):
   tokens: jax.Array
   stats: DiLoCoStatistics
   residual: Any = optax.MaskedNode()
+  delay: Any = optax.MaskedNode()
