@@ -34,6 +34,7 @@ LEARNERS = 4
 BATCH = 8          # per learner and step
 MODEL = model.ModelConfig(d_model=128, layers=2, heads=4, mlp=512, seq_len=64)
 EVAL_BATCHES = 16  # of 32 windows each
+IID_BLOCK = 4096   # bytes dealt to the learners in turn by --split iid
 
 # label -> gmjax.DiLoCo settings (None: data-parallel).
 VARIANTS = {
@@ -47,6 +48,8 @@ VARIANTS = {
     "Streaming P=4 H=30 top-3% I2+EF": dict(sync_every=30, fragments=4,
                                             delta_precision="I2", delta_topk=128,
                                             delta_chunk=4096, error_feedback=1.0),
+    "Delayed H=30": dict(sync_every=30, outer_delay=1),
+    "Eager H=30": dict(sync_every=30, outer_delay=1, eager=True),
 }
 
 
@@ -71,8 +74,23 @@ def bytes_diloco(config: gmjax.DiLoCo, schema: gmjax.Schema, steps: int) -> int:
   return sent
 
 
+def shards_of(train: np.ndarray, split: str) -> list[np.ndarray]:
+  """Each learner's disjoint share of the training bytes.
+
+  ``"iid"``: blocks of ``IID_BLOCK`` bytes dealt round-robin, so that every learner's
+  share spans the whole corpus (i.i.d. learners, as in DiLoCo's main experiments);
+  ``"contiguous"``: four contiguous quarters of it (each learner on its own part of the
+  standard library: non-i.i.d. learners).
+  """
+  if split == "contiguous":
+    size = train.size // LEARNERS
+    return [train[m * size:(m + 1) * size] for m in range(LEARNERS)]
+  blocks = train[:train.size // IID_BLOCK * IID_BLOCK].reshape(-1, IID_BLOCK)
+  return [blocks[m::LEARNERS].reshape(-1) for m in range(LEARNERS)]
+
+
 def run(label: str, settings: dict | None, steps: int, corpus, every: int,
-        batch_size: int = BATCH, lr: float = 3e-3):
+        batch_size: int = BATCH, lr: float = 3e-3, split: str = "iid"):
   train, valid = corpus
   graphdef, params = model.build(MODEL, seed=0)
   params = nnx.to_pure_dict(params)
@@ -99,8 +117,8 @@ def run(label: str, settings: dict | None, steps: int, corpus, every: int,
   state = jax.vmap(optimizer.init, axis_name="learner")(stacked)
   train_step = jax.jit(jax.vmap(step, axis_name="learner"), donate_argnums=(0, 1))
   evaluate = jax.jit(jax.vmap(loss, in_axes=(None, 0)))
-  batches = [data.Batches(train, seq_len=MODEL.seq_len, batch_size=batch_size, shard=m,
-                          shards=LEARNERS, seed=0) for m in range(LEARNERS)]
+  batches = [data.Batches(share, seq_len=MODEL.seq_len, batch_size=batch_size, seed=m)
+             for m, share in enumerate(shards_of(train, split))]
   held_out = data.Batches(valid, seq_len=MODEL.seq_len, batch_size=32, seed=1)
   eval_set = jnp.stack([held_out.next() for _ in range(EVAL_BATCHES)])
 
@@ -169,6 +187,8 @@ def main() -> None:
                       help="an extra row: a label and its gmjax.DiLoCo settings as JSON")
   parser.add_argument("--batch", type=int, default=BATCH, help="windows per learner and step")
   parser.add_argument("--lr", type=float, default=3e-3, help="peak inner learning rate")
+  parser.add_argument("--split", choices=("iid", "contiguous"), default="iid",
+                      help="how the training bytes are shared out (see shards_of)")
   parser.add_argument("--json", default=None)
   parser.add_argument("--plot", default=None)
   args = parser.parse_args()
@@ -182,7 +202,7 @@ def main() -> None:
   results = []
   for label in labels:
     result = run(label, variants[label], args.steps, corpus, args.every, args.batch,
-                 args.lr)
+                 args.lr, args.split)
     results.append(result)
     print(f"{label}: held-out {result['loss']:.4f}, {result['bytes'] / 2**20:.3f} MiB sent,"
           f" {result['seconds']:.0f} s, stats {result['stats']}", flush=True)
@@ -191,7 +211,7 @@ def main() -> None:
         json.dump(results, f)
   print(f"{results[0]['params']:,} parameters, {LEARNERS} learners x {args.steps} steps,"
         f" batch {args.batch} x {MODEL.seq_len} bytes per learner and step, peak inner lr"
-        f" {args.lr:g}")
+        f" {args.lr:g}, {args.split} shares of the training bytes")
   if any(r["label"] == "data-parallel" for r in results):
     print(table(results))
   if args.plot:

@@ -102,10 +102,17 @@ def by_mail(config, tmp_path, poisoned=False):
                      error_feedback=0.5),
         gmjax.DiLoCo(sync_every=4, fragments=2, delta_precision="I2", delta_topk=2,
                      delta_chunk=5, error_feedback=1.0),
+        gmjax.DiLoCo(sync_every=4, fragments=1, outer_delay=1),
+        gmjax.DiLoCo(sync_every=4, fragments=2, delta_precision="I4", outer_delay=1,
+                     commit_precision="BF16"),
+        gmjax.DiLoCo(sync_every=4, fragments=1, outer_delay=1, eager=True),
+        gmjax.DiLoCo(sync_every=4, fragments=2, delta_precision="F8_E4M3", outer_delay=1,
+                     eager=True, error_feedback=1.0, nesterov=False),
     ],
     ids=["diloco", "streaming-f8-mixing", "streaming-i4-bf16-commits", "outer-adam",
          "streaming-i2-i2-commits-error-feedback", "f8-mixing-error-feedback-0.5",
-         "streaming-i2-top2-of-5-error-feedback"],
+         "streaming-i2-top2-of-5-error-feedback", "delayed", "streaming-i4-delayed",
+         "eager", "streaming-f8-eager-error-feedback"],
 )
 def test_mail_learners_end_where_in_mesh_learners_end(config, tmp_path):
   config = dataclasses.replace(config, flush_on_close=False)
@@ -125,13 +132,15 @@ def test_mail_learners_end_where_in_mesh_learners_end(config, tmp_path):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("shard_outer", [True, False], ids=["sharded", "replicated"])
-def test_both_modes_reject_and_clamp_alike(shard_outer, tmp_path):
+@pytest.mark.parametrize("shard_outer,delay", [(True, {}), (False, {}),
+                                               (True, {"outer_delay": 1, "eager": True})],
+                         ids=["sharded", "replicated", "sharded-eager"])
+def test_both_modes_reject_and_clamp_alike(shard_outer, delay, tmp_path):
   # Learner 1's delta is an outlier in every round and learner 2's tokens are clamped:
   # the mail closer and the in-mesh screening leave out and clamp the same, and end on
-  # the same parameters.
+  # the same parameters (eager: the rejected learner's weight, 0, is its proxy's too).
   config = gmjax.DiLoCo(sync_every=4, fragments=2, delta_precision="F8_E4M3",
-                        flush_on_close=False)
+                        flush_on_close=False, **delay)
   mesh, stats = in_mesh(config, poisoned=True, shard_outer=shard_outer)
   mailed, rounds = by_mail(config, tmp_path, poisoned=True)
   assert int(stats.rejected) == 1 and int(stats.clamped) == 1

@@ -197,7 +197,8 @@ class Closer:
         base_version=watch.version - 1, schema=self._schemas[watch.fragment],
         precision=self.manifest.config.delta_precision, known=known, key=self.key,
         max_steps=self.schedule.sync_every, topk=self.manifest.config.delta_topk,
-        chunk=self.manifest.config.delta_chunk)
+        chunk=self.manifest.config.delta_chunk,
+        base_lag=self.manifest.config.outer_delay)
     watch.norms[checked.contribution.learner] = checked.norm_per_step
     watch.clamped.extend(checked.clamped)
     return checked.contribution

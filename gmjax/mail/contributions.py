@@ -114,7 +114,7 @@ def _int(metadata: Mapping[str, str], field: str, learner: str, minimum: int = 0
 def check(data: bytes, *, file_name: str, round_: int, fragment: int, base_version: int,
           schema: Schema, precision: str | None, known: Container[str],
           key: bytes | None, max_steps: int, topk: int | None = None,
-          chunk: int | None = None) -> Checked:
+          chunk: int | None = None, base_lag: int = 0) -> Checked:
   """Parses and validates a contribution found at ``rounds/<round_>/<file_name>``.
 
   Checks, in order: the file name, the safetensors header (bounded by the layout), the
@@ -134,6 +134,9 @@ def check(data: bytes, *, file_name: str, round_: int, fragment: int, base_versi
     key: the run's key, or None.
     max_steps: the most steps a contribution can cover (the run's ``sync_every``).
     topk, chunk: the run's ``delta_topk`` and ``delta_chunk`` (None: dense deltas).
+    base_lag: the run's ``outer_delay``: a base version down to ``base_version −
+      base_lag`` (and at least 0) is accepted too (a delayed learner's phase starts at
+      the Θ one round older; one that joined the run mid-way starts at the newest).
 
   Returns:
     The contribution, its delta's norm per step, and what was clamped.
@@ -157,11 +160,14 @@ def check(data: bytes, *, file_name: str, round_: int, fragment: int, base_versi
   if metadata.get("learner") != learner:
     raise ContributionRejected(learner, f"metadata learner={quote(metadata.get('learner'))}"
                                " does not match the file name")
-  for field, expected in (("round", round_), ("fragment", fragment),
-                          ("base_version", base_version)):
+  for field, expected in (("round", round_), ("fragment", fragment)):
     value = _int(metadata, field, learner)
     if value != expected:
       raise ContributionRejected(learner, f"{field} {value}, expected {expected}")
+  base, oldest = _int(metadata, "base_version", learner), max(0, base_version - base_lag)
+  if not oldest <= base <= base_version:
+    expected = base_version if oldest == base_version else f"{oldest} to {base_version}"
+    raise ContributionRejected(learner, f"base_version {base}, expected {expected}")
   local_step = _int(metadata, "local_step", learner)
   steps = _int(metadata, "steps", learner, minimum=1, maximum=max_steps)
   tokens = _int(metadata, "tokens", learner, maximum=steps * MAX_TOKENS_PER_STEP)

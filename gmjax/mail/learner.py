@@ -12,6 +12,11 @@ Which rounds a learner contributes to, and at which base version:
   residual ``e_f ← β·e_f + Δ − decode(...)`` (``gmjax.core.feedback``) in host memory,
   F32, one per fragment. The residuals are not stored: a learner that restarts (joins
   again) starts from zero residuals, which loses at most what they held.
+* With ``outer_delay = 1`` (``gmjax.mail.delayed``) the delta of round ``r`` is taken
+  from the start of the learner's phase (base version ``r div P − 1``, or the version it
+  joined at), and right after publishing it the learner starts its next phase from the
+  version before ``r``'s, waiting only if that commit has not landed within a whole
+  phase; with ``eager`` plus its own correction.
 * With ``overlap_steps = τ`` the commit of a round published at step ``s`` is merged at
   step ``s + τ`` (waiting for it if needed); with ``τ = None`` it is merged at the first
   ``step`` after it lands. At most ``in_flight`` rounds stay outstanding. If the round was
@@ -41,8 +46,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from gmjax.core import feedback
+from gmjax.core import feedback, sparse
 from gmjax.core.schema import Schema
+from gmjax.mail import delayed
 from gmjax.mail import heartbeats
 from gmjax.mail import layout
 from gmjax.mail import names
@@ -52,6 +58,7 @@ from gmjax.mail.beats import Beat, HeartbeatWriter
 from gmjax.mail.closer import HEARTBEAT_POLLS
 from gmjax.mail.errors import LearnerClosed, RoundTimeout
 from gmjax.mail.manifest import utc_now
+from gmjax.mail.records import read_round
 from gmjax.mail.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -110,6 +117,10 @@ class Learner:
         f: {n: np.zeros(self.manifest.schema[n].shape, np.float32) for n in names_}
         for f, names_ in enumerate(self.manifest.plan)
     } if self.config.error_feedback is not None else None
+    self._delay = (delayed.Delay(self.config, self.manifest.plan)
+                   if self.config.outer_delay else None)
+    # Delayed: rounds published whose commits no phase has started from yet.
+    self._unadopted: list[tuple[int, int, None]] = []
     self._tokens_since = [0] * self.fragments
     self._step_seconds: float | None = None
     self._last_step_time: float | None = None
@@ -265,6 +276,8 @@ class Learner:
         flat[n] = placement.like(theta[n], flat[n])
       self._anchors[fragment] = theta
       self._versions[fragment] = version
+      if self._delay is not None:
+        self._delay.begin(fragment, theta)
     self._beat(step=self.step_count, first_round=self.first_round)
     if self._beats is not None:
       self._beats.write().result()
@@ -317,7 +330,10 @@ class Learner:
     version = self.schedule.version_after(round_)
     while not final and len(self._outstanding) >= self.schedule.in_flight:
       self._merge_due(flat, force=1)
-    self._bring_to(flat, fragment, version - 1, deadline)
+    delayed_ = self._delay is not None
+    if not delayed_:
+      self._bring_to(flat, fragment, version - 1, deadline)
+    base = self._versions[fragment] if delayed_ else version - 1
     steps, count = self._steps_since[fragment], self._tokens_since[fragment]
     self._steps_since[fragment] = self._tokens_since[fragment] = 0
     if final or self.schedule.overlap_steps is None:
@@ -327,26 +343,100 @@ class Learner:
     names_ = self.manifest.plan[fragment]
     # Every process gathers the fragment (a collective); only the primary publishes.
     snapshot = {n: placement.to_host(flat[n]) for n in names_}
-    if self.primary and states.is_committed(self.store, fragment, version, self.key):
+    reference = self._delay.starts[fragment] if delayed_ else self._anchors[fragment]
+    sent = None
+    eager_ = delayed_ and self._delay.eager
+    late = self.primary and states.is_committed(self.store, fragment, version, self.key)
+    if eager_ and self.process_count > 1:
+      # Every process of an eager learner follows process 0's finding.
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      late = bool(multihost_utils.broadcast_one_to_all(np.int32(late)))
+    if late:
       log.info("learner %r: round %d closed before it got there; merging it", self.name,
                round_)
-    elif self.primary:
-      delta = placement.delta({n: self._anchors[fragment][n] for n in names_}, snapshot)
+    elif self.primary or eager_:
+      delta = placement.delta({n: reference[n] for n in names_}, snapshot)
       payload = {"delta": delta}
-      if self._residuals is not None:
+      if eager_:
+        # Every process computes what its learner sends: its eager correction needs it.
+        payload, sent = self._encode(fragment, delta)
+      elif self._residuals is not None:
         # Encoded here, where the residual lives: it must be the decode of these bytes.
         entries, self._residuals[fragment] = feedback.encode(
             self._residuals[fragment], delta, self.config.error_feedback,
             self.manifest.schema.subset(names_), self.config.delta_precision,
             self.config.delta_topk, self.config.delta_chunk)
         payload = {"entries": entries}
-      self._worker.publish({
-          "round": round_, "fragment": fragment, "base_version": version - 1,
-          **payload, "local_step": self.local_step, "steps": steps, "tokens": count,
-          "step_seconds": self._step_seconds or 0.0, "final": final,
-      })
+      if self.primary and payload is not None:
+        self._worker.publish({
+            "round": round_, "fragment": fragment, "base_version": base,
+            **payload, "local_step": self.local_step, "steps": steps, "tokens": count,
+            "step_seconds": self._step_seconds or 0.0, "final": final,
+        })
     self._future(fragment, version)
-    self._outstanding.append((round_, version, due))
+    if delayed_ and not final:
+      self._unadopted.append((round_, version, None))
+      self._start_next_phase(flat, fragment, version - 1, sent, deadline)
+    else:
+      self._outstanding.append((round_, version, due))
+
+  def _encode(self, fragment: int, delta: dict[str, Any]) -> tuple[dict | None, Any]:
+    """``({"entries": ...}, decoded)`` of this learner's delta of ``fragment`` (with error
+    feedback, of ``β·e + Δ``); ``(None, None)`` for a delta that cannot travel."""
+    schema = self.manifest.schema.subset(self.manifest.plan[fragment])
+    config = self.config
+    try:
+      if self._residuals is not None:
+        entries, residual = feedback.encode(
+            self._residuals[fragment], delta, config.error_feedback, schema,
+            config.delta_precision, config.delta_topk, config.delta_chunk)
+      else:
+        entries = sparse.encode_flat(delta, schema, config.delta_precision,
+                                     config.delta_topk, config.delta_chunk)
+    except ValueError as error:
+      log.warning("learner %r: delta of fragment %d not sent: %s", self.name, fragment,
+                  error)
+      return None, None
+    if self._residuals is not None:
+      self._residuals[fragment] = residual
+    decoded = sparse.decode_flat(entries, schema, config.delta_precision, config.delta_topk,
+                                 config.delta_chunk)
+    return {"entries": entries}, decoded
+
+  def _start_next_phase(self, flat: dict[str, Any], fragment: int, version: int,
+                        sent: Any, deadline: float | None) -> None:
+    """Delayed: the next phase of ``fragment`` starts at ``version`` (+ the eager
+    correction), the version before the round just published."""
+    if version > self._versions[fragment]:
+      theta = self._wait(fragment, version, deadline or self._deadline())
+    else:
+      theta = self._anchors[fragment]  # held already: the version this learner joined at
+    weight = 0.0
+    if self._delay.eager:
+      weight = (self._first_weight() if version == 0 else delayed.weight_of(
+          read_round(self.store, fragment, version, self.key), self.name))
+    start = self._delay.advance(fragment, theta, sent, weight)
+    for n in self.manifest.plan[fragment]:
+      flat[n] = placement.like(start[n].astype(theta[n].dtype), flat[n])
+    self._anchors[fragment] = theta
+    self._versions[fragment] = max(version, self._versions[fragment])
+    self._unadopted = [(r, v, due) for r, v, due in self._unadopted
+                       if self.schedule.fragment_of(r) != fragment or v > version]
+    for key in [k for k in self._futures if k[0] == fragment and k[1] <= version]:
+      del self._futures[key]
+    if version > 0:
+      self._starting = False
+
+  def _first_weight(self) -> float:
+    """``1/M`` before any round, ``M`` the live learners (read now; in a multi-process
+    learner, process 0's count, so that every process computes the same start)."""
+    roster = heartbeats.Roster(self.store, self.key)
+    roster.refresh()
+    count = max(1, roster.live_count(self._worker.liveness_timeout()))
+    if self.process_count > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      count = int(multihost_utils.broadcast_one_to_all(np.int32(count)))
+    return 1.0 / count
 
   def close(self, params: Any) -> Any:
     """Leaves the run: merges rounds in flight, publishes final contributions
@@ -369,9 +459,15 @@ class Learner:
       self._worker.check()
       if self._pulled and params is not None:
         flat = dict(self._tree_schema.check(params))
+        if self._delay is not None and flush:
+          # Delayed: the final deltas are taken from the phases' starts, before any merge.
+          self._flush(flat)
+        # A delayed learner leaving waits for the rounds it published, like any other.
+        self._outstanding.extend(self._unadopted)
+        self._unadopted.clear()
         while self._outstanding:
           self._merge_due(flat, force=1)
-        if flush:
+        if self._delay is None and flush:
           self._flush(flat)
     finally:
       self._closed = True

@@ -129,6 +129,10 @@ def diloco(
      current fragment, trained ``τ`` steps past its delta (so with ``mixing = 0`` those
      ``τ`` steps of the fragment are replaced by Θ, as in Streaming DiLoCo); after a
      skipped round the fragment is reset to its anchor instead.
+  5. With ``config.outer_delay = 1`` (Kale et al., arXiv 2502.12996) the delta is
+     ``start − θ``, from the phase's own start (``state.delay.start``), and the merge
+     adopts the next start, the Θ *before* this round's outer step; with ``eager`` plus
+     the learner's correction for its fresh delta (``gmjax.core.eager``).
 
   **Sharded outer step** (``shard_outer``, the default with an ``axis_name``): each leaf
   is padded to a multiple of ``32·M`` and learner ``k`` owns every ``M``-th codec block

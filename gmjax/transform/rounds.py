@@ -361,14 +361,15 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
         ok = eager.finite(sent)
         first_weight = 1.0 / (1 if axis_name is None else int(lax.psum(1, axis_name)))
         old_weight = jnp.where(weights[fragment] < 0, first_weight, weights[fragment])
-        d = eager.proxy(sent, previous, old_weight)
-        d = {n: explicit.where(ok, v, jnp.zeros_like(v)) for n, v in d.items()}
+        # A delta that could not travel counts as none (its learner's weight is 0).
+        mine = {n: explicit.where(ok, explicit.like(sent[n], previous[n]),
+                                  jnp.zeros_like(previous[n])) for n in names}
+        d = eager.proxy(mine, previous, old_weight)
         new_correction, new_own = eager.correct(tx, d, own_states[fragment], correction,
                                                 names)
         for n in names:
           correction[n] = explicit.like(new_correction[n], correction[n])
-          previous[n] = explicit.where(ok, explicit.like(sent[n], previous[n]),
-                                       jnp.zeros_like(previous[n]))
+          previous[n] = mine[n]
           start[n] = start[n] + correction[n]
         weights = weights.at[fragment].set(jnp.where(finite, weight, 0.0))
         own_states = tuple(new_own if f == fragment else x

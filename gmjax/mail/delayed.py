@@ -1,0 +1,81 @@
+"""A mail learner's own state under ``outer_delay=1`` (``gmjax.core.eager``).
+
+Per fragment, in host memory: the start ``S`` of the current inner phase (F32), which
+the learner's delta is taken from, and with ``eager`` the correction ``p``, the learner's
+last decoded delta, and its own copy of the outer optimizer's state. After publishing
+the delta of round ``k`` the learner takes Θ of the round before (version ``v − 1``,
+which had a whole inner phase to land) and starts the next phase at
+``S = Θ_{v−1} + p``. Like error feedback's residuals, none of it is stored: a learner
+that joins again starts from ``p = 0`` at the newest Θ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from gmjax.core import eager
+from gmjax.mail.records import RoundRecord
+
+_proxy = jax.jit(eager.proxy)
+
+
+class Delay:
+  """The delayed (and eager) learner's state of every fragment."""
+
+  def __init__(self, config: Any, plan: tuple[tuple[str, ...], ...]):
+    self.eager = bool(config.eager)
+    self.plan = plan
+    self._tx = config.outer_transform() if self.eager else None
+    self._correct = (jax.jit(lambda d, s, p, names: eager.correct(self._tx, d, s, p, names),
+                             static_argnums=3) if self.eager else None)
+    self.starts: dict[int, dict[str, np.ndarray]] = {}
+    self._correction: dict[int, dict[str, np.ndarray]] = {}
+    self._previous: dict[int, dict[str, np.ndarray]] = {}
+    self._states: dict[int, Any] = {}
+
+  def begin(self, fragment: int, theta: Mapping[str, np.ndarray]) -> None:
+    """Starts ``fragment`` afresh at ``theta`` (pull): no correction, no last delta."""
+    names = self.plan[fragment]
+    self.starts[fragment] = {n: np.asarray(theta[n], np.float32).copy() for n in names}
+    if self.eager:
+      zeros = {n: np.zeros(np.shape(theta[n]), np.float32) for n in names}
+      self._correction[fragment] = dict(zeros)
+      self._previous[fragment] = {n: z.copy() for n, z in zeros.items()}
+      self._states[fragment] = eager.initial_state(self._tx, zeros, names)
+
+  def advance(self, fragment: int, theta: Mapping[str, np.ndarray],
+              sent: Mapping[str, Any] | None, weight: float) -> dict[str, np.ndarray]:
+    """The start of the next phase of ``fragment``: ``theta`` (the Θ before the round
+    just published) plus, eager, the correction for ``sent`` (the learner's decoded
+    delta of that round; None: it sent nothing) at ``weight`` (its weight in the round
+    that made ``theta``)."""
+    names = self.plan[fragment]
+    start = {n: np.asarray(theta[n]).astype(np.float32) for n in names}
+    if self.eager:
+      previous = self._previous[fragment]
+      mine = {n: np.zeros_like(previous[n]) if sent is None
+              else np.asarray(jax.device_get(sent[n]), np.float32) for n in names}
+      if not all(np.all(np.isfinite(v)) for v in mine.values()):
+        mine = {n: np.zeros_like(v) for n, v in mine.items()}
+      d = _proxy(mine, previous, np.float32(weight))
+      correction, state = self._correct(d, self._states[fragment],
+                                        self._correction[fragment], names)
+      self._correction[fragment] = {n: np.asarray(v) for n, v in
+                                    jax.device_get(correction).items()}
+      self._states[fragment] = state
+      self._previous[fragment] = mine
+      start = {n: start[n] + self._correction[fragment][n] for n in names}
+    self.starts[fragment] = start
+    return start
+
+
+def weight_of(record: RoundRecord, learner: str) -> float:
+  """``learner``'s weight in the round that ``record`` commits (0 if it is not in it, or
+  no outer step was applied)."""
+  if not record.outer_step:
+    return 0.0
+  return next((p.weight for p in record.participants if p.learner == learner), 0.0)
