@@ -18,8 +18,8 @@ LEARNERS = 4
 
 def _setup(**settings):
   return harness.make_setup(
-      learners=LEARNERS, fragments=3, mixing=0.5, overlap=1, tokens=True, steps=STEPS,
-      **settings,
+      learners=LEARNERS, fragments=3, tokens=True, steps=STEPS,
+      **{"mixing": 0.5, "overlap": 1, **settings},
   )
 
 
@@ -54,12 +54,22 @@ def _check(setup, params, state):
                              expected["log"][-1]["cosine"], atol=1e-5)
 
 
-@pytest.mark.parametrize("delta_precision,shard", [(None, True), ("I4", False)])
-def test_shard_map_learners_by_data_parallel_matches_numpy(delta_precision, shard):
-  setup = _setup(delta_precision=delta_precision)
+DELAYED = {"outer_delay": 1, "mixing": 0.0, "overlap": 0}
+
+
+@pytest.mark.parametrize("delta_precision,shard,settings,axis_type", [
+    (None, True, {}, "explicit"),
+    ("I4", False, {}, "explicit"),
+    (None, True, {**DELAYED, "eager": True}, "explicit"),
+    ("F8_E4M3", False, DELAYED, "auto"),
+])
+def test_shard_map_learners_by_data_parallel_matches_numpy(delta_precision, shard, settings,
+                                                           axis_type):
+  setup = _setup(delta_precision=delta_precision, **settings)
   optimizer = gmjax.diloco(optax.sgd(setup.lr), harness.config_of(setup),
                            axis_name="learner", shard_outer=shard)
-  mesh = jax.make_mesh((LEARNERS, 2), ("learner", "data"))
+  kind = {"explicit": jax.sharding.AxisType.Explicit, "auto": jax.sharding.AxisType.Auto}
+  mesh = jax.make_mesh((LEARNERS, 2), ("learner", "data"), axis_types=(kind[axis_type],) * 2)
   sharding = NamedSharding(mesh, P("learner"))
   params = harness.stacked(setup)
   state = jax.vmap(optimizer.init, axis_name="learner")(params)
