@@ -29,13 +29,16 @@ SHAPES = {"w": (64, 32), "u": (16, 24), "b": (40,)}
 SHARDED = {"w": True, "u": True, "b": False}
 
 
-def _setup(delta_precision, commit_precision=None, outer="sgd", error_feedback=None):
+def _setup(delta_precision, commit_precision=None, outer="sgd", error_feedback=None,
+           eager=False):
+  # eager: delayed outer gradients with eager updates (no overlap steps, no mixing).
+  mixing, overlap = (0.0, 0) if eager else (0.5, 1)
   rng = np.random.default_rng(1)
   draw = lambda scale: {n: (scale * rng.standard_normal(s)).astype(np.float32)
                         for n, s in SHAPES.items()}
-  config = gmjax.DiLoCo(sync_every=3, fragments=2, overlap_steps=1, mixing=0.5,
+  config = gmjax.DiLoCo(sync_every=3, fragments=2, overlap_steps=overlap, mixing=mixing,
                         delta_precision=delta_precision, commit_precision=commit_precision,
-                        error_feedback=error_feedback,
+                        error_feedback=error_feedback, outer_delay=int(eager), eager=eager,
                         **({"outer": "adam", "outer_learning_rate": 0.05} if outer == "adam"
                            else {}))
   theta0 = [draw(1.0) for _ in range(LEARNERS)]
@@ -43,9 +46,9 @@ def _setup(delta_precision, commit_precision=None, outer="sgd", error_feedback=N
   setup = reference.Setup(
       theta0=theta0, targets=[draw(2.0) for _ in range(LEARNERS)],
       curvature=[0.5 + 0.25 * m for m in range(LEARNERS)], plan=plan, sync_every=3,
-      delta_precision=delta_precision, commit_precision=commit_precision, mixing=0.5,
-      overlap=1, outer=outer, outer_lr=0.05 if outer == "adam" else 0.7,
-      error_feedback=error_feedback,
+      delta_precision=delta_precision, commit_precision=commit_precision, mixing=mixing,
+      overlap=overlap, outer=outer, outer_lr=0.05 if outer == "adam" else 0.7,
+      error_feedback=error_feedback, outer_delay=int(eager), eager=eager,
   )
   return setup, config
 
@@ -163,10 +166,10 @@ def test_fsdp_learners_match_numpy_and_the_unsharded_run(axis_type, mode, delta_
       np.testing.assert_array_equal(a, b)
 
 
-def _fsdp_gathers(axis_type, mode, shard_outer, error_feedback=None):
+def _fsdp_gathers(axis_type, mode, shard_outer, error_feedback=None, eager=False):
   """All-gathers of the compiled step over groups other than the learners' (fsdp)."""
   shapes = {"w": (64, 32), "b": (40,)}  # "w" holds whole rows on each fsdp device
-  setup, config = _setup("F8_E4M3", error_feedback=error_feedback)
+  setup, config = _setup("F8_E4M3", error_feedback=error_feedback, eager=eager)
   setup.theta0 = [{n: t[n] for n in shapes} for t in setup.theta0]
   setup.targets = [{n: t[n] for n in shapes} for t in setup.targets]
   optimizer = gmjax.diloco(optax.sgd(setup.lr), config, axis_name="learner",
@@ -204,6 +207,19 @@ def test_error_feedback_residuals_keep_the_fsdp_split(shard_outer):
     harness.assert_tree_close({n: v[m] for n, v in state.residual.items()},
                               expected["residual"][m], what=f"learner {m} residual")
   assert _fsdp_gathers(AxisType.Explicit, "vmap", shard_outer, error_feedback=0.5) == []
+
+
+@pytest.mark.parametrize("shard_outer", [True, False], ids=["sharded", "replicated"])
+def test_eager_state_keeps_the_fsdp_split(shard_outer):
+  setup, config = _setup("I4", eager=True)
+  (params, state), _ = _run(setup, config, "vmap", AxisType.Explicit, shard_outer)
+  expected = reference.run(setup, STEPS)
+  for m in range(LEARNERS):
+    harness.assert_tree_close({n: v[m] for n, v in params.items()}, expected["theta"][m],
+                              what=f"learner {m}")
+    harness.assert_tree_close({n: v[m] for n, v in state.delay.start.items()},
+                              expected["begin"][m], what=f"learner {m} start")
+  assert _fsdp_gathers(AxisType.Explicit, "vmap", shard_outer, eager=True) == []
 
 
 # The boundary of a shard_map with only the learner axis manual, on an explicit mesh:
