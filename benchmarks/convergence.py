@@ -2,8 +2,8 @@
 
 The same tokens, model and inner optimizer for every row: a byte-level transformer LM
 (``gmjax.app.model``, d_model 128, 2 layers, 0.47M parameters) on the Python standard
-library's sources, ``M = 4`` learners under ``jax.vmap`` (each on its own shard of the
-training bytes, the same batches in every row), AdamW inner steps. "data-parallel"
+library's sources, ``M = 4`` learners under ``jax.vmap`` (each on its own share of the
+training bytes, ``--split``; the same batches in every row), AdamW inner steps. "data-parallel"
 ``pmean``s the gradients every step (one model, the same global batch); the DiLoCo rows
 run ``gmjax.diloco`` with the row's settings. Every row reports the held-out loss of its
 final global model (the anchor Θ, or data-parallel's parameters) over the same held-out
@@ -12,7 +12,8 @@ gradients per step, ``2(M−1)/M · 4n``; DiLoCo its delta payloads (``config.de
 codes, scales and sparse indices), once per round of each fragment.
 
 Run: .venv/bin/python benchmarks/convergence.py [--steps 1200] [--only LABEL ...]
-     [--variant 'LABEL={"sync_every": 30, ...}'] [--json out.json] [--plot convergence.png]
+     [--variant 'LABEL={"sync_every": 30, ...}'] [--batch 8] [--lr 3e-3]
+     [--split contiguous|iid] [--json out.json] [--plot convergence.png]
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def shards_of(train: np.ndarray, split: str) -> list[np.ndarray]:
 
 
 def run(label: str, settings: dict | None, steps: int, corpus, every: int,
-        batch_size: int = BATCH, lr: float = 3e-3, split: str = "iid"):
+        batch_size: int = BATCH, lr: float = 3e-3, split: str = "contiguous"):
   train, valid = corpus
   graphdef, params = model.build(MODEL, seed=0)
   params = nnx.to_pure_dict(params)
@@ -187,7 +188,7 @@ def main() -> None:
                       help="an extra row: a label and its gmjax.DiLoCo settings as JSON")
   parser.add_argument("--batch", type=int, default=BATCH, help="windows per learner and step")
   parser.add_argument("--lr", type=float, default=3e-3, help="peak inner learning rate")
-  parser.add_argument("--split", choices=("iid", "contiguous"), default="iid",
+  parser.add_argument("--split", choices=("iid", "contiguous"), default="contiguous",
                       help="how the training bytes are shared out (see shards_of)")
   parser.add_argument("--json", default=None)
   parser.add_argument("--plot", default=None)

@@ -17,7 +17,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from gmjax.core import eager
+from gmjax.core import eager, feedback, sparse
+from gmjax.core.schema import Schema
+from gmjax.mail import heartbeats
 from gmjax.mail.records import RoundRecord
 
 _proxy = jax.jit(eager.proxy)
@@ -79,3 +81,45 @@ def weight_of(record: RoundRecord, learner: str) -> float:
   if not record.outer_step:
     return 0.0
   return next((p.weight for p in record.participants if p.learner == learner), 0.0)
+
+
+def encode(config: Any, schema: Schema, residual: Mapping[str, np.ndarray] | None,
+           delta: Mapping[str, Any]) -> tuple[dict | None, dict | None, dict | None]:
+  """``(entries, decoded, residual)`` of a learner's delta of the fragment ``schema``
+  holds (with error feedback, of ``β·e + Δ`` and the new residual); ``(None, None,
+  None)`` for a delta that cannot travel (NaN or Inf): it is not sent."""
+  try:
+    if residual is not None:
+      entries, residual = feedback.encode(residual, delta, config.error_feedback, schema,
+                                          config.delta_precision, config.delta_topk,
+                                          config.delta_chunk)
+    else:
+      entries = sparse.encode_flat(delta, schema, config.delta_precision,
+                                   config.delta_topk, config.delta_chunk)
+  except ValueError:
+    return None, None, None
+  decoded = sparse.decode_flat(entries, schema, config.delta_precision, config.delta_topk,
+                               config.delta_chunk)
+  return entries, decoded, residual
+
+
+def _from_process_zero(value: int, process_count: int) -> int:
+  if process_count <= 1:
+    return value
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
+
+
+def agreed(flag: bool, process_count: int) -> bool:
+  """Process 0's ``flag`` on every process of a learner (they call this in lockstep)."""
+  return bool(_from_process_zero(int(flag), process_count))
+
+
+def first_weight(store: Any, key: bytes | None, liveness_timeout: float,
+                 process_count: int) -> float:
+  """``1/M`` before any round, ``M`` the learners live now (process 0's count in a
+  multi-process learner, so that every process computes the same start)."""
+  roster = heartbeats.Roster(store, key)
+  roster.refresh()
+  return 1.0 / max(1, _from_process_zero(roster.live_count(liveness_timeout),
+                                         process_count))

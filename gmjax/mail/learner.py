@@ -46,7 +46,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from gmjax.core import feedback, sparse
+from gmjax.core import feedback
 from gmjax.core.schema import Schema
 from gmjax.mail import delayed
 from gmjax.mail import heartbeats
@@ -347,10 +347,8 @@ class Learner:
     sent = None
     eager_ = delayed_ and self._delay.eager
     late = self.primary and states.is_committed(self.store, fragment, version, self.key)
-    if eager_ and self.process_count > 1:
-      # Every process of an eager learner follows process 0's finding.
-      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-      late = bool(multihost_utils.broadcast_one_to_all(np.int32(late)))
+    if eager_:
+      late = delayed.agreed(late, self.process_count)  # every process follows process 0
     if late:
       log.info("learner %r: round %d closed before it got there; merging it", self.name,
                round_)
@@ -359,7 +357,15 @@ class Learner:
       payload = {"delta": delta}
       if eager_:
         # Every process computes what its learner sends: its eager correction needs it.
-        payload, sent = self._encode(fragment, delta)
+        schema = self.manifest.schema.subset(names_)
+        residual = None if self._residuals is None else self._residuals[fragment]
+        entries, sent, residual = delayed.encode(self.config, schema, residual, delta)
+        if entries is None:
+          log.warning("learner %r: delta of round %d not sent: not finite", self.name,
+                      round_)
+        elif residual is not None:
+          self._residuals[fragment] = residual
+        payload = None if entries is None else {"entries": entries}
       elif self._residuals is not None:
         # Encoded here, where the residual lives: it must be the decode of these bytes.
         entries, self._residuals[fragment] = feedback.encode(
@@ -380,29 +386,6 @@ class Learner:
     else:
       self._outstanding.append((round_, version, due))
 
-  def _encode(self, fragment: int, delta: dict[str, Any]) -> tuple[dict | None, Any]:
-    """``({"entries": ...}, decoded)`` of this learner's delta of ``fragment`` (with error
-    feedback, of ``β·e + Δ``); ``(None, None)`` for a delta that cannot travel."""
-    schema = self.manifest.schema.subset(self.manifest.plan[fragment])
-    config = self.config
-    try:
-      if self._residuals is not None:
-        entries, residual = feedback.encode(
-            self._residuals[fragment], delta, config.error_feedback, schema,
-            config.delta_precision, config.delta_topk, config.delta_chunk)
-      else:
-        entries = sparse.encode_flat(delta, schema, config.delta_precision,
-                                     config.delta_topk, config.delta_chunk)
-    except ValueError as error:
-      log.warning("learner %r: delta of fragment %d not sent: %s", self.name, fragment,
-                  error)
-      return None, None
-    if self._residuals is not None:
-      self._residuals[fragment] = residual
-    decoded = sparse.decode_flat(entries, schema, config.delta_precision, config.delta_topk,
-                                 config.delta_chunk)
-    return {"entries": entries}, decoded
-
   def _start_next_phase(self, flat: dict[str, Any], fragment: int, version: int,
                         sent: Any, deadline: float | None) -> None:
     """Delayed: the next phase of ``fragment`` starts at ``version`` (+ the eager
@@ -413,8 +396,10 @@ class Learner:
       theta = self._anchors[fragment]  # held already: the version this learner joined at
     weight = 0.0
     if self._delay.eager:
-      weight = (self._first_weight() if version == 0 else delayed.weight_of(
-          read_round(self.store, fragment, version, self.key), self.name))
+      weight = (delayed.first_weight(self.store, self.key, self._worker.liveness_timeout(),
+                                     self.process_count)
+                if version == 0 else delayed.weight_of(
+                    read_round(self.store, fragment, version, self.key), self.name))
     start = self._delay.advance(fragment, theta, sent, weight)
     for n in self.manifest.plan[fragment]:
       flat[n] = placement.like(start[n].astype(theta[n].dtype), flat[n])
@@ -426,17 +411,6 @@ class Learner:
       del self._futures[key]
     if version > 0:
       self._starting = False
-
-  def _first_weight(self) -> float:
-    """``1/M`` before any round, ``M`` the live learners (read now; in a multi-process
-    learner, process 0's count, so that every process computes the same start)."""
-    roster = heartbeats.Roster(self.store, self.key)
-    roster.refresh()
-    count = max(1, roster.live_count(self._worker.liveness_timeout()))
-    if self.process_count > 1:
-      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-      count = int(multihost_utils.broadcast_one_to_all(np.int32(count)))
-    return 1.0 / count
 
   def close(self, params: Any) -> Any:
     """Leaves the run: merges rounds in flight, publishes final contributions
