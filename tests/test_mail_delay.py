@@ -5,6 +5,8 @@ land: with a peer that has not trained at all (and a quorum that needs it), it t
 two phases, where a DiLoCo learner is stuck at the end of its first.
 """
 
+import time
+
 import numpy as np
 import pytest
 
@@ -61,7 +63,11 @@ def test_a_delayed_learner_trains_on_while_its_round_is_open(tmp_path, eager):
 
 
 def base_version(run, round_, learner):
-  data = run.store.read(f"rounds/{round_}/{learner}.safetensors", 1 << 20)
+  path = f"rounds/{round_}/{learner}.safetensors"
+  deadline = time.monotonic() + 30.0
+  while not run.store.exists(path) and time.monotonic() < deadline:
+    time.sleep(ms.POLL)  # the learner's worker uploads it in the background
+  data = run.store.read(path, 1 << 20)
   return int(payload.loads(data)[1]["base_version"])
 
 
@@ -120,3 +126,28 @@ def test_delayed_learners_flush_and_leave_on_the_newest_commit(tmp_path, eager):
   for name in "ab":
     for leaf, value in theta.items():
       np.testing.assert_array_equal(np.asarray(out[name][leaf]), value)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("settings", [
+    dict(delta_precision="I4", error_feedback=1.0),
+    dict(outer_delay=1, eager=True),
+    dict(outer_delay=1, eager=True, delta_precision="I4", error_feedback=0.9),
+], ids=["feedback", "eager", "eager-feedback"])
+def test_a_delta_that_is_not_finite_raises_and_is_not_sent(tmp_path, settings):
+  # The learner encodes these deltas itself (its residual or correction must follow the
+  # bytes): a NaN delta raises ValueError at the step that publishes it, naming the leaf.
+  run, (a, b), (pa, pb) = _pair(tmp_path, **settings)
+  try:
+    pa = _steps(a, pa, 0, H - 1)
+    bad = ms.inner(pa, ms.target(0))
+    bad["b"] = np.full_like(bad["b"], np.nan)
+    with pytest.raises(ValueError, match="'b'"):
+      a.step(bad)
+    assert not run.store.exists("rounds/0/a.safetensors")
+  finally:
+    for learner, params in ((a, pa), (b, pb)):
+      try:
+        learner.close(params)
+      except Exception:  # pylint: disable=broad-except
+        pass

@@ -17,8 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from gmjax.core import eager, feedback, sparse
-from gmjax.core.schema import Schema
+from gmjax.core import eager
 from gmjax.mail import heartbeats
 from gmjax.mail.records import RoundRecord
 
@@ -81,26 +80,6 @@ def weight_of(record: RoundRecord, learner: str) -> float:
   if not record.outer_step:
     return 0.0
   return next((p.weight for p in record.participants if p.learner == learner), 0.0)
-
-
-def encode(config: Any, schema: Schema, residual: Mapping[str, np.ndarray] | None,
-           delta: Mapping[str, Any]) -> tuple[dict | None, dict | None, dict | None]:
-  """``(entries, decoded, residual)`` of a learner's delta of the fragment ``schema``
-  holds (with error feedback, of ``β·e + Δ`` and the new residual); ``(None, None,
-  None)`` for a delta that cannot travel (NaN or Inf): it is not sent."""
-  try:
-    if residual is not None:
-      entries, residual = feedback.encode(residual, delta, config.error_feedback, schema,
-                                          config.delta_precision, config.delta_topk,
-                                          config.delta_chunk)
-    else:
-      entries = sparse.encode_flat(delta, schema, config.delta_precision,
-                                   config.delta_topk, config.delta_chunk)
-  except ValueError:
-    return None, None, None
-  decoded = sparse.decode_flat(entries, schema, config.delta_precision, config.delta_topk,
-                               config.delta_chunk)
-  return entries, decoded, residual
 
 
 def _from_process_zero(value: int, process_count: int) -> int:

@@ -47,6 +47,7 @@ import jax
 import numpy as np
 
 from gmjax.core import feedback
+from gmjax.core import sparse
 from gmjax.core.schema import Schema
 from gmjax.mail import delayed
 from gmjax.mail import heartbeats
@@ -355,25 +356,17 @@ class Learner:
     elif self.primary or eager_:
       delta = placement.delta({n: reference[n] for n in names_}, snapshot)
       payload = {"delta": delta}
-      if eager_:
-        # Every process computes what its learner sends: its eager correction needs it.
-        schema = self.manifest.schema.subset(names_)
+      if eager_ or self._residuals is not None:
+        # Encoded here, where the residual and the eager correction live: both must follow
+        # these bytes. Every process of an eager learner computes them (its correction
+        # needs them). A delta that is not finite raises ValueError: nothing is sent.
         residual = None if self._residuals is None else self._residuals[fragment]
-        entries, sent, residual = delayed.encode(self.config, schema, residual, delta)
-        if entries is None:
-          log.warning("learner %r: delta of round %d not sent: not finite", self.name,
-                      round_)
-        elif residual is not None:
+        entries, sent, residual = _encode(self.config, self.manifest.schema.subset(names_),
+                                          residual, delta, decode=eager_)
+        if residual is not None:
           self._residuals[fragment] = residual
-        payload = None if entries is None else {"entries": entries}
-      elif self._residuals is not None:
-        # Encoded here, where the residual lives: it must be the decode of these bytes.
-        entries, self._residuals[fragment] = feedback.encode(
-            self._residuals[fragment], delta, self.config.error_feedback,
-            self.manifest.schema.subset(names_), self.config.delta_precision,
-            self.config.delta_topk, self.config.delta_chunk)
         payload = {"entries": entries}
-      if self.primary and payload is not None:
+      if self.primary:
         self._worker.publish({
             "round": round_, "fragment": fragment, "base_version": base,
             **payload, "local_step": self.local_step, "steps": steps, "tokens": count,
@@ -508,3 +501,24 @@ class Learner:
 
   def __repr__(self) -> str:
     return f"Learner({self.name!r}, step={self.step_count}, versions={self._versions})"
+
+
+def _encode(config: Any, schema: Schema, residual: dict[str, np.ndarray] | None,
+            delta: dict[str, Any], decode: bool) -> tuple[dict, dict | None, dict | None]:
+  """``(entries, decoded, residual)`` of a learner's delta of the fragment ``schema``
+  holds: with error feedback (``residual`` not None) of ``β·e + Δ``, with the new
+  residual; ``decoded`` (what the entries decode to) only if ``decode``.
+
+  Raises:
+    ValueError: the value to send holds NaN or Inf (names the leaf).
+  """
+  if residual is not None:
+    entries, residual = feedback.encode(residual, delta, config.error_feedback, schema,
+                                        config.delta_precision, config.delta_topk,
+                                        config.delta_chunk)
+  else:
+    entries = sparse.encode_flat(delta, schema, config.delta_precision, config.delta_topk,
+                                 config.delta_chunk)
+  decoded = (sparse.decode_flat(entries, schema, config.delta_precision, config.delta_topk,
+                                config.delta_chunk) if decode else None)
+  return entries, decoded, residual
