@@ -60,7 +60,7 @@ from gmjax.mail.closer import HEARTBEAT_POLLS
 from gmjax.mail.errors import LearnerClosed, RoundTimeout
 from gmjax.mail.manifest import utc_now
 from gmjax.mail.records import read_round
-from gmjax.mail.worker import Worker
+from gmjax.mail.worker import Commit, Worker
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ class Learner:
       self._futures[key] = self._worker.request(fragment, version)
     return self._futures[key]
 
-  def _wait(self, fragment: int, version: int, deadline: float) -> dict[str, np.ndarray]:
+  def _wait(self, fragment: int, version: int, deadline: float) -> Commit:
     return self._worker.wait(self._future(fragment, version), deadline,
                              f"version {version} of fragment {fragment}")
 
@@ -203,7 +203,7 @@ class Learner:
     """Aligns ``fragment`` with ``version`` (waiting for its commit) if it is older."""
     if self._versions[fragment] >= version:
       return
-    theta = self._wait(fragment, version, deadline or self._deadline())
+    theta = self._wait(fragment, version, deadline or self._deadline()).theta
     self._align(flat, fragment, version, theta)
 
   def _merge_due(self, flat: dict[str, Any], *, force: int = 0) -> None:
@@ -219,7 +219,7 @@ class Learner:
         future = self._future(fragment, version)
         if not future.done():
           break
-        self._align(flat, fragment, version, future.result())
+        self._align(flat, fragment, version, future.result().theta)
       else:
         break
       self._outstanding.pop(0)
@@ -271,7 +271,7 @@ class Learner:
     deadline = time.monotonic() + max(self.startup_timeout, self._deadline() - time.monotonic())
     for fragment, version in newest.items():
       self._futures[(fragment, version)] = futures[fragment]
-      theta = self._wait(fragment, version, deadline)
+      theta = self._wait(fragment, version, deadline).theta
       del self._futures[(fragment, version)]
       for n in self.manifest.plan[fragment]:
         flat[n] = placement.like(theta[n], flat[n])
@@ -384,15 +384,19 @@ class Learner:
     """Delayed: the next phase of ``fragment`` starts at ``version`` (+ the eager
     correction), the version before the round just published."""
     if version > self._versions[fragment]:
-      theta = self._wait(fragment, version, deadline or self._deadline())
-    else:
-      theta = self._anchors[fragment]  # held already: the version this learner joined at
+      commit = self._wait(fragment, version, deadline or self._deadline())
+      theta, record = commit.theta, commit.record
+    else:  # held already: the version this learner joined at
+      theta, record = self._anchors[fragment], None
     weight = 0.0
     if self._delay.eager:
-      weight = (delayed.first_weight(self.store, self.key, self._worker.liveness_timeout(),
-                                     self.process_count)
-                if version == 0 else delayed.weight_of(
-                    read_round(self.store, fragment, version, self.key), self.name))
+      if version == 0:
+        weight = delayed.first_weight(self.store, self.key, self._worker.liveness_timeout(),
+                                      self.process_count)
+      else:
+        if record is None:
+          record = read_round(self.store, fragment, version, self.key)
+        weight = delayed.weight_of(record, self.name)
     start = self._delay.advance(fragment, theta, sent, weight)
     for n in self.manifest.plan[fragment]:
       flat[n] = placement.like(start[n].astype(theta[n].dtype), flat[n])
@@ -473,7 +477,7 @@ class Learner:
     for r, version, _ in list(self._outstanding):
       fragment = self.schedule.fragment_of(r)
       try:
-        theta = self._wait(fragment, version, deadline)
+        theta = self._wait(fragment, version, deadline).theta
       except RoundTimeout:
         log.info("learner %r: final round %d not committed within the timeout; leaving",
                  self.name, r)

@@ -6,9 +6,9 @@ It sends the worker requests through a queue and gets answers as
 
 * ``publish(job)``: encode (unless the job carries its entries: error feedback) and
   upload a contribution, then watch its round;
-* ``request(fragment, version)``: a future of Θ of that version, resolved once it is
-  committed (from memory when this learner closed the round, rebuilt from the update, or
-  read from storage).
+* ``request(fragment, version)``: a future of that version's ``Commit`` (its Θ and its
+  round record), resolved once it is committed (Θ from memory when this learner closed
+  the round, rebuilt from the update, or read from storage).
 
 The worker loops: take requests, upload, watch the rounds it contributed to (scan,
 decide, close, as ``gmjax.mail.closer`` describes), and resolve the requests whose
@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -48,6 +48,13 @@ from gmjax.mail.records import RoundRecord, read_round
 log = logging.getLogger(__name__)
 
 Key = tuple[int, int]  # (fragment, version)
+
+
+class Commit(NamedTuple):
+  """What a ``request`` resolves to: Θ of the version (leaf name → array) and the round
+  record that committed it."""
+  theta: dict[str, np.ndarray]
+  record: RoundRecord
 
 
 class _Known:
@@ -106,7 +113,8 @@ class Worker:
     self._inbox.put(("publish", job))
 
   def request(self, fragment: int, version: int) -> concurrent.futures.Future:
-    """A future of Θ of ``version`` of ``fragment``, resolved once it is committed."""
+    """A future of the ``Commit`` of ``version`` of ``fragment``, resolved once it is
+    committed."""
     future: concurrent.futures.Future = concurrent.futures.Future()
     if self.failure is not None:
       future.set_exception(self._closed_error())
@@ -275,10 +283,10 @@ class Worker:
     futures = self._requests.pop((record.fragment, record.version), None)
     if not futures:
       return
-    theta = self._fetch(record)
+    commit = Commit(self._fetch(record), record)
     for future in futures:
       if not future.done():
-        future.set_result(theta)
+        future.set_result(commit)
 
   def _fetch(self, record: RoundRecord) -> dict[str, np.ndarray]:
     """Θ of the version ``record`` commits, by the cheapest verified route: held in
