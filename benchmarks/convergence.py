@@ -51,6 +51,12 @@ VARIANTS = {
                                             delta_chunk=4096, error_feedback=1.0),
     "Delayed H=30": dict(sync_every=30, outer_delay=1),
     "Eager H=30": dict(sync_every=30, outer_delay=1, eager=True),
+    # The study's tuned rows (BENCHMARKS.md): 2-bit sparse with uint8 indices, and eager.
+    "Streaming P=4 H=30 top-9.4% of 256 I2+EF η1 μ0.5": dict(
+        sync_every=30, fragments=4, delta_precision="I2", delta_topk=24, delta_chunk=256,
+        error_feedback=1.0, outer_learning_rate=1.0, outer_momentum=0.5),
+    "Eager H=30 η1 μ0": dict(sync_every=30, outer_delay=1, eager=True,
+                             outer_learning_rate=1.0, outer_momentum=0.0),
 }
 
 
