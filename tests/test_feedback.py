@@ -25,8 +25,8 @@ def test_residual_follows_the_formula(precision, beta):
   residual = {n: np.zeros(s, np.float32) for n, s in SHAPES.items()}
   expected = {n: np.zeros(s, np.float32) for n, s in SHAPES.items()}
   for delta in _deltas(5):
-    entries, residual = feedback.encode(residual, {n: jnp.asarray(v) for n, v in
-                                                   delta.items()}, beta, SCHEMA, precision)
+    entries, sent_back, residual = feedback.encode(
+        residual, {n: jnp.asarray(v) for n, v in delta.items()}, beta, SCHEMA, precision)
     sent = {n: (np.float32(beta) * expected[n] + delta[n]).astype(np.float32)
             for n in SHAPES}
     decoded = gmjax.decode(entries, SCHEMA, precision)
@@ -37,6 +37,8 @@ def test_residual_follows_the_formula(precision, beta):
       expected[n] = (sent[n] - reference.wire(sent[n], precision)).astype(np.float32)
       # ... and the residual is what their decode left out.
       np.testing.assert_array_equal(residual[n], sent[n] - np.asarray(decoded[n]))
+      # The decoded values it returns are the entries' own.
+      np.testing.assert_array_equal(np.asarray(sent_back[n]), np.asarray(decoded[n]))
       np.testing.assert_allclose(residual[n], expected[n], rtol=1e-5, atol=1e-7, err_msg=n)
       assert residual[n].dtype == np.float32
   assert any(np.abs(residual[n]).max() > 0 for n in SHAPES)
@@ -52,7 +54,7 @@ def test_mean_decoded_delta_tracks_the_true_mean():
   fed = {n: np.zeros(s, np.float64) for n, s in SHAPES.items()}
   plain = {n: np.zeros(s, np.float64) for n, s in SHAPES.items()}
   for delta in deltas:
-    entries, residual = feedback.encode(residual, delta, 1.0, SCHEMA, "I4")
+    entries, _, residual = feedback.encode(residual, delta, 1.0, SCHEMA, "I4")
     once = gmjax.decode(gmjax.encode(delta, "I4"), SCHEMA, "I4")
     for n, v in gmjax.decode(entries, SCHEMA, "I4").items():
       fed[n] += np.asarray(v) / rounds

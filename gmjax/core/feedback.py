@@ -20,7 +20,7 @@ References:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +85,14 @@ _compensated = jax.jit(compensated, static_argnames=("beta",))
 _subtract = jax.jit(lambda a, b: jax.tree.map(jnp.subtract, a, b))
 
 
+class Encoded(NamedTuple):
+  """What ``encode`` gives: the payload entries of ``q``, what they decode to, and the
+  new residual."""
+  entries: dict[str, jax.Array]
+  decoded: dict[str, jax.Array]
+  residual: dict[str, np.ndarray]
+
+
 def encode(
     residual: Mapping[str, np.ndarray],
     delta: Mapping[str, Any],
@@ -93,8 +101,9 @@ def encode(
     precision: Precision,
     topk: int | None = None,
     chunk: int | None = None,
-) -> tuple[dict[str, jax.Array], dict[str, np.ndarray]]:
-  """The payload entries of ``q = encode(β·e + Δ)`` and the new residual.
+) -> Encoded:
+  """The payload entries of ``q = encode(β·e + Δ)``, their decoded values and the new
+  residual.
 
   Args:
     residual: ``e`` by leaf name, F32 (zeros before the first delta).
@@ -105,8 +114,9 @@ def encode(
     topk, chunk: ``delta_topk`` (None: dense deltas) and ``delta_chunk``.
 
   Returns:
-    ``(entries, residual)``: the entries ``sparse.encode_flat`` gives for ``β·e + Δ``, and
-    ``β·e + Δ − decode(entries)`` as host F32 arrays.
+    ``Encoded(entries, decoded, residual)``: the entries ``sparse.encode_flat`` gives for
+    ``β·e + Δ``, ``decode(entries)`` (F32, by leaf name: what every reader of the entries
+    gets), and ``β·e + Δ − decode(entries)`` as host F32 arrays.
 
   Raises:
     ValueError: ``β·e + Δ`` holds NaN or Inf (names the leaf); nothing is sent, and the
@@ -115,6 +125,8 @@ def encode(
   value = _compensated(dict(residual), dict(delta), beta=float(beta))
   entries = sparse.encode_flat(value, schema, precision, topk, chunk)
   decoded = sparse.decode_flat(entries, schema, precision, topk, chunk)
-  left = _subtract(value, {n: decoded[n] for n in value})
-  return entries, {n: np.asarray(v, np.float32) for n, v in jax.device_get(left).items()}
+  decoded = {n: decoded[n] for n in value}
+  left = _subtract(value, decoded)
+  return Encoded(entries, decoded,
+                 {n: np.asarray(v, np.float32) for n, v in jax.device_get(left).items()})
 

@@ -517,12 +517,12 @@ def _encode(config: Any, schema: Schema, residual: dict[str, np.ndarray] | None,
     ValueError: the value to send holds NaN or Inf (names the leaf).
   """
   if residual is not None:
-    entries, residual = feedback.encode(residual, delta, config.error_feedback, schema,
-                                        config.delta_precision, config.delta_topk,
-                                        config.delta_chunk)
-  else:
-    entries = sparse.encode_flat(delta, schema, config.delta_precision, config.delta_topk,
-                                 config.delta_chunk)
+    entries, decoded, residual = feedback.encode(
+        residual, delta, config.error_feedback, schema, config.delta_precision,
+        config.delta_topk, config.delta_chunk)
+    return entries, decoded if decode else None, residual
+  entries = sparse.encode_flat(delta, schema, config.delta_precision, config.delta_topk,
+                               config.delta_chunk)
   decoded = (sparse.decode_flat(entries, schema, config.delta_precision, config.delta_topk,
                                 config.delta_chunk) if decode else None)
-  return entries, decoded, residual
+  return entries, decoded, None
