@@ -52,9 +52,12 @@ def _free_port():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_two_process_jax_job_is_one_learner(tmp_path):
+@pytest.mark.parametrize("settings", [{}, dict(outer_delay=1, eager=True)],
+                         ids=["diloco", "eager"])
+def test_a_two_process_jax_job_is_one_learner(tmp_path, settings):
+  config = gmjax.DiLoCo(sync_every=2, **settings)
   url = str(tmp_path / "run")
-  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  run = mail.create(url, ms.params0(), config)
   port = _free_port()
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS="--xla_force_host_platform_device_count=2")
@@ -80,3 +83,13 @@ def test_a_two_process_jax_job_is_one_learner(tmp_path):
   theta = states.load_state(run.store, run.commit(0, 3)).theta
   for name, value in seen[0]["final"].items():
     np.testing.assert_array_equal(np.asarray(value, np.float32), theta[name])
+  # The same learner in one process (numpy, unsharded) commits the same Θ each round:
+  # the delayed (and eager) starts are the job's own, not each process's.
+  alone = mail.create(str(tmp_path / "alone"), ms.params0(), config)
+  ms.train(alone, "job", 0, 5)
+  for version in (1, 2, 3):
+    expected = states.load_state(alone.store, alone.commit(0, version)).theta
+    got = states.load_state(run.store, run.commit(0, version)).theta
+    for name in expected:
+      np.testing.assert_allclose(got[name], expected[name], rtol=1e-6, atol=1e-7,
+                                 err_msg=f"{name} at version {version}")
