@@ -13,7 +13,7 @@ codes, scales and sparse indices), once per round of each fragment.
 
 Run: .venv/bin/python benchmarks/convergence.py [--steps 1200] [--only LABEL ...]
      [--variant 'LABEL={"sync_every": 30, ...}'] [--batch 8] [--lr 3e-3]
-     [--split contiguous|iid] [--json out.json] [--plot convergence.png]
+     [--split contiguous|iid] [--seed 0] [--json out.json] [--plot convergence.png]
 """
 
 from __future__ import annotations
@@ -97,9 +97,12 @@ def shards_of(train: np.ndarray, split: str) -> list[np.ndarray]:
 
 
 def run(label: str, settings: dict | None, steps: int, corpus, every: int,
-        batch_size: int = BATCH, lr: float = 3e-3, split: str = "contiguous"):
+        batch_size: int = BATCH, lr: float = 3e-3, split: str = "contiguous",
+        seed: int = 0):
+  """One row. ``seed`` draws the initial parameters and each learner's batch order;
+  the held-out windows are the same for every seed."""
   train, valid = corpus
-  graphdef, params = model.build(MODEL, seed=0)
+  graphdef, params = model.build(MODEL, seed=seed)
   params = nnx.to_pure_dict(params)
   n = sum(x.size for x in jax.tree.leaves(params))
 
@@ -124,7 +127,8 @@ def run(label: str, settings: dict | None, steps: int, corpus, every: int,
   state = jax.vmap(optimizer.init, axis_name="learner")(stacked)
   train_step = jax.jit(jax.vmap(step, axis_name="learner"), donate_argnums=(0, 1))
   evaluate = jax.jit(jax.vmap(loss, in_axes=(None, 0)))
-  batches = [data.Batches(share, seq_len=MODEL.seq_len, batch_size=batch_size, seed=m)
+  batches = [data.Batches(share, seq_len=MODEL.seq_len, batch_size=batch_size,
+                          seed=seed * LEARNERS + m)
              for m, share in enumerate(shards_of(train, split))]
   held_out = data.Batches(valid, seq_len=MODEL.seq_len, batch_size=32, seed=1)
   eval_set = jnp.stack([held_out.next() for _ in range(EVAL_BATCHES)])
@@ -196,6 +200,8 @@ def main() -> None:
   parser.add_argument("--lr", type=float, default=3e-3, help="peak inner learning rate")
   parser.add_argument("--split", choices=("iid", "contiguous"), default="contiguous",
                       help="how the training bytes are shared out (see shards_of)")
+  parser.add_argument("--seed", type=int, default=0,
+                      help="initial parameters and batch order (held-out set fixed)")
   parser.add_argument("--json", default=None)
   parser.add_argument("--plot", default=None)
   args = parser.parse_args()
@@ -209,7 +215,7 @@ def main() -> None:
   results = []
   for label in labels:
     result = run(label, variants[label], args.steps, corpus, args.every, args.batch,
-                 args.lr, args.split)
+                 args.lr, args.split, args.seed)
     results.append(result)
     print(f"{label}: held-out {result['loss']:.4f}, {result['bytes'] / 2**20:.3f} MiB sent,"
           f" {result['seconds']:.0f} s, stats {result['stats']}", flush=True)
@@ -218,7 +224,7 @@ def main() -> None:
         json.dump(results, f)
   print(f"{results[0]['params']:,} parameters, {LEARNERS} learners x {args.steps} steps,"
         f" batch {args.batch} x {MODEL.seq_len} bytes per learner and step, peak inner lr"
-        f" {args.lr:g}, {args.split} shares of the training bytes")
+        f" {args.lr:g}, {args.split} shares of the training bytes, seed {args.seed}")
   if any(r["label"] == "data-parallel" for r in results):
     print(table(results))
   if args.plot:
