@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from gmjax.core import round as round_ops
 from gmjax.core.codec import JNP_DTYPES, decode_values, encode_values
 from gmjax.core.records import Precision
 from gmjax.core.schema import ParameterSpec
@@ -27,12 +28,13 @@ Tree = Any
 
 
 def weighted_sum(deltas: Sequence[Tree], weights: Sequence[Any]) -> Tree:
-  """``Σ_m w_m · Δ_m`` in F32, summed in the given (sorted learner) order."""
-  total = None
-  for delta, weight in zip(deltas, weights):
-    term = jax.tree.map(lambda d, w=weight: jnp.float32(w) * d.astype(jnp.float32), delta)
-    total = term if total is None else jax.tree.map(jnp.add, total, term)
-  return total
+  """``Σ_m w_m · Δ_m`` in F32, summed in the given (sorted learner) order.
+
+  Each leaf's deltas are stacked and summed by ``gmjax.core.round.weighted_sum``, the one
+  learner-order sum every runtime uses.
+  """
+  w = jnp.stack([jnp.asarray(x, jnp.float32) for x in weights])
+  return jax.tree.map(lambda *leaves: round_ops.weighted_sum(jnp.stack(leaves), w), *deltas)
 
 
 def outer_step(

@@ -20,41 +20,44 @@ from jax import lax
 from gmjax.transform import explicit
 
 
-def all_to_all(arrays: Sequence[jax.Array], axis_name: Any) -> list[jax.Array]:
-  """``all_to_all`` of each array's dimension 1 (size ``M``, tiled) over ``axis_name``:
-  piece ``j`` goes to learner ``j``, which puts it at this learner's index."""
+def all_to_all(arrays: Sequence[jax.Array], axis_name: Any, axis: int = 1
+               ) -> list[jax.Array]:
+  """``all_to_all`` of each array's dimension ``axis`` (size ``M``, tiled) over
+  ``axis_name``: piece ``j`` goes to learner ``j``, which puts it at this learner's index."""
   if not explicit.partially_manual(axis_name):
-    return list(lax.all_to_all(list(arrays), axis_name, 1, 1, tiled=True))
-  learners = arrays[0].shape[1]
+    return list(lax.all_to_all(list(arrays), axis_name, axis, axis, tiled=True))
+  learners = arrays[0].shape[axis]
   me = lax.axis_index(axis_name)
   out = []
   for x in arrays:
     result = x  # chunk ``me`` is this learner's own
     for shift in range(1, learners):
-      chunk = lax.dynamic_index_in_dim(x, (me + shift) % learners, 1)
+      chunk = lax.dynamic_index_in_dim(x, (me + shift) % learners, axis)
       got = lax.ppermute(chunk, axis_name, [(j, (j + shift) % learners)
                                             for j in range(learners)])
-      result = lax.dynamic_update_index_in_dim(result, got, (me - shift) % learners, 1)
+      result = lax.dynamic_update_index_in_dim(result, got, (me - shift) % learners, axis)
     out.append(result)
   return out
 
 
-def all_gather(arrays: Sequence[jax.Array], axis_name: Any, learners: int
+def all_gather(arrays: Sequence[jax.Array], axis_name: Any, learners: int, axis: int = 1
                ) -> list[jax.Array]:
-  """``all_gather`` of each array over ``axis_name`` along a new dimension 1 (``M``)."""
+  """``all_gather`` of each array over ``axis_name`` along a new dimension ``axis``
+  (``M``)."""
   if not explicit.partially_manual(axis_name):
-    return list(lax.all_gather(list(arrays), axis_name, axis=1, tiled=False))
+    return list(lax.all_gather(list(arrays), axis_name, axis=axis, tiled=False))
   me = lax.axis_index(axis_name)
   out = []
   for x in arrays:
-    mine = jnp.expand_dims(x, 1)
+    mine = jnp.expand_dims(x, axis)
     entries = explicit.spec(x)
-    result = explicit.zeros((x.shape[0], learners, *x.shape[1:]), x.dtype,
-                            None if entries is None else (entries[0], None, *entries[1:]))
-    result = lax.dynamic_update_index_in_dim(result, mine, me, 1)
+    result = explicit.zeros((*x.shape[:axis], learners, *x.shape[axis:]), x.dtype,
+                            None if entries is None else
+                            (*entries[:axis], None, *entries[axis:]))
+    result = lax.dynamic_update_index_in_dim(result, mine, me, axis)
     for shift in range(1, learners):
       got = lax.ppermute(mine, axis_name, [(j, (j + shift) % learners)
                                            for j in range(learners)])
-      result = lax.dynamic_update_index_in_dim(result, got, (me - shift) % learners, 1)
+      result = lax.dynamic_update_index_in_dim(result, got, (me - shift) % learners, axis)
     out.append(result)
   return out

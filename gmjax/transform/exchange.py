@@ -45,6 +45,7 @@ from gmjax.core.codec import CODE_BITS, JNP_DTYPES, QUANTIZED, dequantize, quant
 from gmjax.core.records import Precision
 from gmjax.core.schema import ParameterSpec
 from gmjax.transform import collectives, explicit, shards
+from gmjax.transform.buckets import Buckets
 from gmjax.transform.replicated import _as_bytes, _from_bytes
 
 _UINT = {2: jnp.uint16}
@@ -91,48 +92,44 @@ def _from_wire(arrays: Sequence[jax.Array], code: str) -> jax.Array:
   return values.reshape(*blocks, 32)
 
 
-def _gathered_spec(shard: jax.Array) -> tuple | None:
-  """The layout of ``all_gather(shard, axis=1)``: ``shard``'s, the learner dim whole."""
+def _gathered_spec(shard: jax.Array, axis: int = 1) -> tuple | None:
+  """The layout of ``all_gather(shard, axis=axis)``: ``shard``'s, the learner dim whole."""
   entries = explicit.spec(shard)
-  return None if entries is None else (entries[0], None, *entries[1:])
+  return None if entries is None else (*entries[:axis], None, *entries[axis:])
+
+
+# A bucket is ``(F, S, …)`` (``gmjax.transform.buckets``); its learners' dimension is 2.
+LEARNER_DIM = 2
 
 
 def receive(
-    delta_rows: Mapping[str, jax.Array],
-    specs: Sequence[ParameterSpec],
-    precision: Precision,
+    buckets: Buckets,
+    packed: Sequence[jax.Array],
     axis_name: Any,
-    learners: int,
-) -> tuple[list[dict[str, jax.Array]], dict[str, jax.Array]]:
-  """Every learner's decoded delta of this learner's shard, in learner order.
+) -> tuple[list[jax.Array], list[jax.Array]]:
+  """Every learner's decoded delta of this learner's shard, bucket by bucket.
 
   Args:
-    delta_rows: this learner's F32 delta of each leaf of the fragment, as rows
-      ``(R, M, 32)``.
-    specs: the fragment's specs.
-    precision: ``delta_precision``.
+    buckets: where the fragment's leaves lie in ``packed``, and each bucket's wire code.
+    packed: this learner's F32 delta rows, bucketed: ``(F, S, M, 32)`` each.
     axis_name: the learners' axis.
-    learners: ``M``.
 
   Returns:
-    ``(deltas, sent)``: ``M`` dicts by leaf name of F32 rows ``(R, 32)``, learner
-    ``m``'s decoded delta of this learner's shard; and by leaf name the decode of the
-    very wire arrays this learner sends, rows ``(R, M, 32)`` (error feedback keeps
+    ``(deltas, sent)``, bucket by bucket: ``(F, S, M, 32)`` F32, learner ``m``'s decoded
+    delta of this learner's shard at index ``m`` of dimension 2; and the decode of the
+    very wire arrays this learner sends, laid out as ``packed`` (error feedback keeps
     what they did not carry).
   """
-  received, sent = {}, {}
-  for spec in specs:
-    wire = _to_wire(delta_rows[spec.name], wire_code(spec, precision))
-    sent[spec.name] = _from_wire(wire, wire_code(spec, precision))
+  deltas, sent = [], []
+  for code, rows in zip(buckets.codes, packed):
+    wire = _to_wire(rows, code)
+    sent.append(_from_wire(wire, code))
     # Under vmap's spmd_axis_name the exchanged dimension comes out split over the
     # learners' axis; each learner needs every learner's encoding of its shard.
-    received[spec.name] = [explicit.pin(r, explicit.spec(w)) for r, w in
-                           zip(collectives.all_to_all(wire, axis_name), wire)]
-  return [
-      {s.name: _from_wire([a[:, m] for a in received[s.name]], wire_code(s, precision))
-       for s in specs}
-      for m in range(learners)
-  ], sent
+    received = [explicit.pin(r, explicit.spec(w)) for r, w in
+                zip(collectives.all_to_all(wire, axis_name, LEARNER_DIM), wire)]
+    deltas.append(_from_wire(received, code))
+  return deltas, sent
 
 
 def receive_sparse(
@@ -144,8 +141,8 @@ def receive_sparse(
     axis_name: Any,
     learners: int,
     learner: jax.Array,
-) -> tuple[list[dict[str, jax.Array]], dict[str, jax.Array]]:
-  """Every learner's decoded sparse delta of this learner's shard, in learner order.
+) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+  """Every learner's decoded sparse delta of this learner's shard, leaf by leaf.
 
   Args:
     delta: this learner's F32 delta of each leaf of the fragment (any shape).
@@ -157,9 +154,9 @@ def receive_sparse(
     learner: this learner's index on the axis.
 
   Returns:
-    ``(deltas, sent)``: ``M`` dicts by leaf name of F32 rows ``(R, 32)``, as ``receive``
-    gives them, and this learner's own delta decoded from the entries it sends, by leaf
-    name in the leaf's shape.
+    ``(deltas, sent)``: by leaf name, F32 rows ``(R, M, 32)`` of this learner's shard,
+    learner ``m``'s decoded delta at index ``m`` of dimension 1; and this learner's own
+    delta decoded from the entries it sends, by leaf name in the leaf's shape.
   """
   flat = [ParameterSpec(s.name, s.dtype, (s.size,)) for s in specs]
   entries, _ = sparse.encode_values({s.name: jnp.ravel(delta[s.name]) for s in specs},
@@ -168,14 +165,15 @@ def receive_sparse(
   gathered = {n: explicit.pin(g, _gathered_spec(wire[n])) for n, g in zip(
       wire, collectives.all_gather(list(wire.values()), axis_name, learners))}
   gathered = _from_bytes(gathered, entries)
-  out = []
+  decoded = {s.name: [] for s in specs}
   for m in range(learners):
-    decoded = sparse.decode_values({n: v[:, m] for n, v in gathered.items()}, flat,
-                                   precision, topk, chunk)
-    out.append({s.name: shards.own(shards.to_rows(decoded[s.name], learners), learner)
-                for s in specs})
+    values = sparse.decode_values({n: v[:, m] for n, v in gathered.items()}, flat,
+                                  precision, topk, chunk)
+    for s in specs:
+      decoded[s.name].append(shards.own(shards.to_rows(values[s.name], learners), learner))
   mine = sparse.decode_values(entries, flat, precision, topk, chunk)
-  return out, {s.name: mine[s.name].reshape(s.shape) for s in specs}
+  return ({n: jnp.stack(v, axis=1) for n, v in decoded.items()},
+          {s.name: mine[s.name].reshape(s.shape) for s in specs})
 
 
 def publish(
@@ -192,42 +190,52 @@ def publish(
   With ``commit_precision=None`` the shards of ``cast(master)`` are gathered; otherwise
   the shards of ``encode(master − Θ_old)`` are, and every learner forms
   ``Θ = cast(Θ_old + decode(update))`` from the same bytes, as ``outer.rebuild`` does.
+  The shards travel bucketed (``gmjax.transform.buckets``): one ``all_gather`` for each
+  wire array of each bucket.
 
   Returns:
     ``(theta, bad)``: Θ by leaf at the parameter dtype, and the number of non-finite
     values in this learner's published shard (F32).
   """
-  theta, bad = {}, jnp.float32(0)
+  values, codes = {}, {}
   for spec in specs:
-    dtype = JNP_DTYPES[spec.dtype]
     if commit_precision is None:
-      code, value = spec.dtype, master[spec.name]
+      codes[spec.name], values[spec.name] = spec.dtype, master[spec.name]
     else:
-      code = commit_precision
+      codes[spec.name] = commit_precision
       old = shards.own(shards.to_rows(anchor[spec.name], learners), learner)
       keep = shards.valid(spec.shape, learners, learner)
-      value = explicit.where(keep, master[spec.name] - old, jnp.float32(0))
+      values[spec.name] = explicit.where(keep, master[spec.name] - old, jnp.float32(0))
+  buckets = Buckets(values, codes, axis_name)
+  bad, gathered = jnp.float32(0), []
+  for code, value in zip(buckets.codes, buckets.pack(values)):
     wire = _to_wire(value, code)
     mine = _from_wire(wire, code)
     if commit_precision is None:
-      mine = mine.astype(dtype)
+      mine = mine.astype(JNP_DTYPES[code])
     bad = bad + jnp.sum(~jnp.isfinite(mine)).astype(jnp.float32)
     # Under vmap's spmd_axis_name the gathered dimension comes out split over the
     # learners' axis; every learner needs all of it, laid out as its own shard's rows.
-    gathered = [explicit.pin(g, _gathered_spec(w)) for g, w in
-                zip(collectives.all_gather(wire, axis_name, learners), wire)]
-    values = shards.from_rows(_from_wire(gathered, code), spec.shape)
+    got = [explicit.pin(g, _gathered_spec(w, LEARNER_DIM)) for g, w in
+           zip(collectives.all_gather(wire, axis_name, learners, LEARNER_DIM), wire)]
+    gathered.append(_from_wire(got, code))
+  theta, rows = {}, buckets.unpack(gathered)
+  for spec in specs:
+    dtype = JNP_DTYPES[spec.dtype]
+    value = shards.from_rows(rows[spec.name], spec.shape)
     if commit_precision is None:
-      theta[spec.name] = values.astype(dtype)
+      theta[spec.name] = value.astype(dtype)
     else:
-      theta[spec.name] = (anchor[spec.name].astype(jnp.float32) + values).astype(dtype)
+      theta[spec.name] = (anchor[spec.name].astype(jnp.float32) + value).astype(dtype)
   return theta, bad
 
 
 def mean_cosine(matrix: jax.Array) -> jax.Array:
   """Mean pairwise cosine from a Gram matrix, skipping zero deltas; NaN without a pair."""
   learners = matrix.shape[0]
-  norms = jnp.sqrt(jnp.maximum(jnp.diagonal(matrix), 0.0))
+  # The diagonal as a masked sum (``jnp.diagonal`` is a gather, which XLA may partition).
+  diagonal = jnp.sum(jnp.where(jnp.eye(learners, dtype=bool), matrix, 0.0), axis=1)
+  norms = jnp.sqrt(jnp.maximum(diagonal, 0.0))
   nonzero = norms > 0
   upper = jnp.triu(jnp.ones((learners, learners), bool), k=1)
   pairs = upper & nonzero[:, None] & nonzero[None, :]

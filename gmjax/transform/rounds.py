@@ -16,12 +16,13 @@ import optax
 from jax import lax
 
 from gmjax.core import eager, feedback, outer
+from gmjax.core import round as round_ops
 from gmjax.core.codec import JNP_DTYPES, BLOCK
 from gmjax.core.diloco import DiLoCo
 from gmjax.core.schedule import RoundSchedule
 from gmjax.core.schema import Schema
-from gmjax.core.stats import gram
 from gmjax.transform import exchange, explicit, replicated, screen, shards
+from gmjax.transform.buckets import Buckets
 from gmjax.transform.state import (MERGE, NOTHING, RESET, DelayState, DiLoCoStatistics,
                                    RoundState)
 
@@ -264,31 +265,43 @@ def _sync_sharded(layout, config, tx, axis_name, learner, fragment, names, ancho
     delta = feedback.compensated({n: residual[n] for n in names}, delta, layout.beta)
   every = lax.all_gather(counts, axis_name)
   every = explicit.pin(every, (None,) * every.ndim)
+  # The fragment's leaves cross, are screened and summed as buckets: one program per
+  # bucket whatever the number of leaves, the learners an array dimension.
   if config.delta_topk is None:
     rows = {n: shards.to_rows(delta[n], learners) for n in names}
-    deltas, sent = exchange.receive(rows, specs, config.delta_precision, axis_name,
-                                    learners)
+    codes = {s.name: exchange.wire_code(s, config.delta_precision) for s in specs}
+    buckets = Buckets(rows, codes, axis_name)
+    deltas, sent = exchange.receive(buckets, buckets.pack(rows), axis_name)
+    sent = buckets.unpack(sent)
     left = {s.name: shards.from_rows(rows[s.name] - sent[s.name], s.shape) for s in specs}
     sent = {s.name: explicit.like(shards.from_rows(sent[s.name], s.shape), delta[s.name])
             for s in specs}
   else:
-    deltas, sent = exchange.receive_sparse(delta, specs, config.delta_precision,
-                                           config.delta_topk, config.delta_chunk,
-                                           axis_name, learners, learner)
+    received, sent = exchange.receive_sparse(delta, specs, config.delta_precision,
+                                             config.delta_topk, config.delta_chunk,
+                                             axis_name, learners, learner)
     left = {n: delta[n] - sent[n] for n in names}
+    buckets = Buckets(received, dict.fromkeys(names, "F32"), axis_name)
+    deltas = buckets.pack(received)
   if layout.beta is not None:
     residual = _kept_residual(
         {n: explicit.like(v, residual[n]) for n, v in left.items()}, residual)
+  dim = exchange.LEARNER_DIM
   partial = jnp.concatenate([
-      gram(deltas).reshape(-1),
-      jnp.stack([screen.squares_and_non_finite(d)[1] for d in deltas])])
+      round_ops.gram(deltas, dim, batch=0).reshape(-1),
+      round_ops.non_finite(deltas, dim)])
   summed = explicit.psum(partial, axis_name)
   size = learners * learners
   matrix = summed[:size].reshape(learners, learners)
-  verdict = screen.judge(jnp.diagonal(matrix), summed[size:], every)
-  gradient = outer.weighted_sum(
-      [screen.masked(d, verdict.keep[m]) for m, d in enumerate(deltas)],
-      [verdict.weights[m] for m in range(learners)])
+  # The diagonal as a masked sum: ``jnp.diagonal`` is a gather, which XLA may partition
+  # over the other mesh axes.
+  squares = jnp.sum(jnp.where(np.eye(learners, dtype=bool), matrix, 0.0), axis=1)
+  verdict = screen.judge(squares, summed[size:], every)
+  keep = verdict.keep[None, None, :, None]
+  gradient = buckets.unpack([
+      round_ops.weighted_sum(explicit.where(keep, d, jnp.zeros_like(d)), verdict.weights,
+                             dim)
+      for d in deltas])
   old = tuple(master[n] if layout.keep[n] else layout.master_value(n, anchor[n], learner)
               for n in names)
   new_master, new_state = outer.apply_outer(

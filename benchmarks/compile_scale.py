@@ -1,0 +1,175 @@
+"""What compiling a training step costs: plain optax, data-parallel adamw, ``gmjax.diloco``.
+
+A GPT-like model of ``L`` layers (12 leaves a layer: two layer norms, QKV, attention
+output and a two-layer MLP, each with weights and biases; 4 more leaves: token and
+position embeddings, the final norm) trains on ``M`` learners, one per fake CPU device of
+an explicit ``jax.make_mesh`` mesh, as ``jit(vmap(step, axis_name="learner",
+spmd_axis_name="learner"))`` with the parameters and state donated. Each step computes
+the loss gradient, the optimizer update and ``apply_updates``. Compared, at each point of
+the grid:
+
+* ``plain adamw``: ``optax.adamw`` on each learner, no communication;
+* ``data-parallel adamw``: the same with the gradients ``pmean``-ed every step;
+* ``diloco ...``: ``gmjax.diloco(optax.adamw(...), config, axis_name="learner")``.
+
+Each row is compiled once (``jit(...).lower(...).compile()``, nothing is run) and reports
+the compile time, the compiled HLO text's size, the collectives in it (all-reduce,
+all-gather, all-to-all, collective-permute, reduce-scatter) and the step's scratch
+(``memory_analysis().temp_size_in_bytes``), with ratios against data-parallel adamw.
+
+Run: .venv/bin/python benchmarks/compile_scale.py [--learners 2 8 32] [--layers 2 12 24]
+     [--width 64] [--variants NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import re
+import time
+
+import inmesh
+
+COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute",
+               "reduce-scatter")
+
+
+def init_gpt(key, layers, width, vocab=256, context=32):
+  import jax
+  import jax.numpy as jnp
+
+  keys = iter(jax.random.split(key, 4 + 6 * layers))
+  normal = lambda shape: jax.random.normal(next(keys), shape, jnp.float32) / shape[0] ** 0.5
+  params = {
+      "embed": normal((vocab, width)),
+      "position": normal((context, width)),
+      "final_norm": {"scale": jnp.ones(width), "bias": jnp.zeros(width)},
+  }
+  for i in range(layers):
+    params[f"layer{i:02d}"] = {
+        "norm1": {"scale": jnp.ones(width), "bias": jnp.zeros(width)},
+        "qkv": {"w": normal((width, 3 * width)), "b": jnp.zeros(3 * width)},
+        "out": {"w": normal((width, width)), "b": jnp.zeros(width)},
+        "norm2": {"scale": jnp.ones(width), "bias": jnp.zeros(width)},
+        "fc": {"w": normal((width, 4 * width)), "b": jnp.zeros(4 * width)},
+        "proj": {"w": normal((4 * width, width)), "b": jnp.zeros(width)},
+    }
+  return params
+
+
+def loss_fn(params, tokens):
+  import jax
+  import jax.numpy as jnp
+
+  def norm(x, p):
+    mean = jnp.mean(x, -1, keepdims=True)
+    var = jnp.var(x, -1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
+
+  inputs, targets = tokens[:, :-1], tokens[:, 1:]
+  length = inputs.shape[1]
+  h = params["embed"][inputs] + params["position"][:length]
+  mask = jnp.tril(jnp.ones((length, length), bool))
+  for name in sorted(k for k in params if k.startswith("layer")):
+    layer = params[name]
+    x = norm(h, layer["norm1"])
+    q, k, v = jnp.split(x @ layer["qkv"]["w"] + layer["qkv"]["b"], 3, axis=-1)
+    scores = jnp.where(mask, q @ jnp.swapaxes(k, -1, -2) / q.shape[-1] ** 0.5, -1e9)
+    h = h + jax.nn.softmax(scores, -1) @ v @ layer["out"]["w"] + layer["out"]["b"]
+    x = norm(h, layer["norm2"])
+    x = jax.nn.gelu(x @ layer["fc"]["w"] + layer["fc"]["b"])
+    h = h + x @ layer["proj"]["w"] + layer["proj"]["b"]
+  logits = norm(h, params["final_norm"]) @ params["embed"].T
+  return jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1))
+
+
+def variants():
+  import optax
+
+  import gmjax
+
+  inner = lambda: optax.adamw(1e-3)
+  return {
+      "plain adamw": (inner, False),
+      "data-parallel adamw": (inner, True),
+      "diloco P=1 F32": (lambda: gmjax.diloco(
+          inner(), gmjax.DiLoCo(sync_every=50), axis_name="learner"), False),
+      "diloco P=4 I4": (lambda: gmjax.diloco(
+          inner(), gmjax.DiLoCo(sync_every=50, fragments=4, delta_precision="I4"),
+          axis_name="learner"), False),
+  }
+
+
+def measure(make, data_parallel, mesh, layers, width):
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  learners = mesh.shape["learner"]
+  optimizer = make()
+  keys = jnp.stack([jax.random.PRNGKey(m) for m in range(learners)])
+  params = jax.vmap(lambda k: init_gpt(k, layers, width))(keys)
+  tokens = jnp.zeros((learners, 4, 33), jnp.int32)
+  sharding = NamedSharding(mesh, P("learner"))
+  params, tokens = jax.device_put((params, tokens), sharding)
+
+  def step(params, state, tokens):
+    grads = jax.grad(loss_fn)(params, tokens)
+    if data_parallel:
+      grads = jax.lax.pmean(grads, "learner")
+    updates, state = optimizer.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  with jax.set_mesh(mesh):
+    init = jax.jit(jax.vmap(optimizer.init, axis_name="learner", spmd_axis_name="learner"))
+    # Every leaf split over the learners (optax's step counts come out replicated).
+    state = jax.device_put(init(params), sharding)
+    jitted = jax.jit(jax.vmap(step, axis_name="learner", spmd_axis_name="learner"),
+                     donate_argnums=(0, 1))
+    start = time.perf_counter()
+    compiled = jitted.lower(params, state, tokens).compile()
+    seconds = time.perf_counter() - start
+  text = compiled.as_text()
+  collectives = len(re.findall(rf"\b({'|'.join(COLLECTIVES)})(-start)?\(", text))
+  leaves = len(jax.tree.leaves(params))
+  size = sum(p.size for p in jax.tree.leaves(params)) // learners
+  return dict(seconds=seconds, chars=len(text), collectives=collectives,
+              temp=compiled.memory_analysis().temp_size_in_bytes, leaves=leaves, size=size)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--learners", type=int, nargs="+", default=[2, 8, 32])
+  parser.add_argument("--layers", type=int, nargs="+", default=[2, 12, 24])
+  parser.add_argument("--width", type=int, default=64)
+  parser.add_argument("--variants", nargs="+", default=None)
+  args = parser.parse_args()
+  inmesh.fake_cpu_devices(max(args.learners))
+  import jax
+
+  chosen = variants()
+  if args.variants:
+    chosen = {k: v for k, v in chosen.items() if k in args.variants}
+  print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({platform.machine()}),"
+        f" GPT width {args.width}")
+  print("| M | L | leaves | params | step | compile s | / DP | HLO chars | / DP"
+        " | collectives | scratch MiB | / DP |")
+  print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+  for learners in args.learners:
+    mesh = jax.make_mesh((learners,), ("learner",), devices=jax.devices()[:learners])
+    for layers in args.layers:
+      rows = {label: measure(make, dp, mesh, layers, args.width)
+              for label, (make, dp) in chosen.items()}
+      base = rows.get("data-parallel adamw")
+      for label, row in rows.items():
+        ratio = lambda key: "-" if base is None else f"{row[key] / max(base[key], 1):.2f}"
+        print(f"| {learners} | {layers} | {row['leaves']} | {row['size'] / 1e6:.2f}M"
+              f" | {label} | {row['seconds']:.1f} | {ratio('seconds')}"
+              f" | {row['chars'] / 1e6:.2f}M | {ratio('chars')} | {row['collectives']}"
+              f" | {row['temp'] / 2**20:.1f} | {ratio('temp')} |", flush=True)
+
+
+if __name__ == "__main__":
+  main()
