@@ -16,10 +16,11 @@ import numpy as np
 import optax
 
 from gmjax.core import outer, outer_records, sparse
+from gmjax.core import round as round_ops
 from gmjax.core.codec import encode_flat
 from gmjax.core.records import Contribution, FragmentState, Participant, RoundResult
 from gmjax.core.schema import NUMPY_DTYPES, ParameterSpec, Schema, master_name
-from gmjax.core.stats import cosine_from_gram, gram
+from gmjax.core.stats import cosine_from_gram
 
 if TYPE_CHECKING:
   from gmjax.core.diloco import DiLoCo
@@ -44,9 +45,11 @@ def _outer_transform(config: DiLoCo) -> optax.GradientTransformation:
 def _close(theta, outer_state, contributions, weights, *, specs, delta_precision,
            commit_precision, transform, aliases, keep_master, delta_topk=None,
            delta_chunk=None):
-  deltas = [sparse.decode_values(c, specs, delta_precision, delta_topk, delta_chunk)
-            for c in contributions]
-  gradient = outer.weighted_sum(deltas, list(weights))
+  # ``contributions``: each payload entry stacked over the slots (the learners in sorted
+  # order, then zero padding), so every step is one program whatever their count.
+  deltas = jax.vmap(lambda c: sparse.decode_values(c, specs, delta_precision, delta_topk,
+                                                   delta_chunk))(contributions)
+  gradient = {s.name: round_ops.weighted_sum(deltas[s.name], weights) for s in specs}
   master = {
       s.name: (outer_state[master_name(s.name)] if keep_master[i]
                else theta[s.name].astype(jnp.float32))
@@ -62,7 +65,7 @@ def _close(theta, outer_state, contributions, weights, *, specs, delta_precision
   for i, s in enumerate(specs):
     if keep_master[i]:
       new_outer[master_name(s.name)] = master[s.name]
-  return new_theta, new_outer, update, gram(deltas)
+  return new_theta, new_outer, update, round_ops.gram_rows(list(deltas.values()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +120,7 @@ class DiLoCoAggregator:
     theta, outer_state, update, dots = _close(
         {s.name: state.theta[s.name] for s in specs},
         dict(state.outer),
-        [dict(c.tensors) for c in ordered] + padding,
+        _stacked([dict(c.tensors) for c in ordered] + padding),
         np.asarray(weights + [0.0] * len(padding), np.float32),
         specs=specs,
         delta_precision=self.config.delta_precision,
@@ -151,6 +154,11 @@ class DiLoCoAggregator:
     state = self.config.initial_state(self.schema, self.schema.names, zeros)
     self.close_round(state, [Contribution("warm", 0, 0, 0, 0.0, False,
                                           self.zero_contribution())], capacity=capacity)
+
+
+def _stacked(payloads: Sequence[Mapping[str, Any]]) -> dict[str, np.ndarray]:
+  """Each entry of ``payloads`` (alike in names, shapes and dtypes) stacked over them."""
+  return {name: np.stack([np.asarray(p[name]) for p in payloads]) for name in payloads[0]}
 
 
 def padded_count(count: int) -> int:

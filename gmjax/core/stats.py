@@ -9,20 +9,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gmjax.core import round as round_ops
+
 
 def gram(deltas: Sequence[Any]) -> jax.Array:
-  """The M×M matrix of dot products of whole-tree deltas, in F32 (traceable)."""
-  # Pairwise fused multiply-reduce passes: on CPU, XLA runs these several times faster
-  # than a stacked (M, n) @ (n, M) product, and they need no stacked copy.
-  leaves = [[jnp.ravel(p).astype(jnp.float32) for p in jax.tree.leaves(d)] for d in deltas]
-  count = len(deltas)
-  dots = {}
-  for i in range(count):
-    for j in range(i, count):
-      dots[i, j] = sum(jnp.sum(a * b) for a, b in zip(leaves[i], leaves[j]))
-  return jnp.stack(
-      [jnp.stack([dots[min(i, j), max(i, j)] for j in range(count)]) for i in range(count)]
-  )
+  """The M×M matrix of dot products of whole-tree deltas, in F32 (traceable).
+
+  Each leaf's deltas are stacked and contracted at once (``gmjax.core.round.gram``).
+  """
+  stacked = [jnp.stack([jnp.ravel(p) for p in leaves])
+             for leaves in zip(*(jax.tree.leaves(d) for d in deltas))]
+  return round_ops.gram(stacked, 0)
 
 
 def cosine(deltas: Sequence[Any]) -> float | None:
