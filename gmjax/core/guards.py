@@ -65,14 +65,22 @@ def reference(values: Any, *, xp: Any = np) -> Any:
   values = xp.asarray(values)
   count = values.shape[0]
   usable = xp.isfinite(values) & (values > 0)
-  # Unusable values sort last, as +inf; the first ``n`` sorted entries are the usable ones.
-  ordered = xp.sort(xp.where(usable, values, xp.inf))
-  rank = xp.argsort(xp.argsort(xp.where(usable, values, xp.inf)))
+  # Without sorting, so that the traced form is a few elementwise passes over M × M
+  # (sorts and gathers of M values split a compiled program into many small kernels):
+  # ``before[i, j]``, value ``j`` sorts before value ``i`` (unusable ones last, ties by
+  # position); ``rank[j]`` its place in that order.
+  v = xp.where(usable, values, xp.inf)
+  position = xp.arange(count)
+  before = (v[None, :] < v[:, None]) | ((v[None, :] == v[:, None])
+                                        & (position[None, :] < position[:, None]))
+  rank = xp.sum(before, axis=1)
   n = xp.sum(usable) - usable.astype(rank.dtype)  # usable others of each value
   k = (n - 1) // 2
-  # The others of a usable value are ``ordered`` without its own slot.
-  index = xp.where(usable & (k >= rank), k + 1, k)
-  picked = xp.take(ordered, xp.clip(index, 0, max(count - 1, 0)))
+  # Value ``j``'s place among the others of ``i`` (``i`` taken out of the order); the
+  # reference of ``i`` is the usable other at place ``k``.
+  place = rank[None, :] - (rank[:, None] < rank[None, :])
+  chosen = usable[None, :] & (position[None, :] != position[:, None]) & (place == k[:, None])
+  picked = xp.sum(xp.where(chosen, v[None, :], 0), axis=1)
   return xp.where(n > 0, picked, xp.nan)
 
 

@@ -40,8 +40,11 @@ def weighted_sum(stacked: jax.Array, weights: jax.Array, axis: int = 0) -> jax.A
     return w[m] * lax.dynamic_index_in_dim(stacked, m, axis, keepdims=False).astype(
         jnp.float32)
 
-  # The first term starts the sum (not ``0 + w_0·Δ_0``), as a sum written out would.
-  return lax.fori_loop(1, count, lambda m, total: total + term(m), term(0))
+  # From zeros, every term in the loop: a loop of one trip would be inlined, and its
+  # terms (and the weights' computation) copied into every fusion that reads the sum.
+  # ``0 + w_0·Δ_0`` is ``w_0·Δ_0``, but for the sign of a zero.
+  zeros = jnp.zeros_like(lax.index_in_dim(stacked, 0, axis, keepdims=False), jnp.float32)
+  return lax.fori_loop(0, count, lambda m, total: total + term(m), zeros)
 
 
 def gram(stacked: Sequence[jax.Array], axis: int, batch: int | None = None) -> jax.Array:

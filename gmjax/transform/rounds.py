@@ -248,6 +248,7 @@ def _sync_replicated(layout, config, tx, axis_name, fragment, names, anchor, mas
                            config.commit_precision)
   theta = {n: explicit.unflatten(theta[n], anchor[n]) for n in names}
   bad = _finite_count([*gradient.values(), *new_master, *theta.values()])
+  bad = bad + jnp.where(jnp.any(verdict.keep), 0.0, 1.0)  # a round with no delta kept
   squared = sum(jnp.sum(jnp.square(g)) for g in gradient.values())
   own = (None if not layout.eager else
          ({n: explicit.unflatten(sent[n], anchor[n]) for n in names},
@@ -309,7 +310,11 @@ def _sync_sharded(layout, config, tx, axis_name, learner, fragment, names, ancho
   theta, bad_theta = exchange.publish(
       dict(zip(names, new_master)), {n: anchor[n] for n in names}, specs,
       config.commit_precision, axis_name, learners, learner)
-  bad = bad_theta + _finite_count([*gradient.values(), *new_master])
+  # A round none of whose deltas was kept has no outer step: counted with the non-finite
+  # values, so that whether the round is kept comes out of the psum, and XLA does not
+  # copy the screening into each leaf's selects.
+  bad = (bad_theta + _finite_count([*gradient.values(), *new_master])
+         + jnp.where(jnp.any(verdict.keep), 0.0, 1.0))
   squared = sum(jnp.sum(jnp.square(g)) for g in gradient.values())
   summed = explicit.psum(jnp.stack([squared, bad]), axis_name)
   squared, bad = summed[0], summed[1]
@@ -362,8 +367,6 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
       # The residual is what this learner's wire did not carry, whatever the round's
       # outcome: a learner does not learn it (the mail runtime's learners cannot).
       residual.update(left)
-      # A round none of whose deltas was kept has no outer step.
-      finite = finite & jnp.any(verdict.keep)
       if layout.delay:
         # The next phase starts at the Θ before this round (gmjax.core.eager) ...
         for n in names:
