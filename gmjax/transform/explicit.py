@@ -80,6 +80,34 @@ def where(condition: Any, on_true: Any, on_false: Any) -> jax.Array:
   return jnp.where(condition, on_true, on_false)
 
 
+def choose(condition: Any, on_true: Any, on_false: Any) -> Any:
+  """The tree ``on_true`` if the scalar ``condition`` holds, else ``on_false``.
+
+  One ``lax.cond`` for the whole tree: selects leaf by leaf would each get a copy of the
+  computation of ``condition`` from XLA, which fuses cheap scalar work into every reader
+  (a program quadratic in the leaf count). On an explicit mesh, where a learner-batched
+  condition makes the ``cond`` a select whose operands must agree on their sharding, it
+  is ``where`` leaf by leaf.
+  """
+  if any(spec(x) is not None for x in jax.tree.leaves(on_false)):
+    return jax.tree.map(lambda a, b: where(condition, a, b), on_true, on_false)
+  return lax.cond(condition, lambda a, b: a, lambda a, b: b, on_true, on_false)
+
+
+def total(values: Any) -> jax.Array:
+  """The F32 sum of scalars (one a leaf, say).
+
+  One reduction of their vector: written as a chain of additions, XLA copies the chain
+  into each fusion that reads the total (one or more a leaf), a program quadratic in the
+  leaf count. On an explicit mesh, where learner-batched and unbatched scalars cannot be
+  stacked, it is that chain.
+  """
+  values = [jnp.asarray(v).astype(jnp.float32) for v in values]
+  if any(spec(v) is not None for v in values):
+    return sum(values[1:], values[0])
+  return jnp.sum(jnp.stack(values))
+
+
 def flatten(x: jax.Array, block: int) -> jax.Array:
   """``jnp.ravel(x)`` whose pieces on an explicit mesh are whole blocks of ``block``.
 

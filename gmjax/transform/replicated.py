@@ -63,7 +63,7 @@ def _from_bytes(entries, like) -> dict[str, jax.Array]:
 
 
 def _squared_norm(tree: Mapping[str, jax.Array]) -> jax.Array:
-  return sum(jnp.sum(jnp.square(v)) for v in tree.values())
+  return explicit.total(jnp.sum(jnp.square(v)) for v in tree.values())
 
 
 def _unit(tree: Mapping[str, jax.Array]) -> tuple[dict[str, jax.Array], jax.Array]:

@@ -205,7 +205,8 @@ def start(layout: Layout, tx, axis_name: Any, learner: Any):
 
 
 def _finite_count(values) -> jax.Array:
-  return sum(jnp.sum(~jnp.isfinite(v)).astype(jnp.float32) for v in values)
+  """How many of ``values``' elements are NaN or Inf, F32."""
+  return explicit.total(jnp.sum(~jnp.isfinite(v)) for v in values)
 
 
 def _kept_residual(new: dict[str, jax.Array], old: dict[str, jax.Array]) -> dict:
@@ -249,7 +250,7 @@ def _sync_replicated(layout, config, tx, axis_name, fragment, names, anchor, mas
   theta = {n: explicit.unflatten(theta[n], anchor[n]) for n in names}
   bad = _finite_count([*gradient.values(), *new_master, *theta.values()])
   bad = bad + jnp.where(jnp.any(verdict.keep), 0.0, 1.0)  # a round with no delta kept
-  squared = sum(jnp.sum(jnp.square(g)) for g in gradient.values())
+  squared = explicit.total(jnp.sum(jnp.square(g)) for g in gradient.values())
   own = (None if not layout.eager else
          ({n: explicit.unflatten(sent[n], anchor[n]) for n in names},
           _own(verdict.weights, None if axis_name is None else lax.axis_index(axis_name))))
@@ -315,7 +316,7 @@ def _sync_sharded(layout, config, tx, axis_name, learner, fragment, names, ancho
   # copy the screening into each leaf's selects.
   bad = (bad_theta + _finite_count([*gradient.values(), *new_master])
          + jnp.where(jnp.any(verdict.keep), 0.0, 1.0))
-  squared = sum(jnp.sum(jnp.square(g)) for g in gradient.values())
+  squared = explicit.total(jnp.sum(jnp.square(g)) for g in gradient.values())
   summed = explicit.psum(jnp.stack([squared, bad]), axis_name)
   squared, bad = summed[0], summed[1]
   both = verdict.keep[:, None] & verdict.keep[None, :]
@@ -390,12 +391,16 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
         weights = weights.at[fragment].set(jnp.where(finite, weight, 0.0))
         own_states = tuple(new_own if f == fragment else x
                            for f, x in enumerate(own_states))
-      for i, n in enumerate(names):
-        anchor[n] = explicit.where(finite, theta[n], anchor[n])
-        if layout.keep[n]:
-          master[n] = explicit.where(finite, new_master[i], master[n])
-      kept = jax.tree.map(lambda a, b: explicit.where(finite, a, b), new_state,
-                          outer_states[fragment])
+      # The round's results, or the state before it (one choice: ``explicit.choose``).
+      kept_names = [n for n in names if layout.keep[n]]
+      old = ({n: anchor[n] for n in names}, {n: master[n] for n in kept_names},
+             outer_states[fragment])
+      new = vary_like(({n: theta[n] for n in names},
+                       {n: new_master[i] for i, n in enumerate(names) if layout.keep[n]},
+                       new_state), old)
+      chosen_anchor, chosen_master, kept = explicit.choose(finite, new, old)
+      anchor.update(chosen_anchor)
+      master.update(chosen_master)
       outer_states = tuple(kept if f == fragment else s for f, s in enumerate(outer_states))
       stats = DiLoCoStatistics(
           rounds=stats.rounds + 1,

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from gmjax.core import guards
+from gmjax.transform import explicit
 from gmjax.transform import tokens as token_counts
 
 
@@ -75,13 +76,14 @@ def _pair(value: jax.Array) -> jax.Array:
 
 
 def masked(delta, keep: jax.Array):
-  """``delta`` where ``keep``, zeros otherwise (a NaN times a zero weight is NaN)."""
-  return jax.tree.map(lambda d: jnp.where(keep, d, jnp.zeros_like(d)), delta)
+  """``delta`` where ``keep`` (a scalar), zeros otherwise (a NaN times a zero weight is
+  NaN); one choice for the whole tree (``explicit.choose``)."""
+  return explicit.choose(keep, delta, jax.tree.map(jnp.zeros_like, delta))
 
 
 def squares_and_non_finite(delta) -> tuple[jax.Array, jax.Array]:
   """``(Σ d², count of non-finite d)`` of a delta's leaves, both F32 scalars."""
   leaves = jax.tree.leaves(delta)
-  squared = sum(jnp.sum(jnp.square(d.astype(jnp.float32))) for d in leaves)
-  bad = sum(jnp.sum(~jnp.isfinite(d)).astype(jnp.float32) for d in leaves)
+  squared = explicit.total(jnp.sum(jnp.square(d.astype(jnp.float32))) for d in leaves)
+  bad = explicit.total(jnp.sum(~jnp.isfinite(d)) for d in leaves)
   return jnp.float32(squared), jnp.float32(bad)
