@@ -12,12 +12,15 @@ the grid:
 * ``data-parallel adamw``: the same with the gradients ``pmean``-ed every step;
 * ``diloco ...``: ``gmjax.diloco(optax.adamw(...), config, axis_name="learner")``.
 
+With ``--learners 1`` the step is ``jit(step)`` with no mesh and ``axis_name=None``, and
+the ratios are against plain adamw.
+
 Each row is compiled once (``jit(...).lower(...).compile()``, nothing is run) and reports
 the compile time, the compiled HLO text's size, the collectives in it (all-reduce,
 all-gather, all-to-all, collective-permute, reduce-scatter) and the step's scratch
 (``memory_analysis().temp_size_in_bytes``), with ratios against data-parallel adamw.
 
-Run: .venv/bin/python benchmarks/compile_scale.py [--learners 2 8 32] [--layers 2 12 24]
+Run: .venv/bin/python benchmarks/compile_scale.py [--learners 1 2 8 32] [--layers 2 12 24]
      [--width 64] [--variants NAME ...]
 """
 
@@ -88,15 +91,15 @@ def variants():
 
   import gmjax
 
-  inner = lambda: optax.adamw(1e-3)
+  inner = lambda axis="learner": optax.adamw(1e-3)
   return {
       "plain adamw": (inner, False),
       "data-parallel adamw": (inner, True),
-      "diloco P=1 F32": (lambda: gmjax.diloco(
-          inner(), gmjax.DiLoCo(sync_every=50), axis_name="learner"), False),
-      "diloco P=4 I4": (lambda: gmjax.diloco(
+      "diloco P=1 F32": (lambda axis="learner": gmjax.diloco(
+          inner(), gmjax.DiLoCo(sync_every=50), axis_name=axis), False),
+      "diloco P=4 I4": (lambda axis="learner": gmjax.diloco(
           inner(), gmjax.DiLoCo(sync_every=50, fragments=4, delta_precision="I4"),
-          axis_name="learner"), False),
+          axis_name=axis), False),
   }
 
 
@@ -107,6 +110,8 @@ def measure(make, data_parallel, mesh, layers, width):
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
+  if mesh is None:
+    return measure_one(make, layers, width)
   learners = mesh.shape["learner"]
   optimizer = make()
   keys = jnp.stack([jax.random.PRNGKey(m) for m in range(learners)])
@@ -139,6 +144,32 @@ def measure(make, data_parallel, mesh, layers, width):
               temp=compiled.memory_analysis().temp_size_in_bytes, leaves=leaves, size=size)
 
 
+def measure_one(make, layers, width):
+  """One learner, no mesh: ``jit(step)`` with ``axis_name=None``."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  optimizer = make(None)
+  params = init_gpt(jax.random.PRNGKey(0), layers, width)
+  tokens = jnp.zeros((4, 33), jnp.int32)
+
+  def step(params, state, tokens):
+    grads = jax.grad(loss_fn)(params, tokens)
+    updates, state = optimizer.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, optimizer.init(params), tokens)
+  start = time.perf_counter()
+  compiled = lowered.compile()
+  seconds = time.perf_counter() - start
+  text = compiled.as_text()
+  return dict(seconds=seconds, chars=len(text), collectives=0,
+              temp=compiled.memory_analysis().temp_size_in_bytes,
+              leaves=len(jax.tree.leaves(params)),
+              size=sum(p.size for p in jax.tree.leaves(params)))
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--learners", type=int, nargs="+", default=[2, 8, 32])
@@ -146,7 +177,7 @@ def main():
   parser.add_argument("--width", type=int, default=64)
   parser.add_argument("--variants", nargs="+", default=None)
   args = parser.parse_args()
-  inmesh.fake_cpu_devices(max(args.learners))
+  inmesh.fake_cpu_devices(max(max(args.learners), 2))
   import jax
 
   chosen = variants()
@@ -154,15 +185,17 @@ def main():
     chosen = {k: v for k, v in chosen.items() if k in args.variants}
   print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({platform.machine()}),"
         f" GPT width {args.width}")
-  print("| M | L | leaves | params | step | compile s | / DP | HLO chars | / DP"
-        " | collectives | scratch MiB | / DP |")
+  print("| M | L | leaves | params | step | compile s | / base | HLO chars | / base"
+        " | collectives | scratch MiB | / base |")
   print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
   for learners in args.learners:
-    mesh = jax.make_mesh((learners,), ("learner",), devices=jax.devices()[:learners])
+    mesh = None if learners == 1 else jax.make_mesh((learners,), ("learner",),
+                                                    devices=jax.devices()[:learners])
     for layers in args.layers:
       rows = {label: measure(make, dp, mesh, layers, args.width)
-              for label, (make, dp) in chosen.items()}
-      base = rows.get("data-parallel adamw")
+              for label, (make, dp) in chosen.items()
+              if mesh is not None or label != "data-parallel adamw"}
+      base = rows.get("data-parallel adamw" if mesh is not None else "plain adamw")
       for label, row in rows.items():
         ratio = lambda key: "-" if base is None else f"{row[key] / max(base[key], 1):.2f}"
         print(f"| {learners} | {layers} | {row['leaves']} | {row['size'] / 1e6:.2f}M"
