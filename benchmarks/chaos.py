@@ -274,7 +274,10 @@ def chaos(root: str, *, rounds: int = 30, learners: int = 4, seed: int = 0,
         report.failures.append("learners keep failing: stopped the run")
         break
       newest = _newest_round(run)
-      if newest + 1 >= rounds:
+      # The run goes on past ``rounds`` until it has been disturbed at least once: on a
+      # fast machine all its rounds can close before the first learner is old enough to
+      # be killed (``min_uptime``).
+      if newest + 1 >= rounds and report.kills + report.self_kills > 0:
         break
       if kinds and newest >= max(1, planted_at + 1) and os.listdir(os.path.join(url, "learners")):
         # One hostile file per new round, aimed two rounds ahead so it is there in time.
