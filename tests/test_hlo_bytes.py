@@ -6,6 +6,7 @@ on a (4, 2) mesh over ("a", "b") is a (2, 8) block per device, so F32 is 64 byte
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
@@ -188,6 +189,29 @@ def test_async_iota_and_empty_groups_as_xla_prints_them():
       ("all-to-all", "u8", (6,), 3, 6, 4.0),
       ("all-reduce", "f32", (16,), 8, 64, 112.0),        # {}: all 8 partitions
   ]
+
+
+def test_replica_groups_as_device_ids():
+  found = {(c.op, c.group_size): c.groups for c in hlo.collective_bytes(_ASYNC_MODULE)}
+  assert found["all-gather", 4] == ((0, 1, 2, 3), (4, 5, 6, 7))     # [2,4]<=[8]
+  assert found["all-reduce", 2] == ((0, 4), (1, 5), (2, 6), (3, 7))  # [4,2]<=[2,4]T(1,0)
+  assert found["collective-permute", None] == ()
+  assert found["all-to-all", 3] == ((0, 1, 2), (3, 4, 5))
+  assert found["all-reduce", 8] == (tuple(range(8)),)               # {}
+  # Mesh axes: the devices of a (2, 4) mesh laid out by device_ids, grouped over 'b'.
+  line = ("HloModule m, num_partitions=8\nENTRY %e () -> f32[2] {\n  %x = f32[2]{0} "
+          "all-reduce(%p), replica_groups=mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0))"
+          " {'b'}, to_apply=%add\n}\n")
+  ids = np.arange(8).reshape(4, 2).T  # device_ids, as the mesh's (2, 4) array
+  assert hlo.collective_bytes(line)[0].groups == tuple(tuple(int(d) for d in r) for r in ids)
+  # Read from a compiled step: the sum over a dimension split over 'a' of an (a, b) mesh
+  # reduces over the devices that differ in 'a' only.
+  mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
+  x = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("b", "a")))
+  text = jax.jit(lambda v: jnp.sum(v, axis=1)).lower(x).compile().as_text()
+  ids = np.vectorize(lambda d: d.id)(mesh.devices)
+  (reduce,) = [c for c in hlo.collective_bytes(text) if c.op == "all-reduce"]
+  assert sorted(reduce.groups) == sorted(tuple(int(d) for d in ids[:, b]) for b in range(4))
 
 
 def test_mesh_sub_axis_groups():

@@ -186,7 +186,21 @@ def _fsdp_gathers(axis_type, mode, shard_outer, error_feedback=None, eager=False
     state = init(params)
     text = step.lower(params, state, targets, curvature, tokens).compile().as_text()
   return [c for c in hlo.collective_bytes(text)
-          if c.op == "all-gather" and c.group_size != LEARNERS]
+          if c.op == "all-gather" and _spans_other_axes(mesh, c)]
+
+
+def _spans_other_axes(mesh, collective):
+  """Whether a replica group of ``collective`` holds devices that differ in a mesh axis
+  other than ``learner`` (read from the groups' device ids, not their size)."""
+  ids = np.vectorize(lambda d: d.id)(mesh.devices)
+  learner = mesh.axis_names.index("learner")
+  if not collective.groups:
+    return collective.group_size != LEARNERS
+  for group in collective.groups:
+    coords = np.array([np.argwhere(ids == d)[0] for d in group])
+    if any(len(set(coords[:, i])) > 1 for i in range(ids.ndim) if i != learner):
+      return True
+  return False
 
 
 @pytest.mark.parametrize("shard_outer", [True, False], ids=["sharded", "replicated"])

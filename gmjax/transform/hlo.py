@@ -40,6 +40,8 @@ import math
 import re
 from collections.abc import Iterable
 
+import numpy as np
+
 __all__ = ["Collective", "collective_bytes", "total_bytes_sent"]
 
 _OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -71,6 +73,8 @@ class Collective:
     bytes_sent: bytes one device sends for this buffer under that model.
     computation: the HLO computation holding the instruction.
     op_name: JAX's ``op_name`` metadata, or ``""``.
+    groups: the replica groups as device ids (``()`` for a collective-permute, or groups
+      over mesh sub-axes).
   """
 
   name: str
@@ -83,6 +87,7 @@ class Collective:
   bytes_sent: float
   computation: str
   op_name: str
+  groups: tuple[tuple[int, ...], ...] = ()
 
 
 def total_bytes_sent(collectives: Iterable[Collective], *, ops: Iterable[str] | None = None,
@@ -200,6 +205,47 @@ def _group_size(groups: str | None, devices: int, line: str) -> int:
   raise ValueError(f"collective_bytes: cannot read replica_groups={groups!r}")
 
 
+def _iota(text: str) -> np.ndarray:
+  """The device ids of an iota tile ``[dims]`` or ``[dims]T(perm)`` (not reshaped)."""
+  found = re.fullmatch(r"\[([\d,]*)\](?:T\(([\d,]*)\))?", text.replace(" ", ""))
+  if found is None:
+    raise ValueError(f"collective_bytes: cannot read the device tile {text!r}")
+  dims = [int(d) for d in found.group(1).split(",") if d]
+  ids = np.arange(int(np.prod(dims))).reshape(dims)
+  if found.group(2):
+    ids = ids.transpose([int(p) for p in found.group(2).split(",")])
+  return ids
+
+
+def _groups(groups: str | None, devices: int, line: str) -> tuple[tuple[int, ...], ...]:
+  """The replica groups as device ids, from any of the forms in the module docstring."""
+  if groups is None or groups.replace(" ", "") in ("{}", "{{}}"):
+    return (tuple(range(devices)),)
+  compact = groups.replace(" ", "")
+  if compact.startswith("{"):
+    return tuple(tuple(int(d) for d in g.split(",") if d)
+                 for g in re.findall(r"\{([\d,]*)\}", compact))
+  if compact.startswith("["):  # [groups, size]<=[dims]T(perm)
+    shape, tile = compact.split("<=")
+    sizes = [int(d) for d in shape[1:-1].split(",")]
+    return tuple(tuple(int(d) for d in g) for g in _iota(tile).reshape(sizes[0], -1))
+  mesh = _MESH_GROUPS.search(line)
+  if not compact.startswith("mesh[") or mesh is None:
+    raise ValueError(f"collective_bytes: cannot read replica_groups={groups!r}")
+  if ":(" in mesh.group(2):
+    return ()  # sub-axes: the size is known (``group_size``), the devices are not read
+  sizes = re.findall(r"'([^']+)'=(\d+)", mesh.group(1))
+  names = [n for n, _ in sizes]
+  shape = [int(d) for _, d in sizes]
+  listed = re.search(r"device_ids=\(?(\[[^\]]*\](?:T\([\d,]*\))?)", line)
+  ids = (_iota(listed.group(1)).reshape(shape) if listed
+         else np.arange(int(np.prod(shape))).reshape(shape))
+  axes = [names.index(a) for a in re.findall(r"'([^']+)'", mesh.group(2))]
+  rest = [i for i in range(len(shape)) if i not in axes]
+  grouped = ids.transpose(rest + axes).reshape(-1, int(np.prod([shape[a] for a in axes])))
+  return tuple(tuple(int(d) for d in g) for g in grouped)
+
+
 def _sent(op: str, group: int | None, nbytes: int, line: str) -> float:
   if op == "collective-permute":
     pairs = re.findall(r"\{(\d+),(\d+)\}", _attribute(line, "source_target_pairs") or "")
@@ -259,6 +305,8 @@ def collective_bytes(hlo_text: str) -> list[Collective]:
       shape = shape if native_all_reduce else shape[1]
     group = None if op == "collective-permute" else _group_size(
         _attribute(line, "replica_groups"), devices, line)
+    groups = () if op == "collective-permute" else _groups(
+        _attribute(line, "replica_groups"), devices, line)
     op_name = _OP_NAME.search(line)
     for dtype, dims, layout in _leaves(shape):
       nbytes = _buffer_bytes(dtype, dims, layout)
@@ -268,5 +316,6 @@ def collective_bytes(hlo_text: str) -> list[Collective]:
           name=match.group(1), op=op, is_async=is_async, dtype=dtype, shape=dims,
           group_size=group, bytes=nbytes, bytes_sent=_sent(op, group, nbytes, line),
           computation=computation, op_name=op_name.group(1) if op_name else "",
+          groups=groups,
       ))
   return found
