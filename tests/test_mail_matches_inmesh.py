@@ -108,11 +108,13 @@ def by_mail(config, tmp_path, poisoned=False):
         gmjax.DiLoCo(sync_every=4, fragments=1, outer_delay=1, eager=True),
         gmjax.DiLoCo(sync_every=4, fragments=2, delta_precision="F8_E4M3", outer_delay=1,
                      eager=True, error_feedback=1.0, nesterov=False),
+        gmjax.DiLoCo(sync_every=4, fragments=2, delta_precision="I4", mixing=0.5,
+                     commit_precision="BF16", layer_axis={"a": 0}),
     ],
     ids=["diloco", "streaming-f8-mixing", "streaming-i4-bf16-commits", "outer-adam",
          "streaming-i2-i2-commits-error-feedback", "f8-mixing-error-feedback-0.5",
          "streaming-i2-top2-of-5-error-feedback", "delayed", "streaming-i4-delayed",
-         "eager", "streaming-f8-eager-error-feedback"],
+         "eager", "streaming-f8-eager-error-feedback", "layer-blocks-i4-bf16-commits"],
 )
 def test_mail_learners_end_where_in_mesh_learners_end(config, tmp_path):
   config = dataclasses.replace(config, flush_on_close=False)

@@ -59,7 +59,7 @@ def bytes_by_learner(cfg: config_lib.TrainConfig, params: Any, rounds: list[dict
                      names: list[str]) -> dict[str, int]:
   """Bytes each learner published (its delta payloads, rejected ones included), and the
   baseline's: a ring all-reduce of F32 gradients on every step, as data parallelism sends."""
-  schema = gmjax.Schema.from_tree(params)
+  schema = cfg.diloco.cut(gmjax.Schema.from_tree(params))
   per_fragment = [cfg.diloco.delta_layout(schema.subset(names_)).nbytes
                   for names_ in cfg.diloco.plan(schema)]
   sent = dict.fromkeys(names, 0)

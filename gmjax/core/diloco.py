@@ -23,7 +23,7 @@ import numpy as np
 import optax
 
 from gmjax.core import eager as eager_updates
-from gmjax.core import feedback, outer, outer_records, sparse
+from gmjax.core import feedback, layers, outer, outer_records, sparse
 from gmjax.core.aggregator import DiLoCoAggregator, _numpy_dtype, _outer_transform
 from gmjax.core.codec import check_precision
 from gmjax.core.records import FragmentState, Precision
@@ -49,7 +49,8 @@ class DiLoCo:
 
   Attributes:
     sync_every: ``H``, inner steps between two syncs of a fragment.
-    fragments: ``P``, ``1 <= P <= H``; the plan uses ``min(P, #leaves)``.
+    fragments: ``P``, ``1 <= P <= H``; the plan uses ``min(P, #leaves)``, or with
+      ``layer_axis`` ``min(P, L)`` blocks of the ``L`` stacked layers.
     outer_learning_rate: ``η`` of the outer SGD (0.7 in the paper).
     outer_momentum: ``μ`` of the outer SGD, in ``[0, 1)`` (0.9 in the paper).
     nesterov: Nesterov momentum (the paper's choice) or plain momentum.
@@ -94,6 +95,14 @@ class DiLoCo:
       ``outer(Θ, g_{k−1} − w·Δ_{m,k−1} + w·Δ_{m,k})`` (``gmjax.core.eager``). It needs
       the outer SGD at a constant learning rate, and costs 16 bytes per parameter on
       each learner.
+    layer_axis: None, or a JSON mapping from a leaf path prefix to the axis its leaves
+      stack layers on (``{"layers": 0}`` for flax ``nnx.scan``, ``{"decoder/layers": 1}``
+      for MaxText's ``scan_layers``). Fragments are then contiguous blocks of layers
+      (Streaming DiLoCo): each stacked leaf is cut into ``B = min(P, L)`` pieces, piece
+      ``b`` holding layers ``[⌊b·L/B⌋, ⌊(b+1)·L/B⌋)`` as a leaf named
+      ``<leaf>[start:stop]`` (on the wire, in mail payloads and in the state), fragment
+      ``b`` holds block ``b`` of every stacked leaf, and the other leaves join the
+      lightest fragments (``plan``). Every stacked leaf must hold the same ``L``.
 
   References:
     Douillard et al., arXiv 2311.08105; Douillard et al., arXiv 2501.18512; Kale,
@@ -121,6 +130,7 @@ class DiLoCo:
   delta_chunk: int = 4096
   outer_delay: int = 0
   eager: bool = False
+  layer_axis: Mapping[str, int] | None = None
 
   def __post_init__(self):
     _positive_int("sync_every", self.sync_every)
@@ -183,6 +193,7 @@ class DiLoCo:
             f" got {options!r}: {error}."
         ) from None
       object.__setattr__(self, "outer_options", types.MappingProxyType(frozen))
+    self._check_layer_axis()
     self.outer_transform()  # fails now, naming the argument, rather than at the first round
     eager_updates.check(self)
     if self.error_feedback is not None:
@@ -195,8 +206,10 @@ class DiLoCo:
     """Checks what the configuration needs of the parameters of ``schema``.
 
     Raises:
-      ValueError: ``error_feedback`` with deltas that travel exactly (F32).
+      ValueError: ``error_feedback`` with deltas that travel exactly (F32), or a
+        ``layer_axis`` that does not fit the leaves.
     """
+    self.cut(schema)
     feedback.check_schema(self.error_feedback, self.delta_precision, schema,
                           self.delta_topk)
 
@@ -218,6 +231,35 @@ class DiLoCo:
           f" delta_topk={topk}: a chunk keeps at most all its values, so raise"
           " delta_chunk or lower delta_topk."
       )
+
+  def _check_layer_axis(self):
+    axes = self.layer_axis
+    if axes is None:
+      return
+    if (not isinstance(axes, Mapping) or not axes
+        or not all(isinstance(k, str) and k for k in axes)
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                   for v in axes.values())):
+      raise ValueError(
+          f"DiLoCo layer_axis must be None or a non-empty dict from a leaf path prefix to"
+          f" the non-negative axis its layers are stacked on, got {axes!r}; e.g."
+          " {'layers': 0} for nnx.scan, {'decoder/layers': 1} for MaxText.")
+    object.__setattr__(self, "layer_axis", types.MappingProxyType(dict(axes)))
+
+  def cut(self, schema: Schema) -> Schema:
+    """The schema whose leaves the fragments hold: ``schema`` itself, or with
+    ``layer_axis`` its stacked leaves cut into ``min(P, L)`` blocks of layers
+    (``gmjax.core.layers``). A schema already cut is returned as it is.
+
+    Raises:
+      ValueError: ``layer_axis`` does not fit ``schema`` (``layers.stacked_leaves``).
+    """
+    if self.layer_axis is None or schema.source is not None:
+      return schema
+    shapes = {p.name: p.shape for p in schema.parameters}
+    axes = layers.stacked_leaves(shapes, self.layer_axis)
+    count = next(shapes[n][a] for n, a in axes.items())
+    return schema.cut(layers.cut(shapes, axes, min(self.fragments, count)))
 
   def delta_layout(self, schema: Schema) -> Schema:
     """The payload layout of ``schema``'s deltas (``gmjax.core.sparse.layout``)."""
@@ -284,15 +326,30 @@ class DiLoCo:
     Greedy: leaves from the largest (ties by name) go to the lightest fragment (ties by
     index). Deterministic; every leaf lands in exactly one fragment; each fragment's names
     are sorted and fragments are ordered by their first name.
+
+    With ``layer_axis`` the names are those of ``cut(schema)``: fragment ``b`` starts
+    with block ``b`` of the stacked leaves (fragments in layer order), then the other
+    leaves go greedily, as above, to the lightest fragment.
     """
-    count = min(self.fragments, len(schema))
-    bins: list[list[str]] = [[] for _ in range(count)]
-    heap = [(0, i) for i in range(count)]
-    for spec in sorted(schema.parameters, key=lambda p: (-p.nbytes, p.name)):
+    schema = self.cut(schema)
+    bins: list[list[str]]
+    if schema.pieces is None:
+      count = min(self.fragments, len(schema))
+      bins = [[] for _ in range(count)]
+      rest = schema.parameters
+    else:
+      stacked = [ps for ps in schema.pieces.values() if ps[0].axis is not None]
+      count = len(stacked[0])
+      bins = [[ps[b].name for ps in stacked] for b in range(count)]
+      rest = [schema[ps[0].name] for ps in schema.pieces.values() if ps[0].axis is None]
+    heap = [(sum(schema[n].nbytes for n in b), i) for i, b in enumerate(bins)]
+    heapq.heapify(heap)
+    for spec in sorted(rest, key=lambda p: (-p.nbytes, p.name)):
       load, index = heapq.heappop(heap)
       bins[index].append(spec.name)
       heapq.heappush(heap, (load + spec.nbytes, index))
-    return tuple(sorted(tuple(sorted(b)) for b in bins))
+    plan = tuple(tuple(sorted(b)) for b in bins)
+    return plan if schema.pieces is not None else tuple(sorted(plan))
 
   @property
   def delta_dtype(self) -> Precision:
@@ -345,6 +402,10 @@ class DiLoCo:
       # Left out when off: the record of a configuration without it reads as before,
       # and from_json takes a record without it as None.
       del record["error_feedback"]
+    if record["layer_axis"] is None:
+      del record["layer_axis"]
+    else:
+      record["layer_axis"] = dict(record["layer_axis"])
     for name in ("outer_delay", "eager"):
       if not record[name]:
         del record[name]  # likewise

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import jax
 import ml_dtypes
 import numpy as np
+
+from gmjax.core.layers import Piece, Pieces
 
 # Names of the numpy dtypes each safetensors dtype code stands for.
 NUMPY_DTYPES: dict[str, np.dtype] = {
@@ -105,6 +107,9 @@ class Schema:
     treedef: the source tree's structure; ``None`` for a schema built from specs.
     leaf_names: the names in the source tree's leaf order.
     payload: a payload layout (see ``codec.layout``), whose derived names are expected.
+    pieces: for a schema cut into layer blocks (``cut``), each source leaf's pieces; its
+      parameters are the pieces, and ``flatten``/``unflatten`` go through them.
+    source: the schema that was cut (None for an uncut schema).
   """
 
   parameters: tuple[ParameterSpec, ...]
@@ -113,6 +118,9 @@ class Schema:
       default=None, compare=False, repr=False
   )
   payload: bool = dataclasses.field(default=False, compare=False, repr=False)
+  pieces: Mapping[str, tuple[Piece, ...]] | None = dataclasses.field(
+      default=None, compare=False, repr=False)
+  source: Schema | None = dataclasses.field(default=None, compare=False, repr=False)
   _index: Mapping[str, int] = dataclasses.field(
       default=None, init=False, compare=False, repr=False
   )
@@ -169,6 +177,18 @@ class Schema:
       names.append(name)
     return cls(tuple(specs), treedef=treedef, leaf_names=tuple(names))
 
+  def cut(self, pieces: Mapping[str, tuple[Piece, ...]]) -> Schema:
+    """This tree's schema with each leaf replaced by its ``pieces`` (``gmjax.core.layers``)."""
+    specs = []
+    for spec in self.parameters:
+      for piece in pieces[spec.name]:
+        shape = list(spec.shape)
+        if piece.axis is not None:
+          shape[piece.axis] = piece.stop - piece.start
+        specs.append(ParameterSpec(piece.name, spec.dtype, tuple(shape)))
+    return Schema(tuple(specs), treedef=self.treedef, leaf_names=self.leaf_names,
+                  pieces=pieces, source=self)
+
   @property
   def names(self) -> tuple[str, ...]:
     return tuple(p.name for p in self.parameters)
@@ -197,8 +217,13 @@ class Schema:
       raise KeyError(f"names not in the schema: {sorted(missing)}")
     return Schema(tuple(p for p in self.parameters if p.name in wanted))
 
-  def flatten(self, tree: Any) -> dict[str, Any]:
-    """The leaves of ``tree`` (structured like this schema's source) by name."""
+  def flatten(self, tree: Any) -> MutableMapping[str, Any]:
+    """The leaves of ``tree`` (structured like this schema's source) by name.
+
+    For a cut schema, the pieces (``gmjax.core.layers.Pieces``: sliced when read).
+    """
+    if self.source is not None:
+      return Pieces(self.source.flatten(tree), self.pieces)
     if self.treedef is None:
       raise ValueError("This schema was not built from a tree; use Schema.from_tree.")
     leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -210,7 +235,19 @@ class Schema:
     return dict(zip(self.leaf_names, leaves))
 
   def unflatten(self, entries: Mapping[str, Any]) -> Any:
-    """The tree of this schema's source structure holding ``entries[name]`` at each leaf."""
+    """The tree of this schema's source structure holding ``entries[name]`` at each leaf.
+
+    For a cut schema, ``entries`` holds pieces (a ``Pieces`` or a dict of every piece).
+    """
+    if self.source is not None:
+      if not isinstance(entries, Pieces):
+        missing = [n for n in self.names if n not in entries]
+        if missing:
+          raise KeyError(f"entries lack pieces {missing}")
+        pieces, entries = entries, Pieces({}, self.pieces)
+        for name, value in pieces.items():
+          entries[name] = value
+      return self.source.unflatten(entries.leaves())
     if self.treedef is None:
       raise ValueError("This schema was not built from a tree; use Schema.from_tree.")
     missing = [n for n in self.leaf_names if n not in entries]
@@ -220,6 +257,8 @@ class Schema:
 
   def check(self, tree: Any, *, what: str = "params") -> dict[str, Any]:
     """Flattens ``tree`` and checks each leaf's shape and dtype against the schema."""
+    if self.source is not None:
+      return Pieces(self.source.check(tree, what=what), self.pieces)
     flat = self.flatten(tree)
     for spec in self.parameters:
       leaf = flat[spec.name]

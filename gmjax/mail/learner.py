@@ -256,14 +256,14 @@ class Learner:
     self._check_open("pull")
     if self.local_step:
       raise ValueError(f"learner {self.name!r}: pull() must come before the first step().")
-    schema = Schema.from_tree(like)
+    schema = self.config.cut(Schema.from_tree(like))
     if schema != self.manifest.schema:
       raise ValueError(
           f"pull(like): the tree's schema {schema.to_json()[:4]}... differs from the run's"
           f" {self.manifest.schema.to_json()[:4]}...; pass parameters shaped like those the"
           " run was created with.")
     self._tree_schema = schema
-    flat = dict(schema.flatten(like))
+    flat = schema.flatten(like)  # with layer blocks, pieces sliced only when read
     newest = self.run.newest_versions()
     self.step_count = max((self.run.commit_step(f, v) for f, v in newest.items()), default=0)
     self.first_round = self.schedule.first_round_after(self.step_count)
@@ -309,7 +309,7 @@ class Learner:
       self._step_seconds = seconds if self._step_seconds is None else (
           0.9 * self._step_seconds + 0.1 * seconds)
     self._last_step_time = now
-    flat = dict(self._tree_schema.check(params))
+    flat = self._tree_schema.check(params)
     self._last_flat = flat
     self.step_count += 1
     self.local_step += 1
@@ -429,7 +429,7 @@ class Learner:
     try:
       self._worker.check()
       if self._pulled and params is not None:
-        flat = dict(self._tree_schema.check(params))
+        flat = self._tree_schema.check(params)
         if self._delay is not None and flush:
           # Delayed: the final deltas are taken from the phases' starts, before any merge.
           self._flush(flat)

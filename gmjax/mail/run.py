@@ -233,7 +233,7 @@ def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = N
     raise TypeError(f"config must be a gmjax.DiLoCo, got {type(config).__name__}.")
   key = _key(key)
   store = open_store(url, storage_options=storage_options)
-  schema = Schema.from_tree(params)
+  schema = config.cut(Schema.from_tree(params))
   config.check_parameters(schema)
   manifest = Manifest.new(schema, config, key)
   if not store.create(layout.MANIFEST, manifest.dumps()):

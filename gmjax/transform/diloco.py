@@ -205,9 +205,7 @@ def diloco(
   def init_fn(params):
     layout = layout_of(params)
     anchor = layout.cast(params)
-    zeros = {n: layout.zeros(n, p) for n, p in layout.flatten(params).items()}
-    master = layout.unflatten(
-        {n: zeros[n] if layout.keep[n] else optax.MaskedNode() for n in layout.names})
+    master, zeros = layout.master_init(params)
     return DiLoCoState(
         inner_state=inner.init(params),
         count=jnp.zeros([], jnp.int32),

@@ -170,7 +170,9 @@ def receive_sparse(
     values = sparse.decode_values({n: v[:, m] for n, v in gathered.items()}, flat,
                                   precision, topk, chunk)
     for s in specs:
-      decoded[s.name].append(shards.own(shards.to_rows(values[s.name], learners), learner))
+      # Laid out as the leaf, so that its rows come in the order of its master's.
+      value = explicit.like(values[s.name].reshape(s.shape), delta[s.name])
+      decoded[s.name].append(shards.own(shards.to_rows(value, learners), learner))
   mine = sparse.decode_values(entries, flat, precision, topk, chunk)
   return ({n: jnp.stack(v, axis=1) for n, v in decoded.items()},
           {s.name: mine[s.name].reshape(s.shape) for s in specs})
@@ -222,7 +224,7 @@ def publish(
   theta, rows = {}, buckets.unpack(gathered)
   for spec in specs:
     dtype = JNP_DTYPES[spec.dtype]
-    value = shards.from_rows(rows[spec.name], spec.shape)
+    value = shards.from_rows(rows[spec.name], spec.shape, anchor[spec.name])
     if commit_precision is None:
       theta[spec.name] = value.astype(dtype)
     else:

@@ -19,6 +19,7 @@ from gmjax.core import eager, feedback, outer
 from gmjax.core import round as round_ops
 from gmjax.core.codec import JNP_DTYPES, BLOCK
 from gmjax.core.diloco import DiLoCo
+from gmjax.core.layers import Piece
 from gmjax.core.schedule import RoundSchedule
 from gmjax.core.schema import Schema
 from gmjax.transform import exchange, explicit, replicated, screen, shards
@@ -81,11 +82,16 @@ class Layout:
   """What a parameter tree's structure fixes: schema, fragments, schedule, masters, shards.
 
   ``learners`` is the axis size ``M`` when the outer step is sharded, else None.
-  ``beta`` is ``config.error_feedback`` (None: off).
+  ``beta`` is ``config.error_feedback`` (None: off). ``schema`` is the schema the
+  fragments hold (``DiLoCo.cut``: with ``layer_axis``, stacked leaves are cut into blocks
+  of layers, the *pieces*); ``names`` are the tree's leaves. State shaped like the
+  parameters keeps whole leaves, and a sync or merge reads and writes its fragment's
+  pieces in them (``view``, ``write``); masters and outer states are kept per piece.
   """
 
   def __init__(self, config: DiLoCo, params: Any, learners: int | None):
-    self.schema = Schema.from_tree(params)
+    self.tree = Schema.from_tree(params)
+    self.schema = config.cut(self.tree)
     config.check_parameters(self.schema)
     self.beta = config.error_feedback
     self.delay = config.outer_delay == 1
@@ -94,14 +100,43 @@ class Layout:
     self.schedule = config.schedule(len(self.plan))
     self.table = sync_table(self.schedule)
     self.keep = {s.name: config.keeps_master(s.dtype) for s in self.schema}
-    self.names = self.schema.leaf_names
+    self.names = self.tree.leaf_names
+    self.cuts = self.schema.pieces or {n: (Piece(n, n),) for n in self.names}
+    self.pieces = {p.name: p for ps in self.cuts.values() for p in ps}
     self.learners = learners
 
   def flatten(self, tree: Any) -> dict[str, Any]:
-    return dict(zip(self.names, self.schema.treedef.flatten_up_to(tree)))
+    return dict(zip(self.names, self.tree.treedef.flatten_up_to(tree)))
 
   def unflatten(self, flat: dict[str, Any]) -> Any:
-    return self.schema.treedef.unflatten([flat[n] for n in self.names])
+    return self.tree.treedef.unflatten([flat[n] for n in self.names])
+
+  def view(self, flat: dict[str, Any], names: Any = None) -> dict[str, Any]:
+    """The pieces ``names`` (all by default) of the whole leaves ``flat``."""
+    names = self.pieces if names is None else names
+    return {n: self.pieces[n].take(flat[self.pieces[n].leaf]) for n in names}
+
+  def write(self, flat: dict[str, Any], values: dict[str, Any]) -> None:
+    """Writes the pieces ``values`` into the whole leaves ``flat``, in place."""
+    for n, v in values.items():
+      piece = self.pieces[n]
+      flat[piece.leaf] = piece.put(flat[piece.leaf], v)
+
+  def master_tree(self, values: dict[str, Any]) -> Any:
+    """The master tree of per-piece ``values``: a cut leaf holds a tuple of its pieces'."""
+    return self.unflatten({
+        n: values[ps[0].name] if ps[0].axis is None else tuple(values[p.name] for p in ps)
+        for n, ps in self.cuts.items()})
+
+  def master_pieces(self, tree: Any) -> dict[str, Any]:
+    """The per-piece values of a master tree (``master_tree``'s inverse)."""
+    flat, out = self.flatten(tree), {}
+    for n, ps in self.cuts.items():
+      if ps[0].axis is None:
+        out[n] = flat[n]
+      else:
+        out.update((p.name, v) for p, v in zip(ps, flat[n]))
+    return out
 
   def cast(self, tree: Any) -> Any:
     """A copy of ``tree`` at the schema dtypes (float64 input becomes F32).
@@ -111,21 +146,21 @@ class Layout:
     """
     flat = self.flatten(tree)
     return self.unflatten(
-        {n: jnp.array(v, JNP_DTYPES[self.schema[n].dtype], copy=True) for n, v in flat.items()}
+        {n: jnp.array(v, JNP_DTYPES[self.tree[n].dtype], copy=True) for n, v in flat.items()}
     )
 
   def master_value(self, name: str, theta: jax.Array, learner: Any) -> jax.Array:
-    """The F32 master of leaf ``name`` whose Θ is ``theta``: whole, or this learner's shard."""
+    """The F32 master of piece ``name`` whose Θ is ``theta``: whole, or this learner's shard."""
     if self.learners is None:
       return jnp.array(theta, jnp.float32, copy=True)
     return shards.own(shards.to_rows(theta, self.learners), learner)
 
   def zeros(self, name: str, like: jax.Array) -> jax.Array:
-    """F32 zeros of leaf ``name``'s master: whole, or one learner's shard.
+    """F32 zeros of piece ``name``'s master: whole, or one learner's shard.
 
-    ``like`` is the leaf's parameter: on an explicit mesh the zeros take the layout that
-    the rare steps give the master (the parameter's, or its rows'), so that ``lax.cond``
-    finds the same sharding on both sides and never has to gather one.
+    ``like`` is the piece of the parameters: on an explicit mesh the zeros take the
+    layout that the rare steps give the master (the parameter's, or its rows'), so that
+    ``lax.cond`` finds the same sharding on both sides and never has to gather one.
     """
     spec = self.schema[name]
     if self.learners is None:
@@ -133,13 +168,19 @@ class Layout:
     return explicit.zeros(shards.shard_shape(spec.shape, self.learners), jnp.float32,
                           shards.shard_spec(like, self.learners))
 
+  def master_init(self, params: Any) -> tuple[Any, dict[str, Any]]:
+    """The master tree before the first update (zeros where kept) and every piece's zeros."""
+    zeros = {n: self.zeros(n, v) for n, v in self.view(self.flatten(params)).items()}
+    return self.master_tree(
+        {n: z if self.keep[n] else optax.MaskedNode() for n, z in zeros.items()}), zeros
+
   def residual_init(self, params: Any) -> Any:
     """The residuals before any delta: F32 zeros laid out like ``params``, or
     ``optax.MaskedNode()`` without error feedback."""
     if self.beta is None:
       return optax.MaskedNode()
     return self.unflatten({
-        n: explicit.zeros(self.schema[n].shape, jnp.float32, explicit.spec(p))
+        n: explicit.zeros(self.tree[n].shape, jnp.float32, explicit.spec(p))
         for n, p in self.flatten(params).items()})
 
   def delay_init(self, tx: optax.GradientTransformation, params: Any) -> Any:
@@ -152,23 +193,16 @@ class Layout:
                             for n, p in flat.items()})
     if not self.eager:
       return DelayState(start)
-    zeros = {n: explicit.zeros(self.schema[n].shape, jnp.float32, explicit.spec(p))
+    zeros = {n: explicit.zeros(self.tree[n].shape, jnp.float32, explicit.spec(p))
              for n, p in flat.items()}
     copy = lambda: self.unflatten({n: jnp.array(z, copy=True) for n, z in zeros.items()})
     # A negative weight stands for 1/M, which only the sync, inside the axis, knows.
     return DelayState(start, copy(), copy(), -jnp.ones([len(self.plan)], jnp.float32),
-                      tuple(eager.initial_state(tx, zeros, names) for names in self.plan))
-
-  def masters(self, theta: Any, learner: Any) -> Any:
-    """The master tree of Θ: kept leaves' F32 values or shards, ``MaskedNode`` elsewhere."""
-    flat = self.flatten(theta)
-    return self.unflatten({
-        n: self.master_value(n, v, learner) if self.keep[n] else optax.MaskedNode()
-        for n, v in flat.items()
-    })
+                      tuple(eager.initial_state(tx, self.view(zeros, names), names)
+                            for names in self.plan))
 
   def outer_init(self, tx: optax.GradientTransformation, values: dict[str, Any]) -> tuple:
-    """Per fragment, ``tx.init`` over the fragment's leaves (``values``: name → array)."""
+    """Per fragment, ``tx.init`` over the fragment's pieces (``values``: name → array)."""
     return tuple(tx.init(tuple(values[n] for n in names)) for names in self.plan)
 
 
@@ -190,10 +224,10 @@ def start(layout: Layout, tx, axis_name: Any, learner: Any):
       )
     theta = layout.cast(shared)
     flat = layout.flatten(theta)
-    values = {n: layout.master_value(n, v, learner) for n, v in flat.items()}
-    master = layout.unflatten(
-        {n: values[n] if layout.keep[n] else optax.MaskedNode() for n in flat}
-    )
+    values = {n: layout.master_value(n, v, learner)
+              for n, v in layout.view(flat).items()}
+    master = layout.master_tree(
+        {n: v if layout.keep[n] else optax.MaskedNode() for n, v in values.items()})
     new = state._replace(anchor=theta, master=master,
                          outer_state=layout.outer_init(tx, values))
     if layout.delay:
@@ -275,9 +309,10 @@ def _sync_sharded(layout, config, tx, axis_name, learner, fragment, names, ancho
     buckets = Buckets(rows, codes, axis_name)
     deltas, sent = exchange.receive(buckets, buckets.pack(rows), axis_name)
     sent = buckets.unpack(sent)
-    left = {s.name: shards.from_rows(rows[s.name] - sent[s.name], s.shape) for s in specs}
-    sent = {s.name: explicit.like(shards.from_rows(sent[s.name], s.shape), delta[s.name])
+    left = {s.name: shards.from_rows(rows[s.name] - sent[s.name], s.shape, delta[s.name])
             for s in specs}
+    sent = {s.name: explicit.like(shards.from_rows(sent[s.name], s.shape, delta[s.name]),
+                                  delta[s.name]) for s in specs}
   else:
     received, sent = exchange.receive_sparse(delta, specs, config.delta_precision,
                                              config.delta_topk, config.delta_chunk,
@@ -338,7 +373,7 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
   # Without error feedback there is no residual ({}: nothing crosses the branches).
   delay = state.delay
   flat_of = lambda tree, on: layout.flatten(tree) if on else {}
-  flat = (layout.flatten(state.anchor), layout.flatten(state.master),
+  flat = (layout.flatten(state.anchor), layout.master_pieces(state.master),
           flat_of(state.residual, layout.beta is not None),
           flat_of(getattr(delay, "start", None), layout.delay),
           flat_of(getattr(delay, "correction", None), layout.eager),
@@ -351,15 +386,26 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
     s = flat_start[n]
     return (s + flat_updates[n]).astype(s.dtype)
 
+  def piece_theta(n):
+    """``θ`` of piece ``n``, formed from the pieces of start and updates."""
+    piece = layout.pieces[n]
+    s = piece.take(flat_start[piece.leaf])
+    return (s + piece.take(flat_updates[piece.leaf])).astype(s.dtype)
+
   def no_sync(flat, rest):
     return flat, rest
 
   def sync_of(fragment, names):
     def sync(flat, rest):
       outer_states, pending, counts, stats, weights, own_states = rest
-      anchor, master, residual, start, correction, previous = (dict(x) for x in flat)
+      whole = tuple(dict(x) for x in flat)
+      master = whole[1]
+      # The fragment's pieces of the state shaped like the parameters (with layer
+      # blocks, slices of whole leaves; written back below).
+      anchor, residual, start, correction, previous = (
+          layout.view(x, names) if x else {} for x in (whole[0], *whole[2:]))
       common = (fragment, names, anchor, master, outer_states[fragment], counts[fragment],
-                theta_of, residual, start if layout.delay else anchor)
+                piece_theta, residual, start if layout.delay else anchor)
       if layout.learners is None:
         result = _sync_replicated(layout, config, tx, axis_name, *common)
       else:
@@ -413,7 +459,10 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
       )
       pending = pending.at[fragment].set(jnp.where(finite, MERGE, RESET))
       counts = counts.at[fragment].set(jnp.zeros([2], jnp.int32))
-      return vary_like(((anchor, master, residual, start, correction, previous),
+      for out, values in zip((whole[0], *whole[2:]),
+                             (anchor, residual, start, correction, previous)):
+        layout.write(out, values)
+      return vary_like((whole,
                         (outer_states, pending, counts, stats, weights, own_states)),
                        (flat, rest))
 
@@ -443,18 +492,16 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
   def merge_of(fragment, names):
     def merge(flat_anchor, pending):
       code = pending[fragment]
-      current = {n: theta_of(n) for n in names}
-      target = {n: flat_anchor[n] for n in names}
+      current = {n: piece_theta(n) for n in names}
+      target = layout.view(flat_anchor, names)
       mixed = outer.align(current, target, config.mixing)
       reset = outer.align(current, target, 0.0)
-      updates = {}
-      for n in layout.names:
-        theta = theta_of(n)
-        if n in current:
-          theta = explicit.where(
-              code == MERGE, mixed[n],
-              explicit.where(code == RESET, reset[n], current[n]))
-        updates[n] = difference(n, theta)
+      thetas = {n: theta_of(n) for n in layout.names}
+      layout.write(thetas, {
+          n: explicit.where(code == MERGE, mixed[n],
+                            explicit.where(code == RESET, reset[n], current[n]))
+          for n in names})
+      updates = {n: difference(n, theta) for n, theta in thetas.items()}
       return vary_like(
           (updates, pending.at[fragment].set(NOTHING)), (flat_updates, pending)
       )
@@ -463,7 +510,7 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
 
   branches = [no_merge] + [merge_of(f, names) for f, names in enumerate(layout.plan)]
   flat_updates_out, pending = lax.switch(merge_index, branches, flat_anchor, pending)
-  anchor, master = (layout.unflatten(x) for x in flat[:2])
+  anchor, master = layout.unflatten(flat[0]), layout.master_tree(flat[1])
   residual = state.residual if layout.beta is None else layout.unflatten(flat[2])
   if layout.delay:
     delay = DelayState(layout.unflatten(flat[3]))

@@ -13,11 +13,22 @@ dimension is sharded over other mesh axes (FSDP) holds whole rows on each device
 whenever its piece is a multiple of ``32·M`` elements, so the flattening, the
 ``all_to_all`` over the learner axis and the way back are local to each device, and no
 parameter is gathered over the other axes.
+
+A leaf split along other dimensions too (tensor parallel: Megatron-style weights split on
+their last dimension; a block of stacked layers split on the dimension after its layers)
+holds, on each device, runs of consecutive elements of the row-major flattening. When
+every run is whole codec blocks (a multiple of 32 elements) and each device holds whole
+rows (a multiple of ``32·M``), the rows are ordered device by device: device ``d``'s
+elements come ``d``-th, in their row-major order, cut into rows of ``M`` blocks. The
+codec's blocks are those of the row-major order and every learner owns ``R`` of them;
+which learner owns which block differs from the row-major layout, and nothing moves
+between devices. Otherwise the split is moved to the leading dimension or undone first.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +68,73 @@ def _leading(x: jax.Array) -> jax.Array:
   return jax.sharding.reshard(x, P(lead, *([None] * (x.ndim - 1))))
 
 
+def _axes_of(entry: Any) -> tuple[str, ...]:
+  return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
+def _local_runs(x: jax.Array, learners: int) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+  """The split dimensions of ``x`` and their mesh axes, when rows go device by device.
+
+  None off explicit meshes, when only the leading dimension is split (the row-major
+  order is then already device by device), or when a device's runs of consecutive
+  elements are not whole codec blocks or its elements not whole rows of ``32·M``.
+  """
+  entries = explicit.spec(x)
+  if entries is None:
+    return None
+  dims = tuple(d for d, e in enumerate(entries) if e is not None)
+  if not dims or dims == (0,):
+    return None
+  mesh = jax.typeof(x).sharding.mesh
+  sizes = [math.prod(mesh.shape[a] for a in _axes_of(entries[d])) for d in dims]
+  if any(x.shape[d] % size for d, size in zip(dims, sizes)):
+    return None
+  last = dims[-1]
+  run = x.shape[last] // sizes[-1] * math.prod(x.shape[last + 1:])
+  if run % BLOCK or (x.size // math.prod(sizes)) % (BLOCK * learners):
+    return None
+  return dims, tuple(a for d in dims for a in _axes_of(entries[d]))
+
+
+def _split(shape: tuple[int, ...], entries: tuple, dims: tuple[int, ...], mesh: Any):
+  """The shape and spec of a leaf whose split dimensions ``d`` are cut as
+  ``(devices_d, n_d / devices_d)``, and the positions of the device dimensions."""
+  split, spec, devices = [], [], []
+  for d, n in enumerate(shape):
+    if d in dims:
+      size = math.prod(mesh.shape[a] for a in _axes_of(entries[d]))
+      devices.append(len(split))
+      split += [size, n // size]
+      spec += [entries[d], None]
+    else:
+      split.append(n)
+      spec.append(None)
+  return tuple(split), tuple(spec), devices
+
+
+def _to_local_rows(x: jax.Array, learners: int, dims: tuple[int, ...],
+                   axes: tuple[str, ...]) -> jax.Array:
+  entries, mesh = explicit.spec(x), jax.typeof(x).sharding.mesh
+  split, spec, devices = _split(x.shape, entries, dims, mesh)
+  y = jnp.reshape(x, split, out_sharding=P(*spec))
+  rest = [i for i in range(len(split)) if i not in devices]
+  y = jnp.transpose(y, devices + rest)  # device dimensions first: a local relabelling
+  rows = row_count(x.size, learners)
+  return jnp.reshape(y.astype(jnp.float32), (rows, learners, BLOCK),
+                     out_sharding=P(axes, None, None))
+
+
+def _from_local_rows(rows: jax.Array, like: jax.Array, dims: tuple[int, ...]) -> jax.Array:
+  entries, mesh = explicit.spec(like), jax.typeof(like).sharding.mesh
+  split, spec, devices = _split(like.shape, entries, dims, mesh)
+  rest = [i for i in range(len(split)) if i not in devices]
+  order = devices + rest
+  y = jnp.reshape(rows, tuple(split[i] for i in order),
+                  out_sharding=P(*(spec[i] for i in order)))
+  y = jnp.transpose(y, [order.index(i) for i in range(len(split))])
+  return jnp.reshape(y, like.shape, out_sharding=P(*entries))
+
+
 def _kept_axes(x: jax.Array, learners: int) -> tuple:
   """The explicit mesh axes that split the rows of ``x`` (its leading dimension's).
 
@@ -81,6 +159,9 @@ def shard_spec(x: jax.Array, learners: int) -> tuple | None:
   The state's shards (master, outer state) are created with it, so that the rare steps
   produce values laid out as the state they replace.
   """
+  local = _local_runs(x, learners)
+  if local is not None:
+    return (local[1], None)
   x = _leading(x)
   if explicit.spec(x) is None:
     return None
@@ -94,8 +175,13 @@ def to_rows(x: jax.Array, learners: int) -> jax.Array:
   Under explicit sharding a leaf split over other axes along its leading dimension keeps
   that split on the rows when every device holds whole rows; a leaf too small for that
   (or whose pieces are not whole rows: fewer than ``32·M`` elements a device, or a size
-  that needs padding) is replicated over those axes first.
+  that needs padding) is replicated over those axes first. A leaf split along other
+  dimensions in runs of whole blocks keeps its split (device by device: see the module
+  docstring).
   """
+  local = _local_runs(x, learners)
+  if local is not None:
+    return _to_local_rows(x, learners, *local)
   x = _leading(x)
   axes = _kept_axes(x, learners)
   flat = jnp.ravel(x).astype(jnp.float32)
@@ -108,8 +194,18 @@ def to_rows(x: jax.Array, learners: int) -> jax.Array:
   return flat.reshape(rows * learners, BLOCK).reshape(rows, learners, BLOCK)
 
 
-def from_rows(rows: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  """The leaf of ``shape`` that ``rows`` ``(R, M, …)`` hold (padding dropped)."""
+def from_rows(rows: jax.Array, shape: tuple[int, ...], like: jax.Array | None = None
+              ) -> jax.Array:
+  """The leaf of ``shape`` that ``rows`` ``(R, M, …)`` hold (padding dropped).
+
+  ``like``: the leaf the rows were cut from (``to_rows``), whose split decides their
+  order, and whose layout the result takes; None for rows in the row-major order.
+  """
+  local = None if like is None else _local_runs(like, rows.shape[1])
+  if local is not None:
+    return _from_local_rows(rows, like, local[0])
+  if like is not None:
+    return explicit.like(from_rows(rows, shape), like)
   size = math.prod(shape)
   flat = rows.reshape(rows.shape[0] * rows.shape[1], -1).reshape(-1)
   if flat.size != size:
