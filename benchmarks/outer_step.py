@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 import gmjax
-from gmjax.core.codec import encode_flat
+from gmjax.core.wire import Wire
 from gmjax.core.records import Contribution
 
 
@@ -56,7 +56,7 @@ def main():
               for _ in range(args.learners)]
     contributions = [
         Contribution(f"l{m}", 10, 10, 100, 0.1, False,
-                     {k: np.asarray(v) for k, v in encode_flat(d, schema, precision).items()})
+                     {k: np.asarray(v) for k, v in Wire(precision).encode(d, schema).items()})
         for m, d in enumerate(deltas)
     ]
     aggregator.close_round(state, contributions)  # compile

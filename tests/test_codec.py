@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import gmjax
-from gmjax.core import codec
+from gmjax.core import codec, wire
 
 QMAX = {"F8_E4M3": 448.0, "F4": 6.0, "I4": 7.0, "I2": 1.0}
 PER_BYTE = {"F4": 2, "I4": 2, "I2": 4}  # packed codes per byte
@@ -334,9 +334,9 @@ def test_no_recompile_on_second_call():
   for precision in ("BF16", "F4"):
     entries = gmjax.encode(tree, precision)
     gmjax.decode(entries, schema, precision)
-    encodes, decodes = codec._encode_jit._cache_size(), codec._decode_jit._cache_size()
+    encodes, decodes = wire._encode_jit._cache_size(), wire._decode_jit._cache_size()
     other = jax.tree.map(lambda v: v + 1, tree)
     entries = gmjax.encode(other, precision)
     gmjax.decode(entries, schema, precision)
-    assert codec._encode_jit._cache_size() == encodes
-    assert codec._decode_jit._cache_size() == decodes
+    assert wire._encode_jit._cache_size() == encodes
+    assert wire._decode_jit._cache_size() == decodes

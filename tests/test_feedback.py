@@ -6,6 +6,7 @@ import pytest
 
 import gmjax
 from gmjax.core import feedback
+from gmjax.core.wire import Wire
 
 import transform_reference as reference
 
@@ -26,7 +27,7 @@ def test_residual_follows_the_formula(precision, beta):
   expected = {n: np.zeros(s, np.float32) for n, s in SHAPES.items()}
   for delta in _deltas(5):
     entries, sent_back, residual = feedback.encode(
-        residual, {n: jnp.asarray(v) for n, v in delta.items()}, beta, SCHEMA, precision)
+        residual, {n: jnp.asarray(v) for n, v in delta.items()}, beta, SCHEMA, Wire(precision))
     sent = {n: (np.float32(beta) * expected[n] + delta[n]).astype(np.float32)
             for n in SHAPES}
     decoded = gmjax.decode(entries, SCHEMA, precision)
@@ -54,7 +55,7 @@ def test_mean_decoded_delta_tracks_the_true_mean():
   fed = {n: np.zeros(s, np.float64) for n, s in SHAPES.items()}
   plain = {n: np.zeros(s, np.float64) for n, s in SHAPES.items()}
   for delta in deltas:
-    entries, _, residual = feedback.encode(residual, delta, 1.0, SCHEMA, "I4")
+    entries, _, residual = feedback.encode(residual, delta, 1.0, SCHEMA, Wire("I4"))
     once = gmjax.decode(gmjax.encode(delta, "I4"), SCHEMA, "I4")
     for n, v in gmjax.decode(entries, SCHEMA, "I4").items():
       fed[n] += np.asarray(v) / rounds
@@ -70,4 +71,4 @@ def test_non_finite_values_are_not_sent():
   delta = {n: np.zeros(s, np.float32) for n, s in SHAPES.items()}
   delta["b"][1, 2] = np.nan
   with pytest.raises(ValueError, match="cannot encode leaf 'b'"):
-    feedback.encode(residual, delta, 1.0, SCHEMA, "I4")
+    feedback.encode(residual, delta, 1.0, SCHEMA, Wire("I4"))

@@ -13,6 +13,7 @@ import pytest
 import gmjax
 from gmjax import mail
 from gmjax.core import payload
+from gmjax.core.wire import Wire
 from gmjax.mail import contributions, states
 from gmjax.mail.errors import RoundTimeout
 
@@ -101,7 +102,7 @@ def test_a_base_version_older_than_the_delay_allows_is_rejected():
                                step_seconds=0.01, final=False, precision=None, key=None)
     check = lambda: contributions.check(
         data, file_name="a.safetensors", round_=2, fragment=0, base_version=2,
-        schema=schema, precision=None, known={"a"}, key=None, max_steps=4, base_lag=lag)
+        schema=schema, wire=Wire(), known={"a"}, key=None, max_steps=4, base_lag=lag)
     if accepted:
       check()
     else:

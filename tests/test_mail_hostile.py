@@ -14,6 +14,7 @@ from gmjax import mail
 from gmjax.mail import states
 from gmjax.core import guards
 from gmjax.core.codec import layout as payload_layout
+from gmjax.core.wire import Wire
 from gmjax.mail import contributions
 
 import mail_support as ms
@@ -102,14 +103,14 @@ def test_quantized_delta_that_decodes_to_infinity_is_rejected(tmp_path):
   data = _payload(run, 0, "mole", entries)
   with pytest.raises(mail.ContributionRejected, match="decodes to NaN or Inf"):
     contributions.check(data, file_name="mole.safetensors", round_=0, fragment=0,
-                        base_version=0, schema=schema, precision="F8_E4M3",
+                        base_version=0, schema=schema, wire=Wire("F8_E4M3"),
                         known={"mole"}, key=None, max_steps=2)
 
 
 def _check_i2(run, data):
   return contributions.check(data, file_name="mole.safetensors", round_=0, fragment=0,
                              base_version=0, schema=run.schema.subset(run.plan[0]),
-                             precision="I2", known={"mole"}, key=None, max_steps=2)
+                             wire=Wire("I2"), known={"mole"}, key=None, max_steps=2)
 
 
 def _i2_entries(run, code_bytes):

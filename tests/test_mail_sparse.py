@@ -9,6 +9,7 @@ import gmjax
 from gmjax import mail
 from gmjax.core import sparse
 from gmjax.core.codec import to_numpy
+from gmjax.core.wire import Wire
 from gmjax.mail import contributions
 
 import mail_support as ms
@@ -23,7 +24,7 @@ def _honest(run, seed=0):
   rng = np.random.default_rng(seed)
   values = {s.name: rng.standard_normal(s.shape).astype(np.float32)
             for s in schema.parameters}
-  entries = sparse.encode_flat(values, schema, "I4", 2, 4)
+  entries = Wire("I4", 2, 4).encode(values, schema)
   return values, to_numpy(entries, run.config.delta_layout(schema))
 
 
@@ -37,8 +38,8 @@ def _payload(run, entries, round_=0, learner="mole"):
 def _check(run, data):
   return contributions.check(
       data, file_name="mole.safetensors", round_=0, fragment=0, base_version=0,
-      schema=run.schema.subset(run.plan[0]), precision="I4", known={"mole"}, key=None,
-      max_steps=2, topk=2, chunk=4)
+      schema=run.schema.subset(run.plan[0]), wire=Wire("I4", 2, 4), known={"mole"},
+      key=None, max_steps=2)
 
 
 def _spoiled(entries, name, value):
@@ -54,7 +55,7 @@ def test_honest_sparse_contribution_passes_and_decodes(tmp_path):
   assert entries["b.index"].tolist() == sparse.select(values["b"], 2, 4)[1].tolist()
   checked = _check(run, _payload(run, entries))
   schema = run.schema.subset(run.plan[0])
-  decoded = sparse.decode_flat(dict(checked.contribution.tensors), schema, "I4", 2, 4)
+  decoded = Wire("I4", 2, 4).decode(dict(checked.contribution.tensors), schema)
   for name, value in values.items():
     # Two of each chunk of four survive, the others are zero.
     kept = np.asarray(decoded[name]).reshape(-1)
@@ -94,8 +95,7 @@ def test_hostile_sparse_entries_rejected_with_the_reason(tmp_path, name, value, 
 def test_dense_payload_in_a_sparse_run_is_rejected(tmp_path):
   run = mail.create(str(tmp_path / "run"), ms.params0(), CONFIG)
   schema = run.schema.subset(run.plan[0])
-  dense = to_numpy(gmjax.core.codec.encode_flat(
-      {k: v for k, v in ms.params0().items()}, schema, "I4"), gmjax.layout(schema, "I4"))
+  dense = to_numpy(Wire("I4").encode(dict(ms.params0()), schema), gmjax.layout(schema, "I4"))
   with pytest.raises(mail.ContributionRejected, match=r"layout mismatch: missing \['a.index'"):
     _check(run, _payload(run, dense))
 

@@ -10,8 +10,10 @@ import pytest
 
 import gmjax
 from gmjax.core import outer
-from gmjax.core.codec import encode_flat, to_numpy
+from gmjax.core import round as round_ops
+from gmjax.core.codec import to_numpy
 from gmjax.core.schema import NUMPY_DTYPES, master_name, momentum_name
+from gmjax.core.wire import Wire
 
 LR, MU = 0.7, 0.9
 
@@ -28,7 +30,7 @@ def make(dtype="F32", **config):
 
 
 def contribution(schema, name, delta, tokens, precision):
-  entries = to_numpy(encode_flat(delta, schema, precision),
+  entries = to_numpy(Wire(precision).encode(delta, schema),
                      gmjax.layout(schema, precision))
   return gmjax.Contribution(name, 4, 4, tokens, 0.1, False, entries)
 
@@ -113,7 +115,7 @@ def test_commit_update_rebuilds_theta_bit_identically(dtype, commit):
     rebuilt = outer.rebuild_jit(
         {k: jnp.asarray(v) for k, v in learner_theta.items()},
         {k: jnp.asarray(v) for k, v in result.update.items()},
-        schema.parameters, commit)
+        schema.parameters, Wire(commit))
     for k in schema.names:
       got = np.asarray(rebuilt[k])
       assert got.dtype == result.state.theta[k].dtype
@@ -245,7 +247,7 @@ def test_close_round_default_is_bit_identical_to_the_formula():
     result = aggregator.close_round(
         state, [contribution(schema, n, d, t, None) for n, d, t in zip("abc", deltas, (5, 2, 9))])
     weights = [np.float32(t / 16) for t in (5, 2, 9)]
-    gradient = jax.jit(outer.weighted_sum)(deltas, weights)
+    gradient = jax.jit(round_ops.tree_weighted_sum)(deltas, weights)
     master, momentum = formula(gradient, momentum, master)
     for k in schema.names:
       assert result.state.theta[k].tobytes() == np.asarray(master[k]).tobytes()

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import gmjax
+from gmjax.core.wire import Wire
 from gmjax.core import payload, sparse
 
 from test_codec import reference_dequantize, reference_quantize
@@ -72,15 +73,17 @@ def as_bytes(array):
       np.dtype(f"u{array.dtype.itemsize}"))
 
 
-_encode = jax.jit(sparse.encode_values, static_argnums=(1, 2, 3, 4))
+_encode = jax.jit(lambda values, dtypes, wire: wire.encode_values(values, dict(dtypes)),
+                  static_argnums=(1, 2))
 
 
 def check(x, precision, k, chunk):
   x = np.asarray(x, np.float32)
   schema = gmjax.Schema.from_tree({"w": x})
-  entries = sparse.encode_flat({"w": jnp.asarray(x)}, schema, precision, k, chunk)
+  wire = Wire(precision, k, chunk)
+  entries = wire.encode({"w": jnp.asarray(x)}, schema)
   want = reference_encode(x, precision, k, chunk)
-  payload_layout = sparse.layout(schema, precision, k, chunk)
+  payload_layout = wire.layout(schema)
   assert set(entries) == set(want) == set(payload_layout.names)
   for spec in payload_layout.parameters:
     got = np.asarray(entries[spec.name])
@@ -88,7 +91,7 @@ def check(x, precision, k, chunk):
     assert got.dtype == gmjax.core.schema.NUMPY_DTYPES[spec.dtype], spec
     np.testing.assert_array_equal(as_bytes(got), as_bytes(want[spec.name]),
                                   err_msg=spec.name)
-  back = sparse.decode_flat(entries, schema, precision, k, chunk)["w"]
+  back = wire.decode(entries, schema)["w"]
   assert back.dtype == jnp.float32 and back.shape == x.shape
   np.testing.assert_array_equal(np.asarray(back),
                                 reference_decode(want, precision, k, chunk, x.shape))
@@ -149,11 +152,11 @@ def test_bytes_at_i4_are_the_kept_vectors():
 
 def test_jitted_is_a_function_of_the_delta_only():
   x = jnp.asarray(np.random.default_rng(1).standard_normal(77), jnp.float32)
-  first, _ = _encode({"w": x}, (("w", "F32"),), "I2", 5, 16)
-  second, _ = _encode({"w": x}, (("w", "F32"),), "I2", 5, 16)
+  first, _ = _encode({"w": x}, (("w", "F32"),), Wire("I2", 5, 16))
+  second, _ = _encode({"w": x}, (("w", "F32"),), Wire("I2", 5, 16))
   for name in first:
     np.testing.assert_array_equal(first[name], second[name])
-  vmapped, _ = jax.vmap(lambda v: sparse.encode_values({"w": v}, {"w": "F32"}, "I2", 5, 16)
+  vmapped, _ = jax.vmap(lambda v: Wire("I2", 5, 16).encode_values({"w": v}, {"w": "F32"})
                         )(jnp.stack([x, -x]))
   np.testing.assert_array_equal(vmapped["w.index"][0], first["w.index"])
   np.testing.assert_array_equal(vmapped["w.index"][1], first["w.index"])
@@ -162,9 +165,9 @@ def test_jitted_is_a_function_of_the_delta_only():
 def test_dense_when_topk_is_none():
   x = {"w": jnp.linspace(-1.0, 1.0, 50)}
   schema = gmjax.Schema.from_tree(x)
-  assert sparse.layout(schema, "I4") == gmjax.layout(schema, "I4")
+  assert Wire("I4").layout(schema) == gmjax.layout(schema, "I4")
   dense = gmjax.encode(x, "I4")
-  same = sparse.encode_flat(x, schema, "I4")
+  same = Wire("I4").encode(x, schema)
   assert set(dense) == set(same)
   for name in dense:
     np.testing.assert_array_equal(np.asarray(dense[name]), np.asarray(same[name]))
@@ -175,20 +178,21 @@ def test_nonfinite_kept_value_refused():
   x[4] = np.nan
   schema = gmjax.Schema.from_tree({"w": x})
   with pytest.raises(ValueError, match="'w'.*delta_topk=2"):
-    sparse.encode_flat({"w": x}, schema, "I4", 2, 8)
+    Wire("I4", 2, 8).encode({"w": x}, schema)
 
 
 def test_payload_round_trip_with_index_entries():
   x = np.random.default_rng(2).standard_normal(600).astype(np.float32)
   schema = gmjax.Schema.from_tree({"w": x})
-  entries = sparse.encode_flat({"w": x}, schema, "BF16", 7, 300)
-  host = gmjax.core.codec.to_numpy(entries, sparse.layout(schema, "BF16", 7, 300))
+  wire = Wire("BF16", 7, 300)
+  entries = wire.encode({"w": x}, schema)
+  host = gmjax.core.codec.to_numpy(entries, wire.layout(schema))
   data = payload.dumps(host)
   read, _ = payload.loads(data)
   assert read["w.index"].dtype == np.uint16 and read["w.index"].shape == (14,)
   np.testing.assert_array_equal(
-      np.asarray(sparse.decode_flat(read, schema, "BF16", 7, 300)["w"]),
-      np.asarray(sparse.decode_flat(host, schema, "BF16", 7, 300)["w"]))
+      np.asarray(wire.decode(read, schema)["w"]),
+      np.asarray(wire.decode(host, schema)["w"]))
 
 
 @pytest.mark.parametrize("index,reason", [

@@ -15,9 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gmjax.core import outer, outer_records, sparse
+from gmjax.core import outer_records
 from gmjax.core import round as round_ops
-from gmjax.core.codec import encode_flat
 from gmjax.core.records import Contribution, FragmentState, Participant, RoundResult
 from gmjax.core.schema import NUMPY_DTYPES, ParameterSpec, Schema, master_name
 from gmjax.core.stats import cosine_from_gram
@@ -39,16 +38,14 @@ def _outer_transform(config: DiLoCo) -> optax.GradientTransformation:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("specs", "delta_precision", "commit_precision", "transform",
-                     "aliases", "keep_master", "delta_topk", "delta_chunk"),
+    static_argnames=("specs", "delta_wire", "commit_wire", "transform", "aliases",
+                     "keep_master"),
 )
-def _close(theta, outer_state, contributions, weights, *, specs, delta_precision,
-           commit_precision, transform, aliases, keep_master, delta_topk=None,
-           delta_chunk=None):
+def _close(theta, outer_state, contributions, weights, *, specs, delta_wire, commit_wire,
+           transform, aliases, keep_master):
   # ``contributions``: each payload entry stacked over the slots (the learners in sorted
   # order, then zero padding), so every step is one program whatever their count.
-  deltas = jax.vmap(lambda c: sparse.decode_values(c, specs, delta_precision, delta_topk,
-                                                   delta_chunk))(contributions)
+  deltas = jax.vmap(lambda c: delta_wire.decode_values(c, specs))(contributions)
   gradient = {s.name: round_ops.weighted_sum(deltas[s.name], weights) for s in specs}
   master = {
       s.name: (outer_state[master_name(s.name)] if keep_master[i]
@@ -59,13 +56,14 @@ def _close(theta, outer_state, contributions, weights, *, specs, delta_precision
   # for shapes only); the values from the stored records.
   template = jax.eval_shape(transform.init, master)
   state = outer_records.unflatten(outer_state, template, aliases)
-  master, state = outer.apply_outer(transform, gradient, state, master)
-  new_theta, update = outer.publish(master, theta, specs, commit_precision)
-  new_outer = outer_records.flatten(state, aliases)
+  result = round_ops.outer_round(transform, gradient, state, master, theta, specs,
+                                 commit_wire)
+  new_outer = outer_records.flatten(result.state, aliases)
   for i, s in enumerate(specs):
     if keep_master[i]:
-      new_outer[master_name(s.name)] = master[s.name]
-  return new_theta, new_outer, update, round_ops.gram_rows(list(deltas.values()))
+      new_outer[master_name(s.name)] = result.master[s.name]
+  return (result.theta, new_outer, result.update,
+          round_ops.gram_rows(list(deltas.values())), result.bad)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,13 +101,7 @@ class DiLoCoAggregator:
       raise ValueError(f"close_round got two contributions from one learner: {learners}")
     if not ordered:
       # No valid contribution: the version advances with Θ and the outer state unchanged.
-      update = None
-      if self.config.commit_precision is not None:
-        zeros = {s.name: np.zeros(s.shape, np.float32) for s in specs}
-        update = _host(encode_flat(zeros, self.schema, self.config.commit_precision))
-      return RoundResult(
-          FragmentState(state.version + 1, dict(state.theta), dict(state.outer)), (), None, update
-      )
+      return self._unchanged(state, ())
     total = sum(c.tokens for c in ordered)
     if total > 0:
       weights = [c.tokens / total for c in ordered]
@@ -117,24 +109,26 @@ class DiLoCoAggregator:
       weights = [1.0 / len(ordered)] * len(ordered)
     slots = padded_count(max(capacity, len(ordered)))
     padding = [self.zero_contribution()] * (slots - len(ordered))
-    theta, outer_state, update, dots = _close(
+    theta, outer_state, update, dots, bad = _close(
         {s.name: state.theta[s.name] for s in specs},
         dict(state.outer),
         _stacked([dict(c.tensors) for c in ordered] + padding),
         np.asarray(weights + [0.0] * len(padding), np.float32),
         specs=specs,
-        delta_precision=self.config.delta_precision,
-        commit_precision=self.config.commit_precision,
+        delta_wire=self.config.delta_wire,
+        commit_wire=self.config.commit_wire,
         transform=_outer_transform(self.config),
         aliases=outer_records.seed_aliases(self.config.outer),
         keep_master=tuple(self.config.keeps_master(s.dtype) for s in specs),
-        delta_topk=self.config.delta_topk,
-        delta_chunk=self.config.delta_chunk,
     )
     participants = tuple(
         Participant(c.learner, c.local_step, c.steps, c.tokens, float(w))
         for c, w in zip(ordered, weights)
     )
+    if float(bad) > 0:
+      # The skip rule (``round.outer_round``): finite deltas can still overflow the outer
+      # step; the version commits with the fragment unchanged, so the run goes on.
+      return self._unchanged(state, participants, skipped=True)
     return RoundResult(
         state=FragmentState(state.version + 1, _host(theta), _host(outer_state)),
         participants=participants,
@@ -142,10 +136,20 @@ class DiLoCoAggregator:
         update=None if update is None else _host(update),
     )
 
+  def _unchanged(self, state: FragmentState, participants: tuple[Participant, ...], *,
+                 skipped: bool = False) -> RoundResult:
+    """The next version with Θ and the outer state of ``state`` (a zero update)."""
+    update = None
+    if self.config.commit_precision is not None:
+      zeros = {s.name: np.zeros(s.shape, np.float32) for s in self.schema.parameters}
+      update = _host(self.config.commit_wire.encode(zeros, self.schema))
+    return RoundResult(
+        FragmentState(state.version + 1, dict(state.theta), dict(state.outer)),
+        participants, None, update, skipped)
+
   def zero_contribution(self) -> dict[str, np.ndarray]:
     """Payload entries of an all-zero delta at the delta precision (padding)."""
-    return sparse.zero_entries(self.schema, self.config.delta_precision,
-                               self.config.delta_topk, self.config.delta_chunk)
+    return self.config.delta_wire.zeros(self.schema)
 
   def warm(self, capacity: int) -> None:
     """Compiles the close of a round of up to ``capacity`` contributions (by closing

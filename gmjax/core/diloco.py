@@ -23,12 +23,12 @@ import numpy as np
 import optax
 
 from gmjax.core import eager as eager_updates
-from gmjax.core import feedback, layers, outer, outer_records, sparse
+from gmjax.core import feedback, layers, outer, outer_records
 from gmjax.core.aggregator import DiLoCoAggregator, _numpy_dtype, _outer_transform
-from gmjax.core.codec import check_precision
 from gmjax.core.records import FragmentState, Precision
 from gmjax.core.schedule import RoundSchedule
 from gmjax.core.schema import Schema, master_name
+from gmjax.core.wire import Wire, check_precision
 
 
 def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
@@ -199,8 +199,7 @@ class DiLoCo:
     if self.error_feedback is not None:
       # A float, so that equal configurations hash alike (their JSON is the same).
       object.__setattr__(self, "error_feedback",
-                         feedback.check(self.error_feedback, self.delta_precision,
-                                        self.delta_topk))
+                         feedback.check(self.error_feedback, self.delta_wire))
 
   def check_parameters(self, schema: Schema) -> None:
     """Checks what the configuration needs of the parameters of ``schema``.
@@ -210,8 +209,7 @@ class DiLoCo:
         ``layer_axis`` that does not fit the leaves.
     """
     self.cut(schema)
-    feedback.check_schema(self.error_feedback, self.delta_precision, schema,
-                          self.delta_topk)
+    feedback.check_schema(self.error_feedback, self.delta_wire, schema)
 
   def _check_sparse(self):
     topk, chunk = self.delta_topk, self.delta_chunk
@@ -261,9 +259,19 @@ class DiLoCo:
     count = next(shapes[n][a] for n, a in axes.items())
     return schema.cut(layers.cut(shapes, axes, min(self.fragments, count)))
 
+  @property
+  def delta_wire(self) -> Wire:
+    """How deltas travel: ``delta_precision``, dense or top-``delta_topk``."""
+    return Wire(self.delta_precision, self.delta_topk, self.delta_chunk)
+
+  @property
+  def commit_wire(self) -> Wire:
+    """How commits travel: ``commit_precision`` (None: Θ itself), dense."""
+    return Wire(self.commit_precision)
+
   def delta_layout(self, schema: Schema) -> Schema:
-    """The payload layout of ``schema``'s deltas (``gmjax.core.sparse.layout``)."""
-    return sparse.layout(schema, self.delta_precision, self.delta_topk, self.delta_chunk)
+    """The payload layout of ``schema``'s deltas (``delta_wire.layout``)."""
+    return self.delta_wire.layout(schema)
 
   def __hash__(self):
     return hash(json.dumps(self.to_json(), sort_keys=True))

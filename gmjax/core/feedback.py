@@ -26,28 +26,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gmjax.core import sparse
-from gmjax.core.records import QUANTIZED, Precision
+from gmjax.core.records import QUANTIZED
 from gmjax.core.schema import Schema
+from gmjax.core.wire import Wire
 
 _LOSSY = (f"a quantized one, {', '.join(repr(p) for p in QUANTIZED)}, or 16-bit"
           " 'BF16'/'F16'")
 
 
-def check(beta: Any, delta_precision: Precision, topk: int | None = None) -> float:
-  """``beta`` as a float if it is a valid ``error_feedback`` for ``delta_precision``.
+def check(beta: Any, wire: Wire) -> float:
+  """``beta`` as a float if it is a valid ``error_feedback`` for deltas on ``wire``.
 
   Raises:
-    ValueError: ``beta`` is not a number in ``(0, 1]``, or ``delta_precision`` is F32
-      and the deltas are dense (``topk`` None: they then travel exactly, there is no
-      error to feed back; a top-k delta drops values at any precision).
+    ValueError: ``beta`` is not a number in ``(0, 1]``, or the deltas are dense F32
+      (they then travel exactly, there is no error to feed back; a top-k delta drops
+      values at any precision).
   """
   if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 < beta <= 1:
     raise ValueError(
         f"DiLoCo error_feedback must be None (off) or a number in (0, 1], got {beta!r}:"
         " it is the decay β of the residual e ← β·e + Δ − decode(q) (1 keeps all of it)."
     )
-  if delta_precision == "F32" and topk is None:
+  if wire.precision == "F32" and not wire.sparse:
     raise ValueError(
         f"DiLoCo error_feedback={beta!r} with delta_precision='F32': F32 deltas travel"
         f" exactly, so there is no error to feed back; pick a lossy delta_precision"
@@ -56,8 +56,7 @@ def check(beta: Any, delta_precision: Precision, topk: int | None = None) -> flo
   return float(beta)
 
 
-def check_schema(beta: float | None, delta_precision: Precision, schema: Schema,
-                 topk: int | None = None) -> None:
+def check_schema(beta: float | None, wire: Wire, schema: Schema) -> None:
   """Refuses error feedback on parameters whose deltas all travel exactly.
 
   With ``delta_precision=None`` each delta travels at its leaf's dtype: F32 leaves
@@ -66,7 +65,7 @@ def check_schema(beta: float | None, delta_precision: Precision, schema: Schema,
   Raises:
     ValueError: ``beta`` is set, ``delta_precision`` is None and every leaf is F32.
   """
-  if (beta is not None and delta_precision is None and topk is None
+  if (beta is not None and wire.precision is None and not wire.sparse
       and all(spec.dtype == "F32" for spec in schema.parameters)):
     raise ValueError(
         f"DiLoCo error_feedback={beta!r} with delta_precision=None and F32 parameters:"
@@ -98,9 +97,7 @@ def encode(
     delta: Mapping[str, Any],
     beta: float,
     schema: Schema,
-    precision: Precision,
-    topk: int | None = None,
-    chunk: int | None = None,
+    wire: Wire,
 ) -> Encoded:
   """The payload entries of ``q = encode(β·e + Δ)``, their decoded values and the new
   residual.
@@ -110,11 +107,10 @@ def encode(
     delta: ``Δ`` by leaf name.
     beta: ``β``, in ``(0, 1]``.
     schema: the leaves' specs (their dtypes are the target of ``precision=None``).
-    precision: ``delta_precision``.
-    topk, chunk: ``delta_topk`` (None: dense deltas) and ``delta_chunk``.
+    wire: how deltas travel (``DiLoCo.delta_wire``).
 
   Returns:
-    ``Encoded(entries, decoded, residual)``: the entries ``sparse.encode_flat`` gives for
+    ``Encoded(entries, decoded, residual)``: the entries ``wire.encode`` gives for
     ``β·e + Δ``, ``decode(entries)`` (F32, by leaf name: what every reader of the entries
     gets), and ``β·e + Δ − decode(entries)`` as host F32 arrays.
 
@@ -123,8 +119,8 @@ def encode(
       caller keeps its residual.
   """
   value = _compensated(dict(residual), dict(delta), beta=float(beta))
-  entries = sparse.encode_flat(value, schema, precision, topk, chunk)
-  decoded = sparse.decode_flat(entries, schema, precision, topk, chunk)
+  entries = wire.encode(value, schema)
+  decoded = wire.decode(entries, schema)
   decoded = {n: decoded[n] for n in value}
   left = _subtract(value, decoded)
   return Encoded(entries, decoded,

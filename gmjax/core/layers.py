@@ -111,13 +111,6 @@ def cut(names: Mapping[str, tuple[int, ...]], axes: Mapping[str, int],
   return pieces
 
 
-def block_of(piece: Piece, layers: int, blocks: int) -> int | None:
-  """The block a stacked leaf's piece belongs to (None for a whole leaf)."""
-  if piece.axis is None:
-    return None
-  return next(b for b in range(blocks) if b * layers // blocks == piece.start)
-
-
 class Pieces(MutableMapping):
   """A tree's leaves by piece name, read and written through the cut of a schema.
 

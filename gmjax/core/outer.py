@@ -19,22 +19,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gmjax.core import round as round_ops
-from gmjax.core.codec import JNP_DTYPES, decode_values, encode_values
-from gmjax.core.records import Precision
 from gmjax.core.schema import ParameterSpec
+from gmjax.core.wire import JNP_DTYPES, Wire
 
 Tree = Any
-
-
-def weighted_sum(deltas: Sequence[Tree], weights: Sequence[Any]) -> Tree:
-  """``Σ_m w_m · Δ_m`` in F32, summed in the given (sorted learner) order.
-
-  Each leaf's deltas are stacked and summed by ``gmjax.core.round.weighted_sum``, the one
-  learner-order sum every runtime uses.
-  """
-  w = jnp.stack([jnp.asarray(x, jnp.float32) for x in weights])
-  return jax.tree.map(lambda *leaves: round_ops.weighted_sum(jnp.stack(leaves), w), *deltas)
 
 
 def outer_step(
@@ -70,10 +58,10 @@ def rebuild(
     theta: Mapping[str, Any],
     update: Mapping[str, Any],
     specs: Sequence[ParameterSpec],
-    precision: Precision,
+    commit_wire: Wire,
 ) -> dict[str, jax.Array]:
   """``Θ_v = cast(Θ_{v-1} + decode(update), schema dtype)``, leaf by leaf."""
-  decoded = decode_values(update, specs, precision)
+  decoded = commit_wire.decode_values(update, specs)
   return {
       spec.name: (theta[spec.name].astype(jnp.float32) + decoded[spec.name]).astype(
           JNP_DTYPES[spec.dtype]
@@ -86,18 +74,19 @@ def publish(
     master: Mapping[str, Any],
     theta: Mapping[str, Any],
     specs: Sequence[ParameterSpec],
-    commit_precision: Precision,
+    commit_wire: Wire,
 ) -> tuple[dict[str, jax.Array], dict[str, jax.Array] | None]:
   """The published Θ of a new master, and the update a commit carries (or None).
 
-  With ``commit_precision=None``, ``Θ = cast(master, schema dtype)``. Otherwise the update is
-  ``encode(master − Θ_old, commit_precision)`` and ``Θ = rebuild(Θ_old, update)``.
+  With ``commit_wire.precision=None``, ``Θ = cast(master, schema dtype)``. Otherwise the
+  update is ``commit_wire``'s encoding of ``master − Θ_old`` and
+  ``Θ = rebuild(Θ_old, update)``.
   """
-  if commit_precision is None:
+  if commit_wire.precision is None:
     return {s.name: master[s.name].astype(JNP_DTYPES[s.dtype]) for s in specs}, None
   change = {s.name: master[s.name] - theta[s.name].astype(jnp.float32) for s in specs}
-  update, _ = encode_values(change, {s.name: s.dtype for s in specs}, commit_precision)
-  return rebuild(theta, update, specs, commit_precision), update
+  update, _ = commit_wire.encode_values(change, {s.name: s.dtype for s in specs})
+  return rebuild(theta, update, specs, commit_wire), update
 
 
 def pseudo_gradient(anchor: Tree, theta: Tree) -> Tree:
@@ -123,9 +112,9 @@ def align(theta: Tree, anchor: Tree, mixing: float) -> Tree:
   )
 
 
-@functools.partial(jax.jit, static_argnames=("specs", "precision"))
-def rebuild_jit(theta, update, specs, precision):
-  return rebuild(theta, update, specs, precision)
+@functools.partial(jax.jit, static_argnames=("specs", "commit_wire"))
+def rebuild_jit(theta, update, specs, commit_wire):
+  return rebuild(theta, update, specs, commit_wire)
 
 
 def _option(value: Any, where: str) -> Any:

@@ -85,12 +85,15 @@ class RoundResult:
       (None with fewer than two).
     update: ``encode(master - Θ_old, commit_precision)`` entries for learners holding the
       old Θ to rebuild the new one from; None when commits carry Θ alone.
+    skipped: the outer step's result was not finite, so ``state`` keeps Θ and the
+      outer state (``gmjax.core.round.outer_round``'s skip rule).
   """
 
   state: FragmentState
   participants: tuple[Participant, ...]
   cosine: float | None
   update: Mapping[str, Tensor] | None
+  skipped: bool = False
 
 
 @runtime_checkable

@@ -8,18 +8,26 @@ below is one operation however many learners there are: no program grows with ``
   as a ``lax`` loop: the order every runtime sums in, whatever XLA would reassociate.
 * ``gram``: the ``M × M`` dot products of the deltas, one contraction per array.
 * ``non_finite``: each learner's count of NaN and Inf values.
+* ``outer_round``: the outer step on the aggregate, the published Θ, and whether the
+  round is kept (the skip rule).
 
 Both runtimes call these, the mail closer (``gmjax.core.aggregator``) and the in-mesh
-exchanges (``gmjax.transform``), so they add and screen alike.
+exchanges (``gmjax.transform``), so they add, screen, step and skip alike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import lax
+
+from gmjax.core import outer
+from gmjax.core.schema import ParameterSpec
+from gmjax.core.wire import Wire
 
 
 def weighted_sum(stacked: jax.Array, weights: jax.Array, axis: int = 0) -> jax.Array:
@@ -45,6 +53,13 @@ def weighted_sum(stacked: jax.Array, weights: jax.Array, axis: int = 0) -> jax.A
   # ``0 + w_0·Δ_0`` is ``w_0·Δ_0``, but for the sign of a zero.
   zeros = jnp.zeros_like(lax.index_in_dim(stacked, 0, axis, keepdims=False), jnp.float32)
   return lax.fori_loop(0, count, lambda m, total: total + term(m), zeros)
+
+
+def tree_weighted_sum(deltas: Sequence[Any], weights: Sequence[Any]) -> Any:
+  """``Σ_m w_m · Δ_m`` of pytrees in F32, each leaf's deltas stacked and summed by
+  ``weighted_sum`` (in the given, sorted learner, order)."""
+  w = jnp.stack([jnp.asarray(x, jnp.float32) for x in weights])
+  return jax.tree.map(lambda *leaves: weighted_sum(jnp.stack(leaves), w), *deltas)
 
 
 def gram(stacked: Sequence[jax.Array], axis: int, batch: int | None = None) -> jax.Array:
@@ -99,3 +114,105 @@ def non_finite(stacked: Sequence[jax.Array], axis: int) -> jax.Array:
     bad = jnp.sum(~jnp.isfinite(x), axis=others).astype(jnp.float32)
     total = bad if total is None else total + bad
   return total
+
+
+def _stacked_total(counts: Iterable[jax.Array]) -> jax.Array:
+  return jnp.sum(jnp.stack([jnp.asarray(c, jnp.float32) for c in counts]))
+
+
+def count_non_finite(values: Iterable[jax.Array],
+                     total: Callable[[Iterable[jax.Array]], jax.Array] = _stacked_total
+                     ) -> jax.Array:
+  """How many of ``values``' elements (float arrays) are NaN or Inf, F32.
+
+  ``total`` adds the per-array counts: one reduction of their vector by default (a chain
+  of additions would be copied by XLA into every fusion that reads it).
+  """
+  counts = [jnp.sum(~jnp.isfinite(v)) for v in values
+            if jnp.issubdtype(jnp.asarray(v).dtype, jnp.floating)]
+  return total(counts) if counts else jnp.float32(0)
+
+
+class OuterRound(NamedTuple):
+  """What the outer step of a round produced.
+
+  Attributes:
+    theta: the new Θ by name, at the parameter dtype.
+    master: the new F32 master by name.
+    state: the outer optimizer's new state.
+    update: the commit's update entries (``commit_wire``), or None (Θ travels itself,
+      or ``publish`` was given).
+    bad: F32, how many values of the gradient, the new master, the new outer state and
+      Θ are NaN or Inf: the round is kept only if it is 0 (``kept``).
+  """
+
+  theta: dict[str, jax.Array]
+  master: dict[str, jax.Array]
+  state: Any
+  update: dict[str, jax.Array] | None
+  bad: jax.Array
+
+
+def outer_round(
+    tx: optax.GradientTransformation,
+    gradient: Mapping[str, jax.Array],
+    state: Any,
+    master: Mapping[str, jax.Array],
+    anchor: Mapping[str, jax.Array],
+    specs: Sequence[ParameterSpec],
+    commit_wire: Wire,
+    *,
+    publish: Callable[[dict[str, jax.Array]], tuple[dict[str, jax.Array], jax.Array]]
+    | None = None,
+    total: Callable[[Iterable[jax.Array]], jax.Array] = _stacked_total,
+    as_tuple: bool = False,
+    any_kept: jax.Array | None = None,
+) -> OuterRound:
+  """The outer step on the round's outer gradient, Θ published from it, and its health.
+
+  ``master ← master + tx.update(g, state, master)`` (``outer.apply_outer``), then Θ:
+  ``cast(master)``, or with a commit precision ``rebuild(Θ_old, encode(master − Θ_old))``
+  (``outer.publish``). The skip rule: a round none of whose deltas was kept, or whose
+  gradient, new master, new outer state or Θ holds a NaN or Inf, is not kept (the
+  fragment keeps its Θ, master and outer state).
+
+  Args:
+    tx: the outer optimizer.
+    gradient: ``g`` by name (F32), in ``specs``' order.
+    state: ``tx``'s state over the fragment's masters: the dict by name (the mail
+      closer, whose stored records are named by its paths), or with ``as_tuple`` the
+      tuple in ``specs``' order (in-mesh).
+    master: the F32 masters by name (``Θ`` in F32 where none is kept).
+    anchor: the current Θ by name.
+    specs: the fragment's specs (the shapes ``gradient`` has).
+    commit_wire: how commits travel (``DiLoCo.commit_wire``).
+    publish: Θ from the new masters by another route, and its count of non-finite
+      values (the sharded in-mesh round: each learner publishes its shard); None:
+      ``outer.publish`` on whole leaves.
+    total: how per-array counts are added (explicit meshes need a chain of additions).
+    as_tuple: the outer state is over a tuple (see ``state``).
+    any_kept: whether the screening kept any delta (None: the caller aggregates only
+      kept ones, as the mail closer does).
+
+  Returns:
+    The ``OuterRound``; ``bad`` counts this caller's values (a sharded round adds the
+    learners' counts).
+  """
+  names = [s.name for s in specs]
+  if as_tuple:
+    new_master, new_state = outer.apply_outer(
+        tx, tuple(gradient[n] for n in names), state, tuple(master[n] for n in names))
+    new_master = dict(zip(names, new_master))
+  else:
+    new_master, new_state = outer.apply_outer(
+        tx, {n: gradient[n] for n in names}, state, {n: master[n] for n in names})
+  if publish is None:
+    theta, update = outer.publish(new_master, anchor, specs, commit_wire)
+    published = count_non_finite([*theta.values(), *(update or {}).values()], total)
+  else:
+    (theta, published), update = publish(new_master), None
+  bad = published + count_non_finite(
+      [*gradient.values(), *new_master.values(), *jax.tree.leaves(new_state)], total)
+  if any_kept is not None:
+    bad = bad + jnp.where(any_kept, 0.0, 1.0)
+  return OuterRound(theta, new_master, new_state, update, bad)

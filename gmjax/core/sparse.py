@@ -8,34 +8,28 @@ above every finite value; such a delta is refused anyway).
 
 The kept values, chunk after chunk and by ascending index within a chunk, form a vector
 of ``K`` values that travels as a dense tensor of shape ``(K,)`` at the delta precision
-(``codec.layout``: a cast, or codes with one F32 scale per 32 kept values) under the
+(``gmjax.core.wire``: a cast, or codes with one F32 scale per 32 kept values) under the
 leaf's name; ``<name>.index`` holds each kept value's index within its chunk, ``(K,)``
 in the smallest unsigned dtype that holds ``chunk`` (``U8`` up to 256, ``U16`` up to
 65536, else ``U32``). Decoding scatters the decoded values to their positions, zeros
 elsewhere.
 
-Encoding and decoding are pure functions of the arrays they are given (jittable); with
-``topk=None`` every function here is the dense codec's.
+Here are the selection, the scatter back and the index checks; ``gmjax.core.wire.Wire``
+encodes and decodes with them.
 """
 
 from __future__ import annotations
-
-import functools
-from collections.abc import Mapping, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gmjax.core import codec
-from gmjax.core.records import Precision
-from gmjax.core.schema import INDEX, NUMPY_DTYPES, ParameterSpec, Schema
+from gmjax.core.schema import INDEX
 
 _ABS_BITS = 0x7FFFFFFF
 _SMALLEST_NORMAL_BITS = 0x00800000
-_JNP_INDEX = {"U8": jnp.uint8, "U16": jnp.uint16, "U32": jnp.uint32}
+JNP_INDEX = {"U8": jnp.uint8, "U16": jnp.uint16, "U32": jnp.uint32}
 
 
 def index_name(name: str) -> str:
@@ -60,25 +54,6 @@ def chunk_counts(size: int, topk: int, chunk: int) -> tuple[int, ...]:
 def kept_size(size: int, topk: int, chunk: int) -> int:
   """``K``: values a leaf of ``size`` keeps."""
   return sum(chunk_counts(size, topk, chunk))
-
-
-def _kept_specs(specs: Sequence[ParameterSpec], topk: int, chunk: int
-                ) -> tuple[ParameterSpec, ...]:
-  return tuple(ParameterSpec(s.name, s.dtype, (kept_size(s.size, topk, chunk),))
-               for s in specs)
-
-
-def layout(schema: Schema, precision: Precision, topk: int | None = None,
-           chunk: int | None = None) -> Schema:
-  """What ``schema``'s deltas travel as: ``codec.layout`` with ``topk=None``; otherwise
-  the kept values ``(K,)`` at ``precision`` and ``<name>.index`` beside them."""
-  if topk is None:
-    return codec.layout(schema, precision)
-  kept = Schema(_kept_specs(schema.parameters, topk, chunk))
-  code = index_dtype(chunk)
-  specs = list(codec.layout(kept, precision).parameters)
-  specs += [ParameterSpec(index_name(s.name), code, s.shape) for s in kept.parameters]
-  return Schema(tuple(specs), payload=True)
 
 
 def select(value: jax.Array, topk: int, chunk: int) -> tuple[jax.Array, jax.Array]:
@@ -114,105 +89,6 @@ def scatter(values: jax.Array, indices: jax.Array, size: int, topk: int, chunk: 
   """The ``(size,)`` F32 vector holding ``values`` at their chunks' ``indices``, else 0."""
   positions = _chunk_starts(size, topk, chunk) + jnp.asarray(indices).astype(jnp.int32)
   return jnp.zeros(size, jnp.float32).at[positions].set(values.astype(jnp.float32))
-
-
-def encode_values(values: Mapping[str, Any], dtypes: Mapping[str, str], precision: Precision,
-                  topk: int | None = None, chunk: int | None = None
-                  ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
-  """Pure (traceable) encode of values by name to payload entries (see ``layout``).
-
-  Args:
-    values: arrays by leaf name.
-    dtypes: each leaf's schema dtype code (the values' target with ``precision=None``).
-    precision: a known precision.
-    topk: values kept per chunk, or None for the dense codec.
-    chunk: the chunk length.
-
-  Returns:
-    ``(entries, finite)`` as ``codec.encode_values`` gives them, the index entries added.
-  """
-  if topk is None:
-    return codec.encode_values(values, dtypes, precision)
-  kept, indices = {}, {}
-  for name, value in values.items():
-    kept[name], indices[name] = select(jnp.asarray(value), topk, chunk)
-  entries, finite = codec.encode_values(kept, dtypes, precision)
-  code = _JNP_INDEX[index_dtype(chunk)]
-  for name, index in indices.items():
-    entries[index_name(name)] = index.astype(code)
-  return entries, finite
-
-
-def decode_values(entries: Mapping[str, Any], specs: Sequence[ParameterSpec],
-                  precision: Precision, topk: int | None = None, chunk: int | None = None
-                  ) -> dict[str, jax.Array]:
-  """Pure (traceable) decode of payload ``entries`` for ``specs`` to F32 values by name."""
-  if topk is None:
-    return codec.decode_values(entries, specs, precision)
-  kept = codec.decode_values(entries, _kept_specs(specs, topk, chunk), precision)
-  return {s.name: scatter(kept[s.name], entries[index_name(s.name)], s.size, topk,
-                          chunk).reshape(s.shape)
-          for s in specs}
-
-
-@functools.partial(jax.jit, static_argnames=("dtypes", "precision", "topk", "chunk"))
-def _encode_jit(values, dtypes, precision, topk, chunk):
-  return encode_values(values, dict(dtypes), precision, topk, chunk)
-
-
-@functools.partial(jax.jit, static_argnames=("specs", "precision", "topk", "chunk"))
-def _decode_jit(entries, specs, precision, topk, chunk):
-  return decode_values(entries, specs, precision, topk, chunk)
-
-
-def encode_flat(values: Mapping[str, Any], schema: Schema, precision: Precision,
-                topk: int | None = None, chunk: int | None = None) -> dict[str, jax.Array]:
-  """Payload entries of ``values`` by leaf name (``codec.encode_flat`` with ``topk=None``).
-
-  Raises:
-    ValueError: a kept value holds NaN or Inf (or overflows the target dtype); names the
-      leaf.
-  """
-  codec.check_precision(precision)
-  if topk is None:
-    return codec.encode_flat(values, schema, precision)
-  values = {name: jnp.asarray(v) for name, v in values.items()}
-  dtypes = tuple(sorted((n, schema[n].dtype) for n in values))
-  entries, finite = _encode_jit(values, dtypes, precision, topk, chunk)
-  bad = sorted(name for name, ok in jax.device_get(finite).items() if not ok)
-  if bad:
-    raise ValueError(
-        f"cannot encode leaf {bad[0]!r}"
-        + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
-        + f" at precision {precision!r} with delta_topk={topk}: a kept value is NaN or"
-        " Inf; a payload must be finite, so check the loss and learning rate.")
-  return entries
-
-
-def decode_flat(entries: Mapping[str, Any], schema: Schema, precision: Precision,
-                topk: int | None = None, chunk: int | None = None) -> dict[str, jax.Array]:
-  """F32 values by leaf name from the entries ``encode_flat`` produced."""
-  if topk is None:
-    return codec.decode_flat(entries, schema, precision)
-  wanted = layout(schema, precision, topk, chunk).names
-  missing = [n for n in wanted if n not in entries]
-  if missing:
-    raise KeyError(f"payload lacks entries {missing}")
-  return _decode_jit({n: entries[n] for n in wanted}, schema.parameters, precision, topk,
-                     chunk)
-
-
-def zero_entries(schema: Schema, precision: Precision, topk: int | None = None,
-                 chunk: int | None = None) -> dict[str, np.ndarray]:
-  """Host entries of an all-zero delta (valid indices: the first of each chunk)."""
-  entries = {s.name: np.zeros(s.shape, NUMPY_DTYPES[s.dtype])
-             for s in layout(schema, precision, topk, chunk).parameters}
-  if topk is not None:
-    for spec in schema.parameters:
-      counts = chunk_counts(spec.size, topk, chunk)
-      index = np.concatenate([np.arange(c) for c in counts]) if counts else np.zeros(0)
-      entries[index_name(spec.name)] = index.astype(NUMPY_DTYPES[index_dtype(chunk)])
-  return entries
 
 
 def index_problem(index: np.ndarray, size: int, topk: int, chunk: int) -> str | None:

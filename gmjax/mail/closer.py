@@ -195,10 +195,8 @@ class Closer:
     checked = contributions.check(
         data, file_name=entry, round_=watch.round, fragment=watch.fragment,
         base_version=watch.version - 1, schema=self._schemas[watch.fragment],
-        precision=self.manifest.config.delta_precision, known=known, key=self.key,
-        max_steps=self.schedule.sync_every, topk=self.manifest.config.delta_topk,
-        chunk=self.manifest.config.delta_chunk,
-        base_lag=self.manifest.config.outer_delay)
+        wire=self.manifest.config.delta_wire, known=known, key=self.key,
+        max_steps=self.schedule.sync_every, base_lag=self.manifest.config.outer_delay)
     watch.norms[checked.contribution.learner] = checked.norm_per_step
     watch.clamped.extend(checked.clamped)
     return checked.contribution
@@ -307,12 +305,11 @@ class Closer:
     result = aggregator.close_round(state, valid, capacity=self.capacity)
     participants = result.participants
     skipped = None
-    if valid and not _finite(result):
-      # Finite deltas can still overflow the outer step (a sum near the F32 maximum);
-      # commit the version with the fragment unchanged, so the run goes on.
+    if result.skipped:
+      # Finite deltas can still overflow the outer step (a sum near the F32 maximum): the
+      # version commits with the fragment unchanged, so the run goes on.
       skipped = "the outer step's result is not finite: Θ and the outer state are unchanged"
       log.warning("round %d: %s", watch.round, skipped)
-      result = aggregator.close_round(state, [], capacity=self.capacity)
     nonce = uuid.uuid4().hex[:12]
     files = states.save_state(self.store, watch.fragment, result.state, nonce)
     if result.update is not None:
@@ -379,10 +376,3 @@ class Closer:
       return record
     states.remove_state(self.store, files)
     return read_round(self.store, watch.fragment, watch.version, self.key)
-
-
-def _finite(result) -> bool:
-  """Whether every array of the round's new state (and update) is finite."""
-  parts = [result.state.theta, result.state.outer, result.update or {}]
-  return all(np.isfinite(np.asarray(v, np.float32)).all() for part in parts
-             for v in part.values())

@@ -1,7 +1,7 @@
 """Contribution payloads: how a learner writes its delta and how a closer checks one.
 
 A contribution is a safetensors payload (``gmjax.core.payload``) holding the delta's
-entries at the algorithm's delta precision (``gmjax.core.codec.layout``) and, in
+entries on the algorithm's delta wire (``gmjax.core.wire.Wire.layout``) and, in
 ``__metadata__``, the record fields: learner, round, fragment, base_version, local_step,
 steps, tokens, step_seconds, final, precision, block, and with a run key ``signature``.
 
@@ -24,6 +24,7 @@ import numpy as np
 
 from gmjax.core import payload, sparse
 from gmjax.core.codec import BLOCK
+from gmjax.core.wire import Wire
 from gmjax.core.guards import quote
 from gmjax.core.records import QUANTIZED, Contribution
 from gmjax.core.schema import NUMPY_DTYPES, Schema
@@ -112,9 +113,8 @@ def _int(metadata: Mapping[str, str], field: str, learner: str, minimum: int = 0
 
 
 def check(data: bytes, *, file_name: str, round_: int, fragment: int, base_version: int,
-          schema: Schema, precision: str | None, known: Container[str],
-          key: bytes | None, max_steps: int, topk: int | None = None,
-          chunk: int | None = None, base_lag: int = 0) -> Checked:
+          schema: Schema, wire: Wire, known: Container[str],
+          key: bytes | None, max_steps: int, base_lag: int = 0) -> Checked:
   """Parses and validates a contribution found at ``rounds/<round_>/<file_name>``.
 
   Checks, in order: the file name, the safetensors header (bounded by the layout), the
@@ -129,11 +129,10 @@ def check(data: bytes, *, file_name: str, round_: int, fragment: int, base_versi
     file_name: its name in ``rounds/<round_>/``.
     round_, fragment, base_version: what the round expects.
     schema: the fragment's parameter schema.
-    precision: the run's delta precision.
+    wire: how the run's deltas travel (``DiLoCo.delta_wire``).
     known: names of the learners that joined the run.
     key: the run's key, or None.
     max_steps: the most steps a contribution can cover (the run's ``sync_every``).
-    topk, chunk: the run's ``delta_topk`` and ``delta_chunk`` (None: dense deltas).
     base_lag: the run's ``outer_delay``: a base version down to ``base_version −
       base_lag`` (and at least 0) is accepted too (a delayed learner's phase starts at
       the Θ one round older; one that joined the run mid-way starts at the newest).
@@ -151,7 +150,8 @@ def check(data: bytes, *, file_name: str, round_: int, fragment: int, base_versi
   if not layout.is_valid_name(learner):
     raise ContributionRejected(label(learner), "learner name does not match"
                                f" {layout.NAME_PATTERN.pattern}")
-  payload_schema = sparse.layout(schema, precision, topk, chunk)
+  precision, topk, chunk = wire.precision, wire.topk, wire.chunk
+  payload_schema = wire.layout(schema)
   try:
     entries, metadata = payload.loads(
         data, max_header_bytes=payload.bounds(payload_schema)[0])
@@ -220,7 +220,7 @@ def check(data: bytes, *, file_name: str, round_: int, fragment: int, base_versi
       problem = sparse.index_problem(entries[name], spec.size, topk, chunk)
       if problem is not None:
         raise ContributionRejected(learner, f"entry {name!r}: {problem}")
-  norm = _norm(entries, schema, precision, topk, chunk)
+  norm = _norm(entries, schema, wire)
   if not math.isfinite(norm):
     raise ContributionRejected(learner, "the delta decodes to NaN or Inf in F32 (finite"
                                " codes times finite scales can overflow)")
@@ -236,13 +236,11 @@ def check(data: bytes, *, file_name: str, round_: int, fragment: int, base_versi
   return Checked(contribution, norm / steps, tuple(clamped))
 
 
-def _norm(entries: Mapping[str, np.ndarray], schema: Schema, precision: str | None,
-          topk: int | None = None, chunk: int | None = None) -> float:
+def _norm(entries: Mapping[str, np.ndarray], schema: Schema, wire: Wire) -> float:
   """‖decode(Δ)‖₂ in float64; inf if any decoded F32 value is not finite."""
-  if precision in QUANTIZED:  # codes times scales, in F32 as the aggregator decodes them
-    values = {k: np.asarray(v) for k, v in sparse.decode_flat(
-        entries, schema, precision, topk, chunk).items()}
-  elif topk is not None:  # the kept values are the nonzero ones, already checked finite
+  if wire.precision in QUANTIZED:  # codes times scales, in F32 as the aggregator decodes
+    values = {k: np.asarray(v) for k, v in wire.decode(entries, schema).items()}
+  elif wire.topk is not None:  # the kept values are the nonzero ones, already checked finite
     values = {spec.name: entries[spec.name] for spec in schema.parameters}
   else:  # F32/F16/BF16 values are their own decoding, already checked finite
     values = {spec.name: entries[spec.name] for spec in schema.parameters}

@@ -47,7 +47,6 @@ import jax
 import numpy as np
 
 from gmjax.core import feedback
-from gmjax.core import sparse
 from gmjax.core.schema import Schema
 from gmjax.mail import delayed
 from gmjax.mail import heartbeats
@@ -518,11 +517,8 @@ def _encode(config: Any, schema: Schema, residual: dict[str, np.ndarray] | None,
   """
   if residual is not None:
     entries, decoded, residual = feedback.encode(
-        residual, delta, config.error_feedback, schema, config.delta_precision,
-        config.delta_topk, config.delta_chunk)
+        residual, delta, config.error_feedback, schema, config.delta_wire)
     return entries, decoded if decode else None, residual
-  entries = sparse.encode_flat(delta, schema, config.delta_precision, config.delta_topk,
-                               config.delta_chunk)
-  decoded = (sparse.decode_flat(entries, schema, config.delta_precision, config.delta_topk,
-                                config.delta_chunk) if decode else None)
+  entries = config.delta_wire.encode(delta, schema)
+  decoded = config.delta_wire.decode(entries, schema) if decode else None
   return entries, decoded, None

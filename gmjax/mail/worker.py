@@ -33,7 +33,6 @@ import jax
 import numpy as np
 
 from gmjax.core import outer
-from gmjax.core import sparse
 from gmjax.core.codec import to_numpy
 from gmjax.core.schedule import Estimates
 from gmjax.mail import contributions
@@ -304,7 +303,7 @@ class Worker:
       update = states.load_update(self.store, record.to_json())
       specs = self.fragment_schemas[fragment].parameters
       rebuilt = outer.rebuild_jit(held[1], update, specs,
-                                  self.manifest.config.commit_precision)
+                                  self.manifest.config.commit_wire)
       rebuilt = {k: np.asarray(v) for k, v in jax.device_get(rebuilt).items()}
       if states.theta_digest(rebuilt) == record.theta_sha256:
         theta = rebuilt
@@ -328,8 +327,7 @@ class Worker:
     precision = config.delta_precision
     entries = job.get("entries")
     if entries is None:
-      entries = sparse.encode_flat(job["delta"], schema, precision, config.delta_topk,
-                                   config.delta_chunk)  # ValueError on NaN/Inf
+      entries = config.delta_wire.encode(job["delta"], schema)  # ValueError on NaN/Inf
     entries = to_numpy(entries, config.delta_layout(schema))
     data = contributions.dumps(
         entries, learner=self.name, round_=job["round"], fragment=fragment,

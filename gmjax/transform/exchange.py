@@ -40,20 +40,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gmjax.core import sparse
 from gmjax.core.codec import CODE_BITS, JNP_DTYPES, QUANTIZED, dequantize, quantize
-from gmjax.core.records import Precision
 from gmjax.core.schema import ParameterSpec
+from gmjax.core.wire import Wire
 from gmjax.transform import collectives, explicit, shards
 from gmjax.transform.buckets import Buckets
 from gmjax.transform.replicated import _as_bytes, _from_bytes
 
 _UINT = {2: jnp.uint16}
-
-
-def wire_code(spec: ParameterSpec, precision: Precision) -> str:
-  """What a leaf's values travel as: a dtype code or a quantized format."""
-  return spec.dtype if precision is None else precision
 
 
 def _to_wire(values: jax.Array, code: str) -> list[jax.Array]:
@@ -135,9 +129,7 @@ def receive(
 def receive_sparse(
     delta: Mapping[str, jax.Array],
     specs: Sequence[ParameterSpec],
-    precision: Precision,
-    topk: int,
-    chunk: int,
+    wire: Wire,
     axis_name: Any,
     learners: int,
     learner: jax.Array,
@@ -147,8 +139,7 @@ def receive_sparse(
   Args:
     delta: this learner's F32 delta of each leaf of the fragment (any shape).
     specs: the fragment's specs.
-    precision: ``delta_precision``.
-    topk, chunk: ``delta_topk`` and ``delta_chunk``.
+    wire: how deltas travel (``DiLoCo.delta_wire``, sparse).
     axis_name: the learners' axis.
     learners: ``M``.
     learner: this learner's index on the axis.
@@ -159,21 +150,20 @@ def receive_sparse(
     delta decoded from the entries it sends, by leaf name in the leaf's shape.
   """
   flat = [ParameterSpec(s.name, s.dtype, (s.size,)) for s in specs]
-  entries, _ = sparse.encode_values({s.name: jnp.ravel(delta[s.name]) for s in specs},
-                                    {s.name: s.dtype for s in specs}, precision, topk, chunk)
-  wire = _as_bytes(entries)
-  gathered = {n: explicit.pin(g, _gathered_spec(wire[n])) for n, g in zip(
-      wire, collectives.all_gather(list(wire.values()), axis_name, learners))}
+  entries, _ = wire.encode_values({s.name: jnp.ravel(delta[s.name]) for s in specs},
+                                  {s.name: s.dtype for s in specs})
+  crossing = _as_bytes(entries)
+  gathered = {n: explicit.pin(g, _gathered_spec(crossing[n])) for n, g in zip(
+      crossing, collectives.all_gather(list(crossing.values()), axis_name, learners))}
   gathered = _from_bytes(gathered, entries)
   decoded = {s.name: [] for s in specs}
   for m in range(learners):
-    values = sparse.decode_values({n: v[:, m] for n, v in gathered.items()}, flat,
-                                  precision, topk, chunk)
+    values = wire.decode_values({n: v[:, m] for n, v in gathered.items()}, flat)
     for s in specs:
       # Laid out as the leaf, so that its rows come in the order of its master's.
       value = explicit.like(values[s.name].reshape(s.shape), delta[s.name])
       decoded[s.name].append(shards.own(shards.to_rows(value, learners), learner))
-  mine = sparse.decode_values(entries, flat, precision, topk, chunk)
+  mine = wire.decode_values(entries, flat)
   return ({n: jnp.stack(v, axis=1) for n, v in decoded.items()},
           {s.name: mine[s.name].reshape(s.shape) for s in specs})
 
@@ -182,14 +172,14 @@ def publish(
     master: Mapping[str, jax.Array],
     anchor: Mapping[str, jax.Array],
     specs: Sequence[ParameterSpec],
-    commit_precision: Precision,
+    commit_wire: Wire,
     axis_name: Any,
     learners: int,
     learner: jax.Array,
 ) -> tuple[dict[str, jax.Array], jax.Array]:
   """The new Θ of every leaf from the learners' new master shards, and a finiteness count.
 
-  With ``commit_precision=None`` the shards of ``cast(master)`` are gathered; otherwise
+  With ``commit_wire.precision=None`` the shards of ``cast(master)`` are gathered; otherwise
   the shards of ``encode(master − Θ_old)`` are, and every learner forms
   ``Θ = cast(Θ_old + decode(update))`` from the same bytes, as ``outer.rebuild`` does.
   The shards travel bucketed (``gmjax.transform.buckets``): one ``all_gather`` for each
@@ -201,10 +191,10 @@ def publish(
   """
   values, codes = {}, {}
   for spec in specs:
-    if commit_precision is None:
+    if commit_wire.precision is None:
       codes[spec.name], values[spec.name] = spec.dtype, master[spec.name]
     else:
-      codes[spec.name] = commit_precision
+      codes[spec.name] = commit_wire.precision
       old = shards.own(shards.to_rows(anchor[spec.name], learners), learner)
       keep = shards.valid(spec.shape, learners, learner)
       values[spec.name] = explicit.where(keep, master[spec.name] - old, jnp.float32(0))
@@ -213,7 +203,7 @@ def publish(
   for code, value in zip(buckets.codes, buckets.pack(values)):
     wire = _to_wire(value, code)
     mine = _from_wire(wire, code)
-    if commit_precision is None:
+    if commit_wire.precision is None:
       mine = mine.astype(JNP_DTYPES[code])
     bad = bad + jnp.sum(~jnp.isfinite(mine)).astype(jnp.float32)
     # Under vmap's spmd_axis_name the gathered dimension comes out split over the
@@ -225,7 +215,7 @@ def publish(
   for spec in specs:
     dtype = JNP_DTYPES[spec.dtype]
     value = shards.from_rows(rows[spec.name], spec.shape, anchor[spec.name])
-    if commit_precision is None:
+    if commit_wire.precision is None:
       theta[spec.name] = value.astype(dtype)
     else:
       theta[spec.name] = (anchor[spec.name].astype(jnp.float32) + value).astype(dtype)

@@ -30,19 +30,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gmjax.core import outer, sparse
-from gmjax.core.records import Precision
+from gmjax.core import round as round_ops
 from gmjax.core.schema import ParameterSpec
+from gmjax.core.wire import Wire
 from gmjax.transform import collectives, explicit, screen
 
 AxisName = Any
 
 
-def travels_as_f32(specs: Sequence[ParameterSpec], precision: Precision) -> bool:
-  """Whether every delta of ``specs`` crosses the axis as F32 (then: a ``psum``)."""
-  if precision is None:
-    return all(s.dtype == "F32" for s in specs)
-  return precision == "F32"
+def travels_as_f32(specs: Sequence[ParameterSpec], wire: Wire) -> bool:
+  """Whether every delta of ``specs`` crosses the axis as dense F32 (then: a ``psum``)."""
+  return not wire.sparse and all(wire.code(s.dtype) == "F32" for s in specs)
 
 
 def _as_bytes(entries: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
@@ -89,10 +87,8 @@ def aggregate(
     delta: Mapping[str, jax.Array],
     tokens: jax.Array,
     specs: Sequence[ParameterSpec],
-    precision: Precision,
+    wire: Wire,
     axis_name: AxisName,
-    topk: int | None = None,
-    chunk: int | None = None,
 ) -> tuple[dict[str, jax.Array], jax.Array, screen.Verdict, dict[str, jax.Array]]:
   """The outer gradient ``g = Σ_m w_m · decode(Δ_m)`` across ``axis_name``, and the cosine.
 
@@ -104,9 +100,8 @@ def aggregate(
     tokens: tokens this learner trained since its last delta of the fragment, an int32
       pair (see ``gmjax.transform.tokens``).
     specs: the fragment's parameter specs, sorted by name, with the flat shapes.
-    precision: ``delta_precision``.
+    wire: how deltas travel (``DiLoCo.delta_wire``).
     axis_name: the learners' mapped axis, or None for a single learner.
-    topk, chunk: ``delta_topk`` (None: dense deltas) and ``delta_chunk``.
 
   Returns:
     ``(g, cosine, verdict, sent)``: ``g`` in F32 by leaf name (identical on every
@@ -115,15 +110,15 @@ def aggregate(
     from the very entries it sends (by leaf name, flat).
   """
   dtypes = {s.name: s.dtype for s in specs}
-  entries, _ = sparse.encode_values(dict(delta), dtypes, precision, topk, chunk)
-  decode_values = lambda e: sparse.decode_values(e, specs, precision, topk, chunk)
+  entries, _ = wire.encode_values(dict(delta), dtypes)
+  decode_values = lambda e: wire.decode_values(e, specs)
   # The entries cross as their bits (``_as_bytes``), so every learner decodes these.
   decoded = decode_values(entries)
   if axis_name is None:
     squared, bad = screen.squares_and_non_finite(decoded)
     verdict = screen.judge(squared[None], bad[None], tokens[None])
     return screen.masked(decoded, verdict.keep[0]), jnp.float32(jnp.nan), verdict, decoded
-  if topk is None and travels_as_f32(specs, precision):
+  if travels_as_f32(specs, wire):
     every = lax.all_gather(jnp.stack(screen.squares_and_non_finite(decoded)), axis_name)
     every = explicit.pin(every, (None,) * every.ndim)
     all_tokens = lax.all_gather(tokens, axis_name)
@@ -139,11 +134,11 @@ def aggregate(
   # dimension stays where it lies (gathered in front, JAX's type would move it to the
   # learners' dimension). Under vmap's spmd_axis_name the learners' dimension comes out
   # split over the learners' axis, and every learner needs all of it.
-  wire = _as_bytes(entries)
-  gathered = {n: explicit.pin(g, None if explicit.spec(wire[n]) is None
-                              else (*explicit.spec(wire[n]), None))
-              for n, g in zip(wire, collectives.all_gather(
-                  list(wire.values()), axis_name, lax.axis_size(axis_name)))}
+  crossing = _as_bytes(entries)
+  gathered = {n: explicit.pin(g, None if explicit.spec(crossing[n]) is None
+                              else (*explicit.spec(crossing[n]), None))
+              for n, g in zip(crossing, collectives.all_gather(
+                  list(crossing.values()), axis_name, lax.axis_size(axis_name)))}
   every = lax.all_gather(tokens, axis_name)
   all_tokens = explicit.pin(every, (None,) * every.ndim)
   gathered = _from_bytes(gathered, entries)
@@ -156,8 +151,9 @@ def aggregate(
   verdict = screen.judge(jnp.stack([s for s, _ in judged]),
                          jnp.stack([b for _, b in judged]), all_tokens)
   deltas = [screen.masked(d, verdict.keep[m]) for m, d in enumerate(deltas)]
-  gradient = outer.weighted_sum(deltas, [verdict.weights[m] for m in range(learners)])
+  gradient = round_ops.tree_weighted_sum(deltas,
+                                         [verdict.weights[m] for m in range(learners)])
   units = [_unit(d) for d in deltas]
-  unit_sum = outer.weighted_sum([u for u, _ in units], [1.0] * learners)
+  unit_sum = round_ops.tree_weighted_sum([u for u, _ in units], [1.0] * learners)
   count = sum(n for _, n in units)
   return gradient, mean_cosine(unit_sum, count), verdict, decoded

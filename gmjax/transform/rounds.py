@@ -269,21 +269,24 @@ def _sync_replicated(layout, config, tx, axis_name, fragment, names, anchor, mas
   if layout.beta is not None:
     delta = feedback.compensated({n: flat(residual[n]) for n in names}, delta, layout.beta)
   gradient, cosine, verdict, sent = replicated.aggregate(
-      delta, counts, specs, config.delta_precision, axis_name, config.delta_topk,
-      config.delta_chunk)
+      delta, counts, specs, config.delta_wire, axis_name)
   if layout.beta is not None:
     residual = _kept_residual(
         {n: explicit.unflatten(delta[n] - sent[n], anchor[n]) for n in names}, residual)
   gradient = {n: explicit.unflatten(gradient[n], anchor[n]) for n in names}
-  old = tuple(master[n] if layout.keep[n] else anchor[n].astype(jnp.float32) for n in names)
-  new_master, new_state = outer.apply_outer(
-      tx, tuple(gradient[n] for n in names), outer_state, old)
-  theta, _ = outer.publish({n: flat(m) for n, m in zip(names, new_master)},
-                           {n: flat(anchor[n]) for n in names}, specs,
-                           config.commit_precision)
-  theta = {n: explicit.unflatten(theta[n], anchor[n]) for n in names}
-  bad = _finite_count([*gradient.values(), *new_master, *theta.values()])
-  bad = bad + jnp.where(jnp.any(verdict.keep), 0.0, 1.0)  # a round with no delta kept
+  old = {n: master[n] if layout.keep[n] else anchor[n].astype(jnp.float32) for n in names}
+
+  def publish(new_master):
+    # The codec runs on the flat leaves (see above).
+    theta, _ = outer.publish({n: flat(new_master[n]) for n in names},
+                             {n: flat(anchor[n]) for n in names}, specs, config.commit_wire)
+    theta = {n: explicit.unflatten(theta[n], anchor[n]) for n in names}
+    return theta, round_ops.count_non_finite(theta.values(), explicit.total)
+
+  result = round_ops.outer_round(tx, gradient, outer_state, old, anchor, specs,
+                                 config.commit_wire, publish=publish, total=explicit.total,
+                                 as_tuple=True, any_kept=jnp.any(verdict.keep))
+  theta, new_master, new_state, bad = result.theta, result.master, result.state, result.bad
   squared = explicit.total(jnp.sum(jnp.square(g)) for g in gradient.values())
   own = (None if not layout.eager else
          ({n: explicit.unflatten(sent[n], anchor[n]) for n in names},
@@ -303,9 +306,10 @@ def _sync_sharded(layout, config, tx, axis_name, learner, fragment, names, ancho
   every = explicit.pin(every, (None,) * every.ndim)
   # The fragment's leaves cross, are screened and summed as buckets: one program per
   # bucket whatever the number of leaves, the learners an array dimension.
-  if config.delta_topk is None:
+  wire = config.delta_wire
+  if not wire.sparse:
     rows = {n: shards.to_rows(delta[n], learners) for n in names}
-    codes = {s.name: exchange.wire_code(s, config.delta_precision) for s in specs}
+    codes = {s.name: wire.code(s.dtype) for s in specs}
     buckets = Buckets(rows, codes, axis_name)
     deltas, sent = exchange.receive(buckets, buckets.pack(rows), axis_name)
     sent = buckets.unpack(sent)
@@ -314,8 +318,7 @@ def _sync_sharded(layout, config, tx, axis_name, learner, fragment, names, ancho
     sent = {s.name: explicit.like(shards.from_rows(sent[s.name], s.shape, delta[s.name]),
                                   delta[s.name]) for s in specs}
   else:
-    received, sent = exchange.receive_sparse(delta, specs, config.delta_precision,
-                                             config.delta_topk, config.delta_chunk,
+    received, sent = exchange.receive_sparse(delta, specs, wire,
                                              axis_name, learners, learner)
     left = {n: delta[n] - sent[n] for n in names}
     buckets = Buckets(received, dict.fromkeys(names, "F32"), axis_name)
@@ -339,18 +342,18 @@ def _sync_sharded(layout, config, tx, axis_name, learner, fragment, names, ancho
       round_ops.weighted_sum(explicit.where(keep, d, jnp.zeros_like(d)), verdict.weights,
                              dim)
       for d in deltas])
-  old = tuple(master[n] if layout.keep[n] else layout.master_value(n, anchor[n], learner)
-              for n in names)
-  new_master, new_state = outer.apply_outer(
-      tx, tuple(gradient[n] for n in names), outer_state, old)
-  theta, bad_theta = exchange.publish(
-      dict(zip(names, new_master)), {n: anchor[n] for n in names}, specs,
-      config.commit_precision, axis_name, learners, learner)
+  old = {n: master[n] if layout.keep[n] else layout.master_value(n, anchor[n], learner)
+         for n in names}
+  publish = lambda new_master: exchange.publish(
+      new_master, {n: anchor[n] for n in names}, specs, config.commit_wire, axis_name,
+      learners, learner)
   # A round none of whose deltas was kept has no outer step: counted with the non-finite
   # values, so that whether the round is kept comes out of the psum, and XLA does not
   # copy the screening into each leaf's selects.
-  bad = (bad_theta + _finite_count([*gradient.values(), *new_master])
-         + jnp.where(jnp.any(verdict.keep), 0.0, 1.0))
+  result = round_ops.outer_round(tx, gradient, outer_state, old, anchor, specs,
+                                 config.commit_wire, publish=publish, total=explicit.total,
+                                 as_tuple=True, any_kept=jnp.any(verdict.keep))
+  theta, new_master, new_state, bad = result.theta, result.master, result.state, result.bad
   squared = explicit.total(jnp.sum(jnp.square(g)) for g in gradient.values())
   summed = explicit.psum(jnp.stack([squared, bad]), axis_name)
   squared, bad = summed[0], summed[1]
@@ -442,7 +445,7 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
       old = ({n: anchor[n] for n in names}, {n: master[n] for n in kept_names},
              outer_states[fragment])
       new = vary_like(({n: theta[n] for n in names},
-                       {n: new_master[i] for i, n in enumerate(names) if layout.keep[n]},
+                       {n: new_master[n] for n in names if layout.keep[n]},
                        new_state), old)
       chosen_anchor, chosen_master, kept = explicit.choose(finite, new, old)
       anchor.update(chosen_anchor)
