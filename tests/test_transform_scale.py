@@ -72,3 +72,42 @@ def test_collectives_do_not_grow_with_leaves(name):
   # the screening's psum, Θ's all-gather and the closing psum; plus the step's own.
   fragments = CONFIGS[name].fragments
   assert few <= 8 * fragments + 4, few
+
+
+def test_one_learners_sync_keeps_no_mask_or_masked_copy_in_scratch():
+  # One learner, P=1 F32: the sync needs the delta, the new master and the new momentum
+  # (three F32 copies of the fragment) besides what adamw's step needs; finiteness
+  # checks add no mask of a leaf (``round.non_finite_flag``) and a lone learner's delta
+  # is not copied to be masked (it was 1.5x that, 6 copies, before).
+  params = {"w1": jnp.ones((256, 512)), "w2": jnp.ones((512, 256)), "b": jnp.zeros(256)}
+  x = jnp.ones((32, 256))
+
+  def scratch(optimizer):
+    def step(params, state):
+      grads = jax.grad(lambda p: jnp.mean(jnp.square(jax.nn.gelu(x @ p["w1"]) @ p["w2"]
+                                                      + p["b"])))(params)
+      updates, state = optimizer.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+        params, optimizer.init(params)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  fragment = sum(v.size * 4 for v in params.values())
+  plain = scratch(optax.adamw(1e-3))
+  diloco = scratch(gmjax.diloco(optax.adamw(1e-3), gmjax.DiLoCo(sync_every=4)))
+  assert diloco <= plain + 3 * fragment, (diloco, plain, fragment)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_non_finite_flag_finds_every_nan_and_inf_under_jit(dtype):
+  from gmjax.core import round as round_ops
+  flag = jax.jit(round_ops.non_finite_flag, static_argnums=1)
+  x = jnp.arange(96, dtype=jnp.float32).reshape(3, 32).astype(dtype)
+  assert float(flag(x, None)) == 0.0
+  big = jnp.full((3, 32), jnp.finfo(dtype).max, dtype)  # finite, whose square overflows
+  assert float(flag(big, None)) == 0.0
+  for bad in (jnp.nan, jnp.inf, -jnp.inf):
+    y = x.at[1, 7].set(bad)
+    assert float(flag(y, None)) == 1.0
+    assert flag(y, 1).tolist() == [0.0, 1.0, 0.0]

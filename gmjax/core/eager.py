@@ -42,6 +42,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from gmjax.core import round as round_ops
+
 
 def check(config: Any) -> None:
   """Checks ``config.outer_delay`` and ``config.eager`` against the rest of ``config``.
@@ -117,4 +119,4 @@ def first_weight(learners: int) -> float:
 
 def finite(tree: Mapping[str, Any]) -> jax.Array:
   """Whether every value of ``tree`` is finite (a bool scalar)."""
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in tree.values()]))
+  return round_ops.count_non_finite(tree.values()) == 0

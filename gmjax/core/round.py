@@ -106,12 +106,26 @@ def gram_rows(stacked: Sequence[jax.Array], axis: int = 0) -> jax.Array:
   return lax.fori_loop(0, count, row, jnp.zeros((count, count), jnp.float32))
 
 
+def non_finite_flag(x: jax.Array, axis: Any = None) -> jax.Array:
+  """F32 1 where ``x`` (reduced over ``axis``, all by default) holds a NaN or Inf, else 0.
+
+  ``Σ (x − x)`` is 0 when every term is finite and NaN otherwise (``Inf − Inf`` is NaN;
+  XLA does not fold ``x − x`` for floats): one reduction that XLA fuses with its input.
+  A count of ``~isfinite(x)`` makes XLA:CPU write a mask the size of ``x`` to the step's
+  scratch, and ``x·0`` a broadcast of zeros, for every leaf of a round.
+  """
+  x = x.astype(jnp.float32)
+  probe = jnp.sum(x - x, axis=axis)
+  return jnp.isnan(probe).astype(jnp.float32)
+
+
 def non_finite(stacked: Sequence[jax.Array], axis: int) -> jax.Array:
-  """``(M,)`` F32: how many of each learner's values (over every array) are NaN or Inf."""
+  """``(M,)`` F32: for each learner, how many of the arrays hold a NaN or Inf in its
+  values (0 exactly when all are finite)."""
   total = None
   for x in stacked:
     others = tuple(d for d in range(x.ndim) if d != axis)
-    bad = jnp.sum(~jnp.isfinite(x), axis=others).astype(jnp.float32)
+    bad = non_finite_flag(x, others)
     total = bad if total is None else total + bad
   return total
 
@@ -123,12 +137,13 @@ def _stacked_total(counts: Iterable[jax.Array]) -> jax.Array:
 def count_non_finite(values: Iterable[jax.Array],
                      total: Callable[[Iterable[jax.Array]], jax.Array] = _stacked_total
                      ) -> jax.Array:
-  """How many of ``values``' elements (float arrays) are NaN or Inf, F32.
+  """How many of ``values`` (float arrays; others are skipped) hold a NaN or Inf, F32.
 
-  ``total`` adds the per-array counts: one reduction of their vector by default (a chain
-  of additions would be copied by XLA into every fusion that reads it).
+  ``total`` adds the per-array flags (``non_finite_flag``): one reduction of their
+  vector by default (a chain of additions would be copied by XLA into every fusion that
+  reads it).
   """
-  counts = [jnp.sum(~jnp.isfinite(v)) for v in values
+  counts = [non_finite_flag(v) for v in values
             if jnp.issubdtype(jnp.asarray(v).dtype, jnp.floating)]
   return total(counts) if counts else jnp.float32(0)
 
@@ -142,8 +157,9 @@ class OuterRound(NamedTuple):
     state: the outer optimizer's new state.
     update: the commit's update entries (``commit_wire``), or None (Θ travels itself,
       or ``publish`` was given).
-    bad: F32, how many values of the gradient, the new master, the new outer state and
-      Θ are NaN or Inf: the round is kept only if it is 0 (``kept``).
+    bad: F32, how many arrays of the gradient, the new master, the new outer state and
+      Θ hold a NaN or Inf (plus 1 if no delta was kept): the round is kept only if it is
+      0.
   """
 
   theta: dict[str, jax.Array]

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gmjax.core import round as round_ops
 from gmjax.core.codec import CODE_BITS, JNP_DTYPES, QUANTIZED, dequantize, quantize
 from gmjax.core.schema import ParameterSpec
 from gmjax.core.wire import Wire
@@ -205,7 +206,7 @@ def publish(
     mine = _from_wire(wire, code)
     if commit_wire.precision is None:
       mine = mine.astype(JNP_DTYPES[code])
-    bad = bad + jnp.sum(~jnp.isfinite(mine)).astype(jnp.float32)
+    bad = bad + round_ops.non_finite_flag(mine)
     # Under vmap's spmd_axis_name the gathered dimension comes out split over the
     # learners' axis; every learner needs all of it, laid out as its own shard's rows.
     got = [explicit.pin(g, _gathered_spec(w, LEARNER_DIM)) for g, w in

@@ -117,7 +117,10 @@ def aggregate(
   if axis_name is None:
     squared, bad = screen.squares_and_non_finite(decoded)
     verdict = screen.judge(squared[None], bad[None], tokens[None])
-    return screen.masked(decoded, verdict.keep[0]), jnp.float32(jnp.nan), verdict, decoded
+    # Unmasked: a lone learner's delta is rejected only when it is not finite, and then
+    # so is ``g``, and the round is skipped (``round.outer_round``); masking would copy
+    # the delta.
+    return decoded, jnp.float32(jnp.nan), verdict, decoded
   if travels_as_f32(specs, wire):
     every = lax.all_gather(jnp.stack(screen.squares_and_non_finite(decoded)), axis_name)
     every = explicit.pin(every, (None,) * every.ndim)

@@ -238,14 +238,9 @@ def start(layout: Layout, tx, axis_name: Any, learner: Any):
   return run
 
 
-def _finite_count(values) -> jax.Array:
-  """How many of ``values``' elements are NaN or Inf, F32."""
-  return explicit.total(jnp.sum(~jnp.isfinite(v)) for v in values)
-
-
 def _kept_residual(new: dict[str, jax.Array], old: dict[str, jax.Array]) -> dict:
   """The new residuals of a fragment, or zeros if any is not finite (nothing was sent)."""
-  ok = _finite_count(new.values()) == 0
+  ok = round_ops.count_non_finite(new.values(), explicit.total) == 0
   return {n: explicit.where(ok, v, jnp.zeros_like(old[n])) for n, v in new.items()}
 
 

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from gmjax.core import guards
+from gmjax.core import round as round_ops
 from gmjax.transform import explicit
 from gmjax.transform import tokens as token_counts
 
@@ -85,5 +86,5 @@ def squares_and_non_finite(delta) -> tuple[jax.Array, jax.Array]:
   """``(Σ d², count of non-finite d)`` of a delta's leaves, both F32 scalars."""
   leaves = jax.tree.leaves(delta)
   squared = explicit.total(jnp.sum(jnp.square(d.astype(jnp.float32))) for d in leaves)
-  bad = explicit.total(jnp.sum(~jnp.isfinite(d)) for d in leaves)
+  bad = round_ops.count_non_finite(leaves, explicit.total)
   return jnp.float32(squared), jnp.float32(bad)
