@@ -14,8 +14,9 @@ import time
 import numpy as np
 
 import gmjax
-from gmjax.core.wire import Wire
+from gmjax.core.aggregator import DiLoCoAggregator
 from gmjax.core.records import Contribution
+from gmjax.core.wire import Wire
 
 
 def timed(fn, repeats):
@@ -50,8 +51,8 @@ def main():
   print(f"{'delta precision':>16} {'close_round ms':>15} {'x copy':>8} {'numpy ms':>9} {'x numpy':>8}")
   for precision in (None, "BF16", "F8_E4M3", "I4"):
     config = gmjax.DiLoCo(sync_every=10, delta_precision=precision)
-    aggregator = config.aggregator(schema, schema.names)
-    state = config.initial_state(schema, schema.names, params)
+    aggregator = DiLoCoAggregator(config, schema)
+    state = aggregator.initial_state(params)
     deltas = [{k: (rng.standard_normal(v.shape, np.float32) * 1e-3) for k, v in params.items()}
               for _ in range(args.learners)]
     contributions = [

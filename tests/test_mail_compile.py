@@ -55,16 +55,16 @@ def test_padding_leaves_the_result_unchanged():
   params = ms.params0()
   config = gmjax.DiLoCo(sync_every=2, delta_precision="F8_E4M3")
   schema = gmjax.Schema.from_tree(params)
-  aggregator = config.aggregator(schema, schema.names)
-  state = config.initial_state(schema, schema.names, params)
+  fragment = aggregator.DiLoCoAggregator(config, schema)
+  state = fragment.initial_state(params)
   rng = np.random.default_rng(0)
   found = []
   for name in ("a", "b"):
     delta = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in params.items()}
     entries = {k: np.asarray(v) for k, v in gmjax.encode(delta, "F8_E4M3").items()}
     found.append(gmjax.Contribution(name, 2, 2, 3, 0.0, False, entries))
-  exact = aggregator.close_round(state, found)
-  padded = aggregator.close_round(state, found, capacity=8)
+  exact = fragment.close_round(state, found)
+  padded = fragment.close_round(state, found, capacity=8)
   for name in exact.state.theta:
     np.testing.assert_array_equal(exact.state.theta[name], padded.state.theta[name])
   for name in exact.state.outer:

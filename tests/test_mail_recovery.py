@@ -7,6 +7,7 @@ import pytest
 
 import gmjax
 from gmjax import mail
+from gmjax.core.aggregator import DiLoCoAggregator
 from gmjax.mail import commits
 from gmjax.mail import layout
 from gmjax.mail import states
@@ -41,7 +42,8 @@ def test_state_files_and_directories_are_synced_before_the_commit(tmp_path, monk
     real_fsync(fd)
 
   monkeypatch.setattr(os, "fsync", recording_fsync)
-  state = run.config.initial_state(run.schema, run.plan[0], ms.params0())
+  state = DiLoCoAggregator(run.config, run.schema.subset(run.plan[0])).initial_state(
+      ms.params0())
   files = states.save_state(run.store, 0, state, "synced")
   target = os.path.join(run.store.local_root, *files["state"].split("/"))
   directories = [root for root, _, _ in os.walk(target)] + [os.path.dirname(target)]
@@ -123,7 +125,8 @@ def test_zeroed_newest_state_is_repaired_from_the_version_before(tmp_path):
 def test_orphaned_states_are_removed(tmp_path, monkeypatch):
   url = str(tmp_path / "run")
   run = mail.create(url, ms.params0(), _config())
-  state = run.config.initial_state(run.schema, run.plan[0], ms.params0())
+  state = DiLoCoAggregator(run.config, run.schema.subset(run.plan[0])).initial_state(
+      ms.params0())
   orphan = states.save_state(run.store, 0, states.FragmentState(1, state.theta, state.outer),
                              "0rphan000000")["state"]
   monkeypatch.setattr(commits, "ORPHAN_SWEEP_EVERY", 2)

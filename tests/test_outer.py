@@ -11,6 +11,7 @@ import pytest
 import gmjax
 from gmjax.core import outer
 from gmjax.core import round as round_ops
+from gmjax.core.aggregator import DiLoCoAggregator
 from gmjax.core.codec import to_numpy
 from gmjax.core.schema import NUMPY_DTYPES, master_name, momentum_name
 from gmjax.core.wire import Wire
@@ -25,8 +26,8 @@ def make(dtype="F32", **config):
   tree = {k: v.astype(NUMPY_DTYPES[dtype]) for k, v in tree.items()}
   schema = gmjax.Schema.from_tree(tree)
   algorithm = gmjax.DiLoCo(sync_every=4, **config)
-  state = algorithm.initial_state(schema, schema.names, tree)
-  return algorithm, schema, algorithm.aggregator(schema, schema.names), state
+  aggregator = DiLoCoAggregator(algorithm, schema)
+  return algorithm, schema, aggregator, aggregator.initial_state(tree)
 
 
 def contribution(schema, name, delta, tokens, precision):
@@ -282,5 +283,5 @@ def test_close_round_compiles_once_per_shape():
   compiled = aggregator_lib._close._cache_size()
   state = close(aggregator, state)
   # An equal configuration (another closer) builds the same transformation.
-  close(gmjax.DiLoCo(sync_every=4, outer="adam").aggregator(schema, schema.names), state)
+  close(DiLoCoAggregator(gmjax.DiLoCo(sync_every=4, outer="adam"), schema), state)
   assert aggregator_lib._close._cache_size() == compiled

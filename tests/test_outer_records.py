@@ -8,6 +8,7 @@ import pytest
 
 import gmjax
 from gmjax.core import outer_records
+from gmjax.core.aggregator import DiLoCoAggregator
 
 PARAMS = {"dense/kernel": jnp.ones((2, 3)), "norm.scale": jnp.ones(4)}
 
@@ -80,10 +81,10 @@ def test_colliding_record_names_refused():
 def test_initial_state_records():
   tree = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(2, np.float32)}
   schema = gmjax.Schema.from_tree(tree)
-  sgd = gmjax.DiLoCo(sync_every=2).initial_state(schema, schema.names, tree)
+  sgd = DiLoCoAggregator(gmjax.DiLoCo(sync_every=2), schema).initial_state(tree)
   assert sorted(sgd.outer) == ["momentum.b", "momentum.w"]
-  adam = gmjax.DiLoCo(sync_every=2, outer="adam", commit_precision="BF16").initial_state(
-      schema, schema.names, tree)
+  adam = DiLoCoAggregator(gmjax.DiLoCo(sync_every=2, outer="adam", commit_precision="BF16"),
+                          schema).initial_state(tree)
   assert sorted(adam.outer) == ["master.b", "master.w", "outer.0.count", "outer.0.mu.b",
                                 "outer.0.mu.w", "outer.0.nu.b", "outer.0.nu.w"]
   np.testing.assert_array_equal(adam.outer["master.w"], tree["w"])

@@ -3,6 +3,7 @@
 import importlib
 
 import gmjax
+from gmjax.core.aggregator import DiLoCoAggregator
 
 CORE_NAMES = (
     "RoundSchedule", "Estimates", "FragmentState", "Contribution", "Participant",
@@ -31,4 +32,4 @@ def test_protocols():
   algorithm = gmjax.DiLoCo(sync_every=4)
   assert isinstance(algorithm, gmjax.Algorithm)
   schema = gmjax.Schema((gmjax.ParameterSpec("w", "F32", (2,)),))
-  assert isinstance(algorithm.aggregator(schema, ["w"]), gmjax.Aggregator)
+  assert isinstance(DiLoCoAggregator(algorithm, schema), gmjax.Aggregator)

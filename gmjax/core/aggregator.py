@@ -1,6 +1,7 @@
 """``DiLoCoAggregator``: how one fragment's round is closed from its contributions.
 
-The mail closer (``gmjax.mail.closer``) runs it; ``gmjax.DiLoCo.aggregator`` builds it.
+The mail closer (``gmjax.mail.closer``) runs it, ``DiLoCoAggregator(config,
+fragment_schema)``; ``gmjax.mail.create`` takes each fragment's version 0 from it.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,12 +18,10 @@ import optax
 
 from gmjax.core import outer_records
 from gmjax.core import round as round_ops
+from gmjax.core.diloco import DiLoCo
 from gmjax.core.records import Contribution, FragmentState, Participant, RoundResult
 from gmjax.core.schema import NUMPY_DTYPES, ParameterSpec, Schema, master_name
 from gmjax.core.stats import cosine_from_gram
-
-if TYPE_CHECKING:
-  from gmjax.core.diloco import DiLoCo
 
 
 def _numpy_dtype(spec: ParameterSpec):
@@ -147,6 +146,25 @@ class DiLoCoAggregator:
         FragmentState(state.version + 1, dict(state.theta), dict(state.outer)),
         participants, None, update, skipped)
 
+  def initial_state(self, theta: Mapping[str, Any]) -> FragmentState:
+    """Version 0 of the fragment: the creator's parameters ``theta`` (by name), the
+    outer optimizer's initial state (``tx.init`` of the F32 master: zero momentum for the
+    default SGD) as named records (``gmjax.core.outer_records``), and the exact master
+    where one is kept."""
+    theta0, master0 = {}, {}
+    for spec in self.schema.parameters:
+      value = np.asarray(jax.device_get(theta[spec.name]))
+      theta0[spec.name] = value.astype(_numpy_dtype(spec), copy=True)
+      master0[spec.name] = theta0[spec.name].astype(np.float32)
+    state = _outer_transform(self.config).init(
+        {n: jnp.asarray(v) for n, v in master0.items()})
+    records = outer_records.flatten(state, outer_records.seed_aliases(self.config.outer))
+    outer0 = {n: np.array(v) for n, v in jax.device_get(records).items()}
+    for spec in self.schema.parameters:
+      if self.config.keeps_master(spec.dtype):
+        outer0[master_name(spec.name)] = master0[spec.name]
+    return FragmentState(version=0, theta=theta0, outer=outer0)
+
   def zero_contribution(self) -> dict[str, np.ndarray]:
     """Payload entries of an all-zero delta at the delta precision (padding)."""
     return self.config.delta_wire.zeros(self.schema)
@@ -155,7 +173,7 @@ class DiLoCoAggregator:
     """Compiles the close of a round of up to ``capacity`` contributions (by closing
     one on zeros), so that the first real round does not wait on a compile."""
     zeros = {s.name: np.zeros(s.shape, NUMPY_DTYPES[s.dtype]) for s in self.schema.parameters}
-    state = self.config.initial_state(self.schema, self.schema.names, zeros)
+    state = self.initial_state(zeros)
     self.close_round(state, [Contribution("warm", 0, 0, 0, 0.0, False,
                                           self.zero_contribution())], capacity=capacity)
 

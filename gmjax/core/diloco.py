@@ -1,6 +1,7 @@
 """``gmjax.DiLoCo``: the algorithm's configuration and its fragment plan.
 
-The aggregator that closes a round is ``gmjax.core.aggregator``.
+The configuration only: the aggregator that closes a round, and a fragment's version 0,
+are ``gmjax.core.aggregator.DiLoCoAggregator``'s.
 
 References:
   Douillard et al., *DiLoCo: Distributed Low-Communication Training of Language
@@ -14,20 +15,17 @@ import dataclasses
 import heapq
 import json
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Self
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 from gmjax.core import eager as eager_updates
-from gmjax.core import feedback, layers, outer, outer_records
-from gmjax.core.aggregator import DiLoCoAggregator, _numpy_dtype, _outer_transform
-from gmjax.core.records import FragmentState, Precision
+from gmjax.core import feedback, layers, outer
+from gmjax.core.records import Precision
 from gmjax.core.schedule import RoundSchedule
-from gmjax.core.schema import Schema, master_name
+from gmjax.core.schema import Schema
 from gmjax.core.wire import Wire, check_precision
 
 
@@ -367,13 +365,6 @@ class DiLoCo:
   def commit_dtype(self) -> Precision:
     return self.commit_precision
 
-  def aggregator(
-      self, schema: Schema, names: Sequence[str], backend: Any = None
-  ) -> DiLoCoAggregator:
-    """The aggregator of the fragment holding ``names`` (``backend`` is unused: JAX)."""
-    del backend
-    return DiLoCoAggregator(self, schema.subset(names))
-
   def quorum(self) -> int:
     return 1 if self.quorum_size is None else self.quorum_size
 
@@ -383,24 +374,6 @@ class DiLoCo:
   def keeps_master(self, dtype: str) -> bool:
     """Whether a leaf of ``dtype`` needs a ``master.<name>`` beside its published Θ."""
     return dtype != "F32" or self.commit_precision is not None
-
-  def initial_state(self, schema: Schema, names: Sequence[str], theta: Mapping[str, Any]) -> FragmentState:
-    """Version 0 of a fragment: the creator's parameters, the outer optimizer's initial
-    state (``tx.init`` of the F32 master: zero momentum for the default SGD) as named
-    records (``gmjax.core.outer_records``), and the exact master where one is kept."""
-    fragment = schema.subset(names)
-    theta0, master0 = {}, {}
-    for spec in fragment.parameters:
-      value = np.asarray(jax.device_get(theta[spec.name]))
-      theta0[spec.name] = value.astype(_numpy_dtype(spec), copy=True)
-      master0[spec.name] = theta0[spec.name].astype(np.float32)
-    state = _outer_transform(self).init({n: jnp.asarray(v) for n, v in master0.items()})
-    records = outer_records.flatten(state, outer_records.seed_aliases(self.outer))
-    outer0 = {n: np.array(v) for n, v in jax.device_get(records).items()}
-    for spec in fragment.parameters:
-      if self.keeps_master(spec.dtype):
-        outer0[master_name(spec.name)] = master0[spec.name]
-    return FragmentState(version=0, theta=theta0, outer=outer0)
 
   def to_json(self) -> dict[str, Any]:
     record = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

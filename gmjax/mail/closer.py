@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from gmjax.core import guards
-from gmjax.core.aggregator import padded_count
+from gmjax.core.aggregator import DiLoCoAggregator, padded_count
 from gmjax.core.records import Contribution, FragmentState
 from gmjax.core.schedule import Estimates
 from gmjax.mail import contributions
@@ -115,7 +115,8 @@ class Closer:
     self._schemas = {}
     self._max_bytes = {}
     for fragment, names in enumerate(manifest.plan):
-      self._aggregators[fragment] = manifest.config.aggregator(manifest.schema, names)
+      self._aggregators[fragment] = DiLoCoAggregator(manifest.config,
+                                                     manifest.schema.subset(names))
       self._schemas[fragment] = manifest.schema.subset(names)
       self._max_bytes[fragment] = contributions.max_bytes(
           manifest.config.delta_layout(self._schemas[fragment]))

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 
+from gmjax.core.aggregator import DiLoCoAggregator
 from gmjax.core.diloco import DiLoCo
 from gmjax.core.schedule import Estimates
 from gmjax.core.schema import Schema
@@ -250,7 +251,7 @@ def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = N
   for fragment, names in enumerate(manifest.plan):
     if states.committed_versions(store, fragment):
       continue
-    state = config.initial_state(schema, names, flat)
+    state = DiLoCoAggregator(config, schema.subset(names)).initial_state(flat)
     nonce = uuid.uuid4().hex[:12]
     files = states.save_state(store, fragment, state, nonce)
     files.update(states.save_theta(store, fragment, 0, nonce, state.theta))
