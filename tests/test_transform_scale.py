@@ -78,7 +78,7 @@ def test_one_learners_sync_keeps_no_mask_or_masked_copy_in_scratch():
   # One learner, P=1 F32: the sync needs the delta, the new master and the new momentum
   # (three F32 copies of the fragment) besides what adamw's step needs; finiteness
   # checks add no mask of a leaf (``round.non_finite_flag``) and a lone learner's delta
-  # is not copied to be masked (it was 1.5x that, 6 copies, before).
+  # is not copied to be masked (before: 3.4 copies' worth over adamw's scratch).
   params = {"w1": jnp.ones((256, 512)), "w2": jnp.ones((512, 256)), "b": jnp.zeros(256)}
   x = jnp.ones((32, 256))
 
