@@ -7,7 +7,8 @@ dimension of every round computation (``gmjax.core.round``), so:
 
 * the collectives of the step are the same at ``M = 2`` and ``M = 8``, and the same for
   a tree of 4 leaves and one of 16 (a few per fragment, whatever the leaf count);
-* the compiled HLO text at ``M = 8`` is within 1.25x of that at ``M = 2``.
+* the compiled HLO text at ``M = 8`` is within 1.25x of that at ``M = 2`` (within 1.1x
+  for the replicated outer step, ``shard_outer=False``).
 """
 
 import jax
@@ -27,8 +28,9 @@ def _tree(leaves):
           for i in range(leaves)}
 
 
-def _compiled(config, learners, leaves):
-  optimizer = gmjax.diloco(optax.adamw(1e-3), config, axis_name="learner")
+def _compiled(config, learners, leaves, shard_outer=True):
+  optimizer = gmjax.diloco(optax.adamw(1e-3), config, axis_name="learner",
+                           shard_outer=shard_outer)
   mesh = jax.make_mesh((learners,), ("learner",), devices=jax.devices()[:learners])
   sharding = NamedSharding(mesh, P("learner"))
 
@@ -61,6 +63,17 @@ def test_step_is_the_same_size_at_any_learner_count(name):
   large_text, large_collectives = _compiled(CONFIGS[name], 8, 8)
   assert large_collectives == small_collectives
   assert large_text <= 1.25 * small_text, (small_text, large_text)
+
+
+@pytest.mark.parametrize("precision", ["I4", "BF16"])
+def test_replicated_step_is_the_same_size_at_any_learner_count(precision):
+  # shard_outer=False with deltas that are not F32: every learner decodes all the
+  # gathered deltas, at once (vmap over the learners' dimension).
+  config = gmjax.DiLoCo(sync_every=4, fragments=2, delta_precision=precision)
+  small_text, small_collectives = _compiled(config, 2, 8, shard_outer=False)
+  large_text, large_collectives = _compiled(config, 8, 8, shard_outer=False)
+  assert large_collectives == small_collectives
+  assert large_text <= 1.1 * small_text, (small_text, large_text)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

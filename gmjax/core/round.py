@@ -30,13 +30,16 @@ from gmjax.core.schema import ParameterSpec
 from gmjax.core.wire import Wire
 
 
-def weighted_sum(stacked: jax.Array, weights: jax.Array, axis: int = 0) -> jax.Array:
+def weighted_sum(stacked: jax.Array, weights: jax.Array, axis: int = 0,
+                 keep: jax.Array | None = None) -> jax.Array:
   """``Σ_m weights[m] · stacked[m]`` along ``axis``, in F32, summed in the order of ``m``.
 
   Args:
     stacked: the learners' values, learner ``m`` at index ``m`` of ``axis``.
     weights: ``(M,)``, one weight a learner.
     axis: the learners' dimension of ``stacked``.
+    keep: bool ``(M,)``, whose values enter the sum (None: all); a learner left out adds
+      zeros, whatever its values (a NaN times a zero weight would be NaN).
 
   Returns:
     ``stacked``'s shape without ``axis``, in F32.
@@ -45,8 +48,11 @@ def weighted_sum(stacked: jax.Array, weights: jax.Array, axis: int = 0) -> jax.A
   w = jnp.asarray(weights, jnp.float32)
 
   def term(m):
-    return w[m] * lax.dynamic_index_in_dim(stacked, m, axis, keepdims=False).astype(
+    value = w[m] * lax.dynamic_index_in_dim(stacked, m, axis, keepdims=False).astype(
         jnp.float32)
+    # Inside the loop: the mask is read from the loop's operands, so XLA does not copy
+    # the screening that made it into every reader.
+    return value if keep is None else jnp.where(keep[m], value, jnp.float32(0))
 
   # From zeros, every term in the loop: a loop of one trip would be inlined, and its
   # terms (and the weights' computation) copied into every fusion that reads the sum.

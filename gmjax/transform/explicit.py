@@ -95,7 +95,7 @@ def choose(condition: Any, on_true: Any, on_false: Any) -> Any:
 
 
 def total(values: Any) -> jax.Array:
-  """The F32 sum of scalars (one a leaf, say).
+  """The F32 sum of scalars (one a leaf, say), or of arrays of one shape.
 
   One reduction of their vector: written as a chain of additions, XLA copies the chain
   into each fusion that reads the total (one or more a leaf), a program quadratic in the
@@ -105,7 +105,7 @@ def total(values: Any) -> jax.Array:
   values = [jnp.asarray(v).astype(jnp.float32) for v in values]
   if any(spec(v) is not None for v in values):
     return sum(values[1:], values[0])
-  return jnp.sum(jnp.stack(values))
+  return jnp.sum(jnp.stack(values), axis=0)
 
 
 def flatten(x: jax.Array, block: int) -> jax.Array:

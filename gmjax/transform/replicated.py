@@ -5,8 +5,9 @@ Deltas cross the axis at ``delta_precision``, as the mail runtime stores them:
 * F32 deltas (``delta_precision="F32"``, or ``None`` with F32 parameters) are summed with
   one ``psum`` of ``(w_m·Δ_m, Δ_m/‖Δ_m‖)``; the second half feeds the cosine statistic.
 * Every other precision all-gathers the encoded entries (F16/BF16 values, or the
-  quantized codes and their F32 block scales), and each learner decodes them and forms
-  ``Σ_m w_m · decode(Δ_m)`` locally, in learner order, with the core's ``weighted_sum``.
+  quantized codes and their F32 block scales), and each learner decodes them all at once
+  (``vmap`` over the learners' dimension) and forms ``Σ_m w_m · decode(Δ_m)`` locally, in
+  learner order, with the core's ``weighted_sum``: the program does not grow with ``M``.
   Codes and 16-bit values cross as unsigned integers of their width: XLA's CPU backend
   widens float8 and bf16 collectives to wider floats.
 
@@ -145,18 +146,15 @@ def aggregate(
   every = lax.all_gather(tokens, axis_name)
   all_tokens = explicit.pin(every, (None,) * every.ndim)
   gathered = _from_bytes(gathered, entries)
-  learners = all_tokens.shape[0]
-  deltas = [
-      decode_values({k: v[:, m] for k, v in gathered.items()})
-      for m in range(learners)
-  ]
-  judged = [screen.squares_and_non_finite(d) for d in deltas]
-  verdict = screen.judge(jnp.stack([s for s, _ in judged]),
-                         jnp.stack([b for _, b in judged]), all_tokens)
-  deltas = [screen.masked(d, verdict.keep[m]) for m, d in enumerate(deltas)]
-  gradient = round_ops.tree_weighted_sum(deltas,
-                                         [verdict.weights[m] for m in range(learners)])
-  units = [_unit(d) for d in deltas]
-  unit_sum = round_ops.tree_weighted_sum([u for u, _ in units], [1.0] * learners)
-  count = sum(n for _, n in units)
+  # Every learner's delta at once, the learners the leading dimension of each leaf.
+  deltas = jax.vmap(decode_values, in_axes=-1)(gathered)
+  squares = explicit.total(jnp.sum(jnp.square(d), axis=1) for d in deltas.values())
+  bad = explicit.total(round_ops.non_finite_flag(d, 1) for d in deltas.values())
+  verdict = screen.judge(squares, bad, all_tokens)
+  norms = jnp.sqrt(jnp.where(verdict.keep, squares, 0.0))
+  nonzero = norms > 0
+  scales = jnp.where(nonzero, 1.0 / jnp.where(nonzero, norms, 1.0), 0.0)
+  gradient, unit_sum = ({n: round_ops.weighted_sum(d, w, keep=verdict.keep)
+                         for n, d in deltas.items()} for w in (verdict.weights, scales))
+  count = jnp.sum(nonzero).astype(jnp.float32)
   return gradient, mean_cosine(unit_sum, count), verdict, decoded

@@ -332,11 +332,8 @@ def _sync_sharded(layout, config, tx, axis_name, learner, fragment, names, ancho
   # over the other mesh axes.
   squares = jnp.sum(jnp.where(np.eye(learners, dtype=bool), matrix, 0.0), axis=1)
   verdict = screen.judge(squares, summed[size:], every)
-  keep = verdict.keep[None, None, :, None]
   gradient = buckets.unpack([
-      round_ops.weighted_sum(explicit.where(keep, d, jnp.zeros_like(d)), verdict.weights,
-                             dim)
-      for d in deltas])
+      round_ops.weighted_sum(d, verdict.weights, dim, keep=verdict.keep) for d in deltas])
   old = {n: master[n] if layout.keep[n] else layout.master_value(n, anchor[n], learner)
          for n in names}
   publish = lambda new_master: exchange.publish(
