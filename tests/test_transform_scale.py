@@ -57,10 +57,18 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+# Sparse deltas cross leaf by leaf (each learner's own top-k), decoded at once for all
+# learners; only their cut into this learner's shard is per learner.
+SPARSE = {"streaming-i4-top3-of-16": gmjax.DiLoCo(sync_every=4, fragments=2,
+                                                  delta_precision="I4", delta_topk=3,
+                                                  delta_chunk=16)}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS) + list(SPARSE))
 def test_step_is_the_same_size_at_any_learner_count(name):
-  small_text, small_collectives = _compiled(CONFIGS[name], 2, 8)
-  large_text, large_collectives = _compiled(CONFIGS[name], 8, 8)
+  config = {**CONFIGS, **SPARSE}[name]
+  small_text, small_collectives = _compiled(config, 2, 8)
+  large_text, large_collectives = _compiled(config, 8, 8)
   assert large_collectives == small_collectives
   assert large_text <= 1.25 * small_text, (small_text, large_text)
 

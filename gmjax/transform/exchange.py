@@ -157,12 +157,14 @@ def receive_sparse(
   gathered = {n: explicit.pin(g, _gathered_spec(crossing[n])) for n, g in zip(
       crossing, collectives.all_gather(list(crossing.values()), axis_name, learners))}
   gathered = _from_bytes(gathered, entries)
+  # Every learner's delta decoded at once (the learners' dimension mapped), then cut
+  # into this learner's shard, laid out as the leaf so that its rows come in the order
+  # of its master's.
+  values = jax.vmap(lambda e: wire.decode_values(e, flat), in_axes=1)(gathered)
   decoded = {s.name: [] for s in specs}
   for m in range(learners):
-    values = wire.decode_values({n: v[:, m] for n, v in gathered.items()}, flat)
     for s in specs:
-      # Laid out as the leaf, so that its rows come in the order of its master's.
-      value = explicit.like(values[s.name].reshape(s.shape), delta[s.name])
+      value = explicit.like(values[s.name][m].reshape(s.shape), delta[s.name])
       decoded[s.name].append(shards.own(shards.to_rows(value, learners), learner))
   mine = wire.decode_values(entries, flat)
   return ({n: jnp.stack(v, axis=1) for n, v in decoded.items()},
