@@ -212,6 +212,7 @@ def test_replica_groups_as_device_ids():
   ids = np.vectorize(lambda d: d.id)(mesh.devices)
   (reduce,) = [c for c in hlo.collective_bytes(text) if c.op == "all-reduce"]
   assert sorted(reduce.groups) == sorted(tuple(int(d) for d in ids[:, b]) for b in range(4))
+  assert all(hlo.spanned_axes(mesh, g) == {"a"} for g in reduce.groups)
 
 
 def test_mesh_sub_axis_groups():

@@ -192,15 +192,9 @@ def _fsdp_gathers(axis_type, mode, shard_outer, error_feedback=None, eager=False
 def _spans_other_axes(mesh, collective):
   """Whether a replica group of ``collective`` holds devices that differ in a mesh axis
   other than ``learner`` (read from the groups' device ids, not their size)."""
-  ids = np.vectorize(lambda d: d.id)(mesh.devices)
-  learner = mesh.axis_names.index("learner")
   if not collective.groups:
     return collective.group_size != LEARNERS
-  for group in collective.groups:
-    coords = np.array([np.argwhere(ids == d)[0] for d in group])
-    if any(len(set(coords[:, i])) > 1 for i in range(ids.ndim) if i != learner):
-      return True
-  return False
+  return any(hlo.spanned_axes(mesh, group) - {"learner"} for group in collective.groups)
 
 
 @pytest.mark.parametrize("shard_outer", [True, False], ids=["sharded", "replicated"])

@@ -27,14 +27,6 @@ SPECS = {"w1": P("learner", "fsdp", "tensor"), "w2": P("learner", "fsdp", "tenso
          "b": P("learner", "tensor")}
 
 
-def _varying_axes(mesh, group):
-  """The mesh axes along which the devices of ``group`` differ."""
-  ids = np.vectorize(lambda d: d.id)(mesh.devices)
-  coords = [np.argwhere(ids == d)[0] for d in group]
-  return {name for i, name in enumerate(mesh.axis_names)
-          if len({int(c[i]) for c in coords}) > 1}
-
-
 def _run(mesh_shape, config, steps=6):
   rng = np.random.default_rng(0)
   one = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
@@ -71,7 +63,7 @@ def test_tensor_parallel_sync_moves_data_between_learners_only(config):
   assert collectives
   for c in collectives:
     for group in c.groups:
-      axes = _varying_axes(mesh, group)
+      axes = hlo.spanned_axes(mesh, group)
       if c.op == "all-reduce" and c.bytes <= 64:
         continue  # partial sums of the screening (norms, Gram entries, counts)
       assert axes <= {"learner"}, f"{c.op} {c.shape} over {axes}: {c.op_name}"

@@ -23,7 +23,7 @@ import optax
 from jax import lax
 
 from gmjax.core.diloco import DiLoCo
-from gmjax.transform import elementwise, explicit, rounds
+from gmjax.transform import elementwise, explicit, rounds, structure
 from gmjax.transform import tokens as token_counts
 from gmjax.transform.state import DiLoCoState, RoundState, initial_statistics
 
@@ -200,7 +200,7 @@ def diloco(
   sync_every = config.sync_every
 
   def layout_of(params):
-    return rounds.Layout(config, params, _axis_size(axis_name) if sharded else None)
+    return structure.Layout(config, params, _axis_size(axis_name) if sharded else None)
 
   def init_fn(params):
     layout = layout_of(params)
@@ -237,8 +237,8 @@ def diloco(
         updates, state.inner_state, params, **extra_args
     )
     t = optax.safe_int32_increment(count)
-    sync_index = rounds.lookup(layout.table, t % sync_every)
-    merge_index = jnp.where(t > tau, rounds.lookup(layout.table, (t - tau) % sync_every), 0)
+    sync_index = structure.lookup(layout.table, t % sync_every)
+    merge_index = jnp.where(t > tau, structure.lookup(layout.table, (t - tau) % sync_every), 0)
     round_state = RoundState(state.anchor, state.master, state.outer_state, state.pending,
                              token_counts.add(state.tokens, step_tokens), state.stats,
                              state.residual, state.delay)

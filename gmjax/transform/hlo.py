@@ -39,10 +39,11 @@ import dataclasses
 import math
 import re
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
-__all__ = ["Collective", "collective_bytes", "total_bytes_sent"]
+__all__ = ["Collective", "collective_bytes", "spanned_axes", "total_bytes_sent"]
 
 _OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -88,6 +89,13 @@ class Collective:
   computation: str
   op_name: str
   groups: tuple[tuple[int, ...], ...] = ()
+
+
+def spanned_axes(mesh: Any, group: Iterable[int]) -> set[str]:
+  """The axes of ``mesh`` along which the devices of a replica group (ids) differ."""
+  ids = np.vectorize(lambda d: d.id)(mesh.devices)
+  coords = np.array([np.argwhere(ids == d)[0] for d in group])
+  return {name for i, name in enumerate(mesh.axis_names) if len(set(coords[:, i])) > 1}
 
 
 def total_bytes_sent(collectives: Iterable[Collective], *, ops: Iterable[str] | None = None,
