@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import gmjax
-from gmjax.transform import hlo
+from gmjax.transform import hlo, shards
 import transform_harness as harness
 import transform_reference as reference
 
@@ -158,10 +158,15 @@ def test_layer_blocks_match_numpy_diloco_on_separate_leaves(learners, fragments,
   for name in cut.names:
     np.testing.assert_allclose(anchor[name], expected["anchor"][name], rtol=2e-5,
                                atol=2e-6, err_msg=f"anchor {name}")
-  # The state keeps whole leaves where the parameters have them; the masters per piece.
+  # The state keeps whole leaves where the parameters have them; the masters in each
+  # fragment's buckets, which hold its pieces' rows (a block of layers among them).
   assert state.anchor["layers"]["w"].shape[-3:] == (LAYERS, 4, 2)
   if "commit_precision" in settings:
-    assert len(state.master["layers"]["w"]) == min(fragments, LAYERS)
+    assert len(state.master) == len(setup.plan) == fragments
+    for names, kept in zip(setup.plan, state.master):
+      rows = sum(shards.row_count(int(np.prod(np.shape(setup.theta0[0][n]))),
+                                  learners if shard else 1) for n in names)
+      assert sum(x.shape[-2] for x in jax.tree.leaves(kept)) == rows, names
 
 
 def test_explicit_fsdp_mesh_keeps_blocks_local_and_matches_vmap():

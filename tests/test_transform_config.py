@@ -47,8 +47,12 @@ def test_initial_state():
   assert isinstance(state, gmjax.DiLoCoState)
   assert state.count.dtype == jnp.int32 and int(state.count) == 0
   assert state.anchor["w"].dtype == jnp.bfloat16
-  assert state.master["w"].dtype == jnp.float32
-  assert isinstance(state.master["b"], optax.MaskedNode)  # F32: Θ is its own master
+  # Per fragment, a master for each bucket (here one leaf each): w's rows (F=1, R=1, 32)
+  # in F32; b is F32, so Θ is its own master.
+  plan = config.plan(gmjax.Schema.from_tree(params))
+  (w,), (b,) = (state.master[plan.index((name,))] for name in ("w", "b"))
+  assert w.dtype == jnp.float32 and w.shape == (1, 1, 32)
+  assert isinstance(b, optax.MaskedNode)
   assert state.pending.shape == (2,) and state.tokens.shape == (2, 2)
   assert int(state.stats.rounds) == 0 and int(state.stats.fragment) == -1
   assert np.isnan(state.stats.cosine)

@@ -55,11 +55,7 @@ def _check(setup, params, state, learners, sharded, batched=True):
                               what=f"learner {m} residual")
   harness.assert_tree_close(_learner(state.anchor, 0, batched), expected["anchor"],
                             what="anchor")
-  if batched:
-    momentum = harness.outer_field(setup, state, "trace", sharded)
-  else:
-    momentum = {n: np.asarray(v) for f, names in enumerate(setup.plan) for n, v in
-                zip(names, optax.tree_utils.tree_get(state.outer_state[f], "trace"))}
+  momentum = harness.outer_field(setup, state, "trace", sharded)
   harness.assert_tree_close(momentum, expected["momentum"], what="momentum")
   # The residuals are not trivially zero: the test would not see them otherwise.
   assert any(np.abs(e[n]).max() > 0 for e in expected["residual"] for n in e)

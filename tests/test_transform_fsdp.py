@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 import gmjax
 import transform_harness as harness
 import transform_reference as reference
-from gmjax.transform import hlo
+from gmjax.transform import hlo, shards
 
 LEARNERS, FSDP, STEPS = 4, 2, 6
 # "w" holds whole rows of 32·M values on each fsdp device (2048 = 2 × 8 rows of 128);
@@ -159,11 +159,61 @@ def test_fsdp_learners_match_numpy_and_the_unsharded_run(axis_type, mode, delta_
   # parameters, anchors, masters or outer state (only reductions, e.g. the cosine, may
   # round differently).
   plain_params, plain_state = _plain(delta_precision, shard_outer)
-  for got, want in ((params, plain_params), (state.anchor, plain_state.anchor),
-                    (state.master, plain_state.master),
-                    (state.outer_state, plain_state.outer_state)):
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-      np.testing.assert_array_equal(a, b)
+  for a, b in zip(jax.tree.leaves((params, state.anchor)),
+                  jax.tree.leaves((plain_params, plain_state.anchor))):
+    np.testing.assert_array_equal(a, b)
+  # Masters and outer states are held in buckets, which the FSDP layout groups and cuts
+  # differently: compared leaf by leaf.
+  layout = "explicit" if axis_type == AxisType.Explicit else "auto"
+  for field in ("master", "outer_state"):
+    got = _by_leaf(setup.plan, getattr(state, field), shard_outer, layout)
+    want = _by_leaf(setup.plan, getattr(plain_state, field), shard_outer, "plain")
+    assert sorted(got) == sorted(want) and (got or field == "master"), field
+    for name in want:
+      np.testing.assert_array_equal(got[name], want[name], err_msg=f"{field} {name}")
+
+
+def _by_leaf(plan, per_fragment, sharded, layout):
+  """Each leaf's rows ``(LEARNERS, R, …)`` of bucketed state (the masters, or every array
+  of the outer states), by leaf name and array index.
+
+  A bucket holds the rows of its leaves end to end in the fragment's name order, cut
+  into ``F`` pieces (``gmjax.transform.buckets``). ``layout``: "explicit", where a leaf's
+  rows stay split over fsdp when each device holds whole rows (F = 2) and the other
+  leaves share a replicated bucket; "auto", where each leaf is a bucket of its own
+  (XLA places them); "plain" (one device), one bucket a fragment.
+  """
+  learners = LEARNERS if sharded else 1
+
+  def rows(name):
+    return shards.row_count(int(np.prod(SHAPES[name])), learners)
+
+  def split(name):
+    size = int(np.prod(SHAPES[name]))
+    return SHARDED[name] and rows(name) * learners * 32 == size and rows(name) % FSDP == 0
+
+  out = {}
+  for f, names in enumerate(plan):
+    if layout == "auto":
+      groups = [[n] for n in names]
+    elif layout == "explicit":  # in the order of their first leaves
+      keyed = {}
+      for n in names:
+        keyed.setdefault(split(n), []).append(n)
+      groups = list(keyed.values())
+    else:
+      groups = [list(names)]
+    arrays = [x for x in jax.tree.leaves(per_fragment[f]) if np.ndim(x) == 4]
+    assert len(arrays) % len(groups) == 0, (f, len(arrays), groups)
+    for index, bucket in enumerate(arrays):
+      group, offset = groups[index % len(groups)], 0
+      for name in group:
+        part = rows(name) // bucket.shape[1]
+        out[f"{name}/{index // len(groups)}"] = bucket[:, :, offset:offset + part].reshape(
+            LEARNERS, rows(name), -1)
+        offset += part
+      assert offset == bucket.shape[2], (f, group, bucket.shape)
+  return out
 
 
 def _fsdp_gathers(axis_type, mode, shard_outer, error_feedback=None, eager=False):

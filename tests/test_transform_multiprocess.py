@@ -116,11 +116,12 @@ def test_two_processes_match_one_process(tmp_path):
     w = _leaf(got, label, "[0]['w']")
     assert not np.allclose(w[0], w[2]), f"{label}: the learners did not train apart"
   # The default layout really shards the outer state (one momentum per parameter): a
-  # learner holds whole blocks of 32 of each leaf padded to 32·M, the replicated one all.
+  # learner holds whole blocks of 32 of each leaf padded to 32·M, the replicated one
+  # all of each leaf, padded to whole blocks of 32.
   block = 32 * worker.LEARNERS
   leaves = [16 * 4, 4, 40]
   per_learner = {"sharded": sum(-(-n // block) * 32 for n in leaves),
-                 "replicated": sum(leaves)}
+                 "replicated": sum(-(-n // 32) * 32 for n in leaves)}
   for setting, layout in worker.CASES:
     held = sum(v.size for n, v in got.items()
                if n.startswith(f"{setting}-{layout}/[1].outer_state"))

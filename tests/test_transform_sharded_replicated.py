@@ -31,7 +31,7 @@ def test_sharded_equals_replicated_to_an_ulp(outer, theta_ulps):
   for a, b in zip(jax.tree.leaves((sharded_params, sharded.anchor)),
                   jax.tree.leaves((replicated_params, replicated.anchor))):
     np.testing.assert_array_max_ulp(a, b, maxulp=theta_ulps)
-  pairs = [(harness.masters(sharded, True), harness.masters(replicated, False))]
+  pairs = [(harness.masters(setup, sharded, True), harness.masters(setup, replicated, False))]
   for field in ("trace",) if outer == "nesterov" else ("mu", "nu"):
     pairs.append((harness.outer_field(setup, sharded, field, True),
                   harness.outer_field(setup, replicated, field, False)))

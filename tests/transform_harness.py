@@ -9,6 +9,7 @@ import optax
 
 import gmjax
 import transform_reference as reference
+from gmjax.transform import shards
 
 SHAPES = {"a": (8,), "b": (4, 3), "c": (40,)}
 # The plan of SHAPES by bytes, written out: fragments sorted by their first name.
@@ -122,6 +123,28 @@ def unshard(stacked_shards, shape):
   return rows.reshape(-1)[:int(np.prod(shape))].reshape(shape)
 
 
+def _pieces(setup, fragment, bucket, sharded):
+  """Each leaf of a fragment, whole, from its one bucket stacked over learners.
+
+  The harness's leaves share a dtype, so a fragment's master and outer state are one
+  bucket: its leaves' rows end to end in the fragment's name order, ``(M, 1, S, 32)``
+  (each learner's part when sharded, the whole bucket on every learner otherwise).
+  """
+  bucket = np.asarray(bucket)
+  if bucket.ndim == 3:  # one learner, not stacked
+    bucket = bucket[None]
+  learners = bucket.shape[0] if sharded else 1
+  values, offset = {}, 0
+  for name in setup.plan[fragment]:
+    shape = SHAPES[name]
+    rows = shards.row_count(int(np.prod(shape)), learners)
+    part = bucket[:, 0, offset:offset + rows]
+    offset += rows
+    values[name] = (unshard(part, shape) if sharded
+                    else part[0].reshape(-1)[:int(np.prod(shape))].reshape(shape))
+  return values
+
+
 def outer_field(setup, state, field, sharded):
   """An outer-state field (``trace``, ``mu``, ``nu``) by leaf name, whole, of learner 0.
 
@@ -129,19 +152,20 @@ def outer_field(setup, state, field, sharded):
   back together from every learner's shard.
   """
   values = {}
-  for f, names in enumerate(setup.plan):
-    leaves = optax.tree_utils.tree_get(state.outer_state[f], field)
-    for name, leaf in zip(names, leaves):
-      values[name] = (unshard(leaf, SHAPES[name]) if sharded
-                      else np.asarray(leaf)[0] if leaf.ndim > len(SHAPES[name])
-                      else np.asarray(leaf))
+  for f in range(len(setup.plan)):
+    (bucket,) = optax.tree_utils.tree_get(state.outer_state[f], field)
+    values.update(_pieces(setup, f, bucket, sharded))
   return values
 
 
-def masters(state, sharded):
+def masters(setup, state, sharded):
   """The kept F32 masters by name, whole, of learner 0."""
-  return {n: unshard(v, SHAPES[n]) if sharded else np.asarray(v)[0]
-          for n, v in state.master.items() if not isinstance(v, optax.MaskedNode)}
+  values = {}
+  for f, kept in enumerate(state.master):
+    for bucket in kept:
+      if not isinstance(bucket, optax.MaskedNode):
+        values.update(_pieces(setup, f, bucket, sharded))
+  return values
 
 
 def assert_tree_close(actual, expected, rtol=1e-5, atol=1e-6, what=""):

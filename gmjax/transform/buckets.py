@@ -23,9 +23,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from gmjax.core.codec import CODE_BITS, JNP_DTYPES, QUANTIZED, dequantize, quantize
 from gmjax.transform import explicit
 
 
@@ -55,20 +57,24 @@ class Buckets:
       sharding); the names' order is the order within a bucket.
     code: each leaf's wire code by name (leaves of different codes never share one).
     axis_name: the learners' axis, whose own split is not a layout to keep.
+    dtype: each leaf's parameter dtype by name, if leaves of different dtypes must not
+      share a bucket either (a bucket of masters publishes one dtype).
   """
 
   def __init__(self, rows: Mapping[str, jax.Array], code: Mapping[str, str],
-               axis_name: Any):
+               axis_name: Any, dtype: Mapping[str, str] | None = None):
     hidden = _layout_hidden(axis_name)
     groups: dict[Any, list[str]] = {}
     self.axes: dict[str, tuple[str, ...]] = {}
     for name, x in rows.items():
       axes = _row_axes(x)
       self.axes[name] = axes
-      key = (name,) if hidden else (code[name], axes)
+      kind = None if dtype is None else dtype[name]
+      key = (name,) if hidden else (code[name], kind, axes)
       groups.setdefault(key, []).append(name)
     self.groups: tuple[tuple[str, ...], ...] = tuple(tuple(g) for g in groups.values())
     self.codes = tuple(code[g[0]] for g in self.groups)
+    self.dtypes = tuple(None if dtype is None else dtype[g[0]] for g in self.groups)
     self.rows = {n: x.shape[0] for n, x in rows.items()}
     self.pieces: list[int] = []
     for group in self.groups:
@@ -122,3 +128,52 @@ class Buckets:
         else:
           out[name] = jnp.reshape(part, shape, out_sharding=P(*spec))
     return out
+
+
+_UINT = {2: jnp.uint16}
+
+
+def to_wire(values: jax.Array, code: str) -> list[jax.Array]:
+  """``values`` (F32, ``(R, M, 32)`` or ``(R, 32)``) encoded for the wire, learner dim 1.
+
+  Returns the arrays that cross: 16-bit values as ``uint16``, F8 codes as ``uint8``,
+  4-bit codes packed as ``uint8`` ``(…, 16)``, 2-bit codes as ``uint8`` ``(…, 8)``, scales
+  F32 with the blocks' shape.
+  """
+  if code not in QUANTIZED:
+    cast = values.astype(JNP_DTYPES[code])
+    if code == "F32":
+      return [cast]
+    return [lax.bitcast_convert_type(cast, _UINT[cast.dtype.itemsize])]
+  codes, scales = quantize(values, code)
+  blocks = values.shape[:-1]
+  scales = scales.reshape(blocks)
+  if code == "F8_E4M3":
+    return [lax.bitcast_convert_type(codes, jnp.uint8), scales]
+  per_byte = 8 // CODE_BITS[code]
+  return [codes.reshape(*blocks, values.shape[-1] // per_byte), scales]
+
+
+def from_wire(arrays: Sequence[jax.Array], code: str) -> jax.Array:
+  """F32 values ``(…, 32)`` of wire arrays (the inverse of ``to_wire``)."""
+  if code not in QUANTIZED:
+    value = arrays[0]
+    if code != "F32":
+      value = lax.bitcast_convert_type(value, JNP_DTYPES[code])
+    return value.astype(jnp.float32)
+  codes, scales = arrays
+  blocks = scales.shape
+  if code == "F8_E4M3":
+    codes = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
+  values = dequantize(jnp.ravel(codes), jnp.ravel(scales), (scales.size * 32,), code)
+  return values.reshape(*blocks, 32)
+
+
+def gathered_spec(shard: jax.Array, axis: int = 1) -> tuple | None:
+  """The layout of ``all_gather(shard, axis=axis)``: ``shard``'s, the learner dim whole."""
+  entries = explicit.spec(shard)
+  return None if entries is None else (*entries[:axis], None, *entries[axis:])
+
+
+# A bucket of rows is ``(F, S, M, 32)``: its learners' dimension is 2.
+LEARNER_DIM = 2

@@ -151,6 +151,13 @@ def diloco(
   F32 deltas: one ``psum`` of ``(w·Δ, Δ/‖Δ‖)``, ``≈ 2·2(M−1)/M·4n``; other precisions
   all-gather the encoded deltas, ``(M−1)·b_delta·n``.
 
+  **Buckets.** A round works on each fragment's *buckets* (``gmjax.transform.buckets``):
+  the rows of 32 values of its leaves that travel and publish alike, laid end to end,
+  and the masters and outer states are held as such buckets (``DiLoCoState.master``),
+  so a round is a few operations a fragment whatever its number of leaves. An outer
+  optimizer that is not elementwise (replicated only: global-norm clipping, LAMB) is
+  given the fragment's leaves in their own shapes instead.
+
   The outer work sits under ``lax.cond``/``lax.switch``, and the other steps skip it:
   under ``vmap`` the (batched) count is replaced by its maximum over the axis, one scalar
   all-reduce a step, so that the predicate is not batched.
@@ -187,31 +194,31 @@ def diloco(
   """
   _check(inner, config, axis_name, outer, shard_outer)
   sharded = axis_name is not None if shard_outer is None else shard_outer
-  if outer is None:
-    tx = config.outer_transform()
-    if sharded:
-      elementwise.check(tx, config.outer)
-  else:
-    tx = outer
-    if sharded:
-      elementwise.check(tx, None)
+  tx = config.outer_transform() if outer is None else outer
+  alias = config.outer if outer is None else None
+  if sharded:
+    elementwise.check(tx, alias)
+  # Masters and outer states are held in buckets; an optimizer that is not elementwise
+  # (replicated only) runs on the pieces in their own shapes.
+  acts_elementwise = sharded or elementwise.acts_elementwise(tx, alias)
   inner = optax.with_extra_args_support(inner)
   tau = config.overlap_steps
   sync_every = config.sync_every
 
   def layout_of(params):
-    return structure.Layout(config, params, _axis_size(axis_name) if sharded else None)
+    return structure.Layout(config, params, _axis_size(axis_name) if sharded else None, tx,
+                            axis_name, acts_elementwise)
 
   def init_fn(params):
     layout = layout_of(params)
     anchor = layout.cast(params)
-    master, zeros = layout.master_init(params)
+    master, outer_state = layout.master_init(params)
     return DiLoCoState(
         inner_state=inner.init(params),
         count=jnp.zeros([], jnp.int32),
         anchor=anchor,
         master=master,
-        outer_state=layout.outer_init(tx, zeros),
+        outer_state=outer_state,
         pending=jnp.zeros([len(layout.plan)], jnp.int32),
         tokens=token_counts.zeros(len(layout.plan)),
         stats=initial_statistics(),

@@ -56,6 +56,17 @@ def probe(transform: optax.GradientTransformation) -> bool:
   return bool(jnp.allclose(whole, together, rtol=1e-5, atol=1e-6))
 
 
+def acts_elementwise(transform: optax.GradientTransformation, name: str | None) -> bool:
+  """Whether ``transform`` (built from alias ``name``, or user-given) is known to be, or
+  probes as, elementwise (``check`` without the error)."""
+  if name is not None and name in ELEMENTWISE:
+    return True
+  try:
+    return probe(transform)
+  except Exception:  # a transformation that needs other inputs: not known elementwise
+    return False
+
+
 def check(transform: optax.GradientTransformation, name: str | None) -> None:
   """Raises unless ``transform`` (built from alias ``name``, or user-given) is elementwise.
 

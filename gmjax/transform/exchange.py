@@ -38,64 +38,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from gmjax.core import round as round_ops
-from gmjax.core.codec import CODE_BITS, JNP_DTYPES, QUANTIZED, dequantize, quantize
+from gmjax.core.codec import JNP_DTYPES
 from gmjax.core.schema import ParameterSpec
 from gmjax.core.wire import Wire
-from gmjax.transform import collectives, explicit, shards
-from gmjax.transform.buckets import Buckets
+from gmjax.transform import collectives, explicit, screen, shards
+from gmjax.transform.buckets import LEARNER_DIM, Buckets, from_wire, gathered_spec, to_wire
 from gmjax.transform.replicated import _as_bytes, _from_bytes
-
-_UINT = {2: jnp.uint16}
-
-
-def _to_wire(values: jax.Array, code: str) -> list[jax.Array]:
-  """``values`` (F32, ``(R, M, 32)`` or ``(R, 32)``) encoded for the wire, learner dim 1.
-
-  Returns the arrays that cross: 16-bit values as ``uint16``, F8 codes as ``uint8``,
-  4-bit codes packed as ``uint8`` ``(…, 16)``, 2-bit codes as ``uint8`` ``(…, 8)``, scales
-  F32 with the blocks' shape.
-  """
-  if code not in QUANTIZED:
-    cast = values.astype(JNP_DTYPES[code])
-    if code == "F32":
-      return [cast]
-    return [lax.bitcast_convert_type(cast, _UINT[cast.dtype.itemsize])]
-  codes, scales = quantize(values, code)
-  blocks = values.shape[:-1]
-  scales = scales.reshape(blocks)
-  if code == "F8_E4M3":
-    return [lax.bitcast_convert_type(codes, jnp.uint8), scales]
-  per_byte = 8 // CODE_BITS[code]
-  return [codes.reshape(*blocks, values.shape[-1] // per_byte), scales]
-
-
-def _from_wire(arrays: Sequence[jax.Array], code: str) -> jax.Array:
-  """F32 values ``(…, 32)`` of wire arrays (the inverse of ``_to_wire``)."""
-  if code not in QUANTIZED:
-    value = arrays[0]
-    if code != "F32":
-      value = lax.bitcast_convert_type(value, JNP_DTYPES[code])
-    return value.astype(jnp.float32)
-  codes, scales = arrays
-  blocks = scales.shape
-  if code == "F8_E4M3":
-    codes = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
-  values = dequantize(jnp.ravel(codes), jnp.ravel(scales), (scales.size * 32,), code)
-  return values.reshape(*blocks, 32)
-
-
-def _gathered_spec(shard: jax.Array, axis: int = 1) -> tuple | None:
-  """The layout of ``all_gather(shard, axis=axis)``: ``shard``'s, the learner dim whole."""
-  entries = explicit.spec(shard)
-  return None if entries is None else (*entries[:axis], None, *entries[axis:])
-
-
-# A bucket is ``(F, S, …)`` (``gmjax.transform.buckets``); its learners' dimension is 2.
-LEARNER_DIM = 2
-
 
 def receive(
     buckets: Buckets,
@@ -117,13 +69,13 @@ def receive(
   """
   deltas, sent = [], []
   for code, rows in zip(buckets.codes, packed):
-    wire = _to_wire(rows, code)
-    sent.append(_from_wire(wire, code))
+    wire = to_wire(rows, code)
+    sent.append(from_wire(wire, code))
     # Under vmap's spmd_axis_name the exchanged dimension comes out split over the
     # learners' axis; each learner needs every learner's encoding of its shard.
     received = [explicit.pin(r, explicit.spec(w)) for r, w in
                 zip(collectives.all_to_all(wire, axis_name, LEARNER_DIM), wire)]
-    deltas.append(_from_wire(received, code))
+    deltas.append(from_wire(received, code))
   return deltas, sent
 
 
@@ -154,7 +106,7 @@ def receive_sparse(
   entries, _ = wire.encode_values({s.name: jnp.ravel(delta[s.name]) for s in specs},
                                   {s.name: s.dtype for s in specs})
   crossing = _as_bytes(entries)
-  gathered = {n: explicit.pin(g, _gathered_spec(crossing[n])) for n, g in zip(
+  gathered = {n: explicit.pin(g, gathered_spec(crossing[n])) for n, g in zip(
       crossing, collectives.all_gather(list(crossing.values()), axis_name, learners))}
   gathered = _from_bytes(gathered, entries)
   # Every learner's delta decoded at once (the learners' dimension mapped), then cut
@@ -171,49 +123,102 @@ def receive_sparse(
           {s.name: mine[s.name].reshape(s.shape) for s in specs})
 
 
+def judge_and_sum(deltas: Sequence[jax.Array], counts: jax.Array, axis_name: Any
+                  ) -> tuple[list[jax.Array], screen.Verdict, jax.Array]:
+  """Screens the received deltas and sums the kept ones, bucket by bucket.
+
+  Args:
+    deltas: every learner's decoded delta of this learner's shard, ``(F, S, M, 32)``
+      each (``receive``).
+    counts: this learner's token count pair.
+    axis_name: the learners' axis.
+
+  Returns:
+    ``(gradient, verdict, matrix)``: ``g`` of this learner's shard ``(F, S, 32)`` per
+    bucket, the screening's verdict (identical on every learner), and the ``M × M``
+    Gram matrix of the deltas over the whole fragment.
+  """
+  learners = deltas[0].shape[LEARNER_DIM]
+  every = lax.all_gather(counts, axis_name)
+  every = explicit.pin(every, (None,) * every.ndim)
+  partial = jnp.concatenate([
+      round_ops.gram(deltas, LEARNER_DIM, batch=0).reshape(-1),
+      round_ops.non_finite(deltas, LEARNER_DIM)])
+  summed = explicit.psum(partial, axis_name)
+  size = learners * learners
+  matrix = summed[:size].reshape(learners, learners)
+  # The diagonal as a masked sum: ``jnp.diagonal`` is a gather, which XLA may partition
+  # over the other mesh axes.
+  squares = jnp.sum(jnp.where(np.eye(learners, dtype=bool), matrix, 0.0), axis=1)
+  verdict = screen.judge(squares, summed[size:], every)
+  gradient = [round_ops.weighted_sum(d, verdict.weights, LEARNER_DIM, keep=verdict.keep)
+              for d in deltas]
+  return gradient, verdict, matrix
+
+
 def publish(
-    master: Mapping[str, jax.Array],
+    buckets: Buckets,
+    master: Sequence[jax.Array],
     anchor: Mapping[str, jax.Array],
     specs: Sequence[ParameterSpec],
     commit_wire: Wire,
     axis_name: Any,
-    learners: int,
-    learner: jax.Array,
+    learners: int | None,
+    learner: Any,
 ) -> tuple[dict[str, jax.Array], jax.Array]:
-  """The new Θ of every leaf from the learners' new master shards, and a finiteness count.
+  """The new Θ of every piece from the new master buckets, and a finiteness count.
 
-  With ``commit_wire.precision=None`` the shards of ``cast(master)`` are gathered; otherwise
-  the shards of ``encode(master − Θ_old)`` are, and every learner forms
+  With ``commit_wire.precision=None`` each bucket of ``cast(master)`` is published;
+  otherwise ``encode(master − Θ_old)`` is, and every learner forms
   ``Θ = cast(Θ_old + decode(update))`` from the same bytes, as ``outer.rebuild`` does.
-  The shards travel bucketed (``gmjax.transform.buckets``): one ``all_gather`` for each
-  wire array of each bucket.
+  Sharded (``learners`` = ``M``), each learner holds its part of every bucket and the
+  parts are gathered: one ``all_gather`` for each wire array of each bucket; replicated
+  (None), every learner publishes the whole buckets itself.
+
+  Args:
+    buckets: how the fragment's pieces lie in the buckets.
+    master: the new F32 master buckets, this learner's part ``(F, S, 32)`` each.
+    anchor: the current Θ of each piece, in its shape.
+    specs: the fragment's specs.
+    commit_wire: how commits travel (``DiLoCo.commit_wire``).
+    axis_name: the learners' axis (sharded).
+    learners: ``M`` when sharded, else None.
+    learner: this learner's index on the axis when sharded.
 
   Returns:
-    ``(theta, bad)``: Θ by leaf at the parameter dtype, and the number of non-finite
-    values in this learner's published shard (F32).
+    ``(theta, bad)``: Θ by piece at the parameter dtype, and 1 for each published
+    bucket part of this learner holding a NaN or Inf (F32).
   """
-  values, codes = {}, {}
-  for spec in specs:
-    if commit_wire.precision is None:
-      codes[spec.name], values[spec.name] = spec.dtype, master[spec.name]
-    else:
-      codes[spec.name] = commit_wire.precision
-      old = shards.own(shards.to_rows(anchor[spec.name], learners), learner)
-      keep = shards.valid(spec.shape, learners, learner)
-      values[spec.name] = explicit.where(keep, master[spec.name] - old, jnp.float32(0))
-  buckets = Buckets(values, codes, axis_name)
+  count = learners or 1
+  own = (lambda b: b[:, :, 0]) if learners is None else (
+      lambda b: shards.own(b, learner, LEARNER_DIM))
+  if commit_wire.precision is not None:
+    names = [s.name for s in specs]
+    old = [own(b) for b in buckets.pack({n: shards.to_rows(anchor[n], count)
+                                         for n in names})]
+    where = 0 if learners is None else learner
+    valid = buckets.pack({s.name: shards.valid(s.shape, count, where) for s in specs})
   bad, gathered = jnp.float32(0), []
-  for code, value in zip(buckets.codes, buckets.pack(values)):
-    wire = _to_wire(value, code)
-    mine = _from_wire(wire, code)
+  for index, value in enumerate(master):
+    dtype = buckets.dtypes[index]
     if commit_wire.precision is None:
-      mine = mine.astype(JNP_DTYPES[code])
+      code = dtype
+    else:
+      code = commit_wire.precision
+      value = explicit.where(valid[index], value - old[index], jnp.float32(0))
+    wire = to_wire(value, code)
+    mine = from_wire(wire, code)
+    if commit_wire.precision is None:
+      mine = mine.astype(JNP_DTYPES[dtype])
     bad = bad + round_ops.non_finite_flag(mine)
+    if learners is None:
+      gathered.append(from_wire(wire, code)[:, :, None])
+      continue
     # Under vmap's spmd_axis_name the gathered dimension comes out split over the
-    # learners' axis; every learner needs all of it, laid out as its own shard's rows.
-    got = [explicit.pin(g, _gathered_spec(w, LEARNER_DIM)) for g, w in
+    # learners' axis; every learner needs all of it, laid out as its own part's rows.
+    got = [explicit.pin(g, gathered_spec(w, LEARNER_DIM)) for g, w in
            zip(collectives.all_gather(wire, axis_name, learners, LEARNER_DIM), wire)]
-    gathered.append(_from_wire(got, code))
+    gathered.append(from_wire(got, code))
   theta, rows = {}, buckets.unpack(gathered)
   for spec in specs:
     dtype = JNP_DTYPES[spec.dtype]

@@ -11,15 +11,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 from jax import lax
 
 from gmjax.core import eager, feedback, outer
 from gmjax.core import round as round_ops
 from gmjax.core.codec import BLOCK
-from gmjax.transform import exchange, explicit, replicated, screen, shards
-from gmjax.transform.buckets import Buckets
+from gmjax.core.schema import ParameterSpec
+from gmjax.transform import exchange, explicit, replicated, shards
 from gmjax.transform.structure import Layout
 from gmjax.transform.state import (MERGE, NOTHING, RESET, DelayState, DiLoCoStatistics,
                                    RoundState)
@@ -73,12 +71,13 @@ def start(layout: Layout, tx, axis_name: Any, learner: Any):
       )
     theta = layout.cast(shared)
     flat = layout.flatten(theta)
-    values = {n: layout.master_value(n, v, learner)
-              for n, v in layout.view(flat).items()}
-    master = layout.master_tree(
-        {n: v if layout.keep[n] else optax.MaskedNode() for n, v in values.items()})
-    new = state._replace(anchor=theta, master=master,
-                         outer_state=layout.outer_init(tx, values))
+    pieces = layout.view(flat)
+    masters, states = [], []
+    for names in layout.plan:
+      buckets, values = layout.theta_buckets({n: pieces[n] for n in names}, learner)
+      masters.append(layout.masters(buckets, values))
+      states.append(layout.outer_tx(tx, buckets, names).init(tuple(values)))
+    new = state._replace(anchor=theta, master=tuple(masters), outer_state=tuple(states))
     if layout.delay:
       new = new._replace(delay=new.delay._replace(start=layout.unflatten(
           {n: explicit.like(v.astype(jnp.float32), v) for n, v in flat.items()})))
@@ -100,108 +99,84 @@ def _own(weights: jax.Array, index: Any) -> jax.Array:
   return jnp.sum(jnp.where(jnp.arange(weights.shape[0]) == index, weights, 0.0))
 
 
-def _sync_replicated(layout, config, tx, axis_name, fragment, names, anchor, master,
-                     outer_state, counts, theta_of, residual, base):
-  # The codec runs on flat leaves, whose row-major pieces stay where an FSDP split of
-  # the leading dimension put them (the codec's own reshapes to the leaf's shape would
-  # not, on an explicit mesh).
-  specs = [dataclasses.replace(s, shape=(s.size,))
-           for s in layout.schema.subset(names).parameters]
-  flat = lambda x: explicit.flatten(x, BLOCK)
-  delta = {n: flat(base[n].astype(jnp.float32) - theta_of(n).astype(jnp.float32))
-           for n in names}
-  if layout.beta is not None:
-    delta = feedback.compensated({n: flat(residual[n]) for n in names}, delta, layout.beta)
-  gradient, cosine, verdict, sent = replicated.aggregate(
-      delta, counts, specs, config.delta_wire, axis_name)
-  if layout.beta is not None:
-    residual = _kept_residual(
-        {n: explicit.unflatten(delta[n] - sent[n], anchor[n]) for n in names}, residual)
-  gradient = {n: explicit.unflatten(gradient[n], anchor[n]) for n in names}
-  old = {n: master[n] if layout.keep[n] else anchor[n].astype(jnp.float32) for n in names}
+def _exchange(layout, config, axis_name, learner, names, delta, rows, buckets, counts):
+  """The fragment's outer gradient, bucket by bucket, from every learner's delta.
 
-  def publish(new_master):
-    # The codec runs on the flat leaves (see above).
-    theta, _ = outer.publish({n: flat(new_master[n]) for n in names},
-                             {n: flat(anchor[n]) for n in names}, specs, config.commit_wire)
-    theta = {n: explicit.unflatten(theta[n], anchor[n]) for n in names}
-    return theta, round_ops.count_non_finite(theta.values(), explicit.total)
+  Returns ``(gradient, verdict, cosine, sent)``: ``g`` as this learner's part
+  ``(F, S, 32)`` of each bucket, the screening's verdict, the mean pairwise cosine, and
+  this learner's own delta as its wire carries it, by piece in the piece's shape.
+  """
+  specs = layout.schema.subset(names).parameters
+  wire = config.delta_wire
+  unrows = lambda packed: {s.name: shards.from_rows(r, s.shape, delta[s.name])
+                           for s, r in ((s, buckets.unpack(packed)[s.name]) for s in specs)}
+  if layout.learners is None:
+    if not wire.sparse:
+      gradient, cosine, verdict, sent = replicated.aggregate(
+          buckets, buckets.pack(rows), counts, axis_name)
+      return gradient, verdict, cosine, unrows(sent)
+    # The sparse codec chooses its entries on flat leaves, whose row-major pieces stay
+    # where an FSDP split of the leading dimension put them.
+    flat = {s.name: dataclasses.replace(s, shape=(s.size,)) for s in specs}
+    gradient, cosine, verdict, sent = replicated.aggregate_sparse(
+        {n: explicit.flatten(delta[n], BLOCK) for n in names}, counts, list(flat.values()),
+        wire, axis_name)
+    gradient = layout.rows({n: explicit.unflatten(g, delta[n]) for n, g in gradient.items()})
+    return ([layout.own(b, None) for b in buckets.pack(gradient)], verdict, cosine,
+            {n: explicit.unflatten(v, delta[n]) for n, v in sent.items()})
+  if not wire.sparse:
+    deltas, sent = exchange.receive(buckets, buckets.pack(rows), axis_name)
+    sent = {n: explicit.like(v, delta[n]) for n, v in unrows(sent).items()}
+  else:
+    received, sent = exchange.receive_sparse(delta, specs, wire, axis_name, layout.learners,
+                                             learner)
+    deltas = buckets.pack(received)
+  gradient, verdict, matrix = exchange.judge_and_sum(deltas, counts, axis_name)
+  both = verdict.keep[:, None] & verdict.keep[None, :]
+  return gradient, verdict, exchange.mean_cosine(jnp.where(both, matrix, 0.0)), sent
 
-  result = round_ops.outer_round(tx, gradient, outer_state, old, anchor, specs,
-                                 config.commit_wire, publish=publish, total=explicit.total,
-                                 as_tuple=True, any_kept=jnp.any(verdict.keep))
-  theta, new_master, new_state, bad = result.theta, result.master, result.state, result.bad
-  squared = explicit.total(jnp.sum(jnp.square(g)) for g in gradient.values())
-  own = (None if not layout.eager else
-         ({n: explicit.unflatten(sent[n], anchor[n]) for n in names},
-          _own(verdict.weights, None if axis_name is None else lax.axis_index(axis_name))))
-  return theta, new_master, new_state, squared, bad == 0, cosine, verdict, residual, own
 
-
-def _sync_sharded(layout, config, tx, axis_name, learner, fragment, names, anchor,
-                  master, outer_state, counts, theta_of, residual, base):
-  learners = layout.learners
+def _sync(layout, config, tx, axis_name, learner, names, anchor, master, outer_state,
+          counts, theta_of, residual, base):
+  """One fragment's round on its buckets: exchange, outer step, publish, skip rule."""
   specs = layout.schema.subset(names).parameters
   delta = {n: base[n].astype(jnp.float32) - theta_of(n).astype(jnp.float32)
            for n in names}
   if layout.beta is not None:
     delta = feedback.compensated({n: residual[n] for n in names}, delta, layout.beta)
-  every = lax.all_gather(counts, axis_name)
-  every = explicit.pin(every, (None,) * every.ndim)
-  # The fragment's leaves cross, are screened and summed as buckets: one program per
-  # bucket whatever the number of leaves, the learners an array dimension.
-  wire = config.delta_wire
-  if not wire.sparse:
-    rows = {n: shards.to_rows(delta[n], learners) for n in names}
-    codes = {s.name: wire.code(s.dtype) for s in specs}
-    buckets = Buckets(rows, codes, axis_name)
-    deltas, sent = exchange.receive(buckets, buckets.pack(rows), axis_name)
-    sent = buckets.unpack(sent)
-    left = {s.name: shards.from_rows(rows[s.name] - sent[s.name], s.shape, delta[s.name])
-            for s in specs}
-    sent = {s.name: explicit.like(shards.from_rows(sent[s.name], s.shape, delta[s.name]),
-                                  delta[s.name]) for s in specs}
-  else:
-    received, sent = exchange.receive_sparse(delta, specs, wire,
-                                             axis_name, learners, learner)
-    left = {n: delta[n] - sent[n] for n in names}
-    buckets = Buckets(received, dict.fromkeys(names, "F32"), axis_name)
-    deltas = buckets.pack(received)
+  rows = layout.rows(delta)
+  buckets = layout.buckets(rows)
+  gradient, verdict, cosine, sent = _exchange(layout, config, axis_name, learner, names,
+                                              delta, rows, buckets, counts)
   if layout.beta is not None:
     residual = _kept_residual(
-        {n: explicit.like(v, residual[n]) for n, v in left.items()}, residual)
-  dim = exchange.LEARNER_DIM
-  partial = jnp.concatenate([
-      round_ops.gram(deltas, dim, batch=0).reshape(-1),
-      round_ops.non_finite(deltas, dim)])
-  summed = explicit.psum(partial, axis_name)
-  size = learners * learners
-  matrix = summed[:size].reshape(learners, learners)
-  # The diagonal as a masked sum: ``jnp.diagonal`` is a gather, which XLA may partition
-  # over the other mesh axes.
-  squares = jnp.sum(jnp.where(np.eye(learners, dtype=bool), matrix, 0.0), axis=1)
-  verdict = screen.judge(squares, summed[size:], every)
-  gradient = buckets.unpack([
-      round_ops.weighted_sum(d, verdict.weights, dim, keep=verdict.keep) for d in deltas])
-  old = {n: master[n] if layout.keep[n] else layout.master_value(n, anchor[n], learner)
-         for n in names}
+        {n: explicit.like(delta[n] - sent[n], residual[n]) for n in names}, residual)
+  # Buckets whose pieces keep no master (F32 Θ published as itself) start from Θ.
+  keeps = layout.keeps(buckets)
+  if not all(keeps):
+    _, current = layout.theta_buckets(anchor, learner)
+  old = [m if keep else current[i] for i, (m, keep) in enumerate(zip(master, keeps))]
+  bucket_specs = [ParameterSpec(str(i), "F32", g.shape) for i, g in enumerate(gradient)]
+  keys = [s.name for s in bucket_specs]
   publish = lambda new_master: exchange.publish(
-      new_master, {n: anchor[n] for n in names}, specs, config.commit_wire, axis_name,
-      learners, learner)
+      buckets, [new_master[k] for k in keys], anchor, specs, config.commit_wire, axis_name,
+      layout.learners, learner)
   # A round none of whose deltas was kept has no outer step: counted with the non-finite
-  # values, so that whether the round is kept comes out of the psum, and XLA does not
-  # copy the screening into each leaf's selects.
-  result = round_ops.outer_round(tx, gradient, outer_state, old, anchor, specs,
-                                 config.commit_wire, publish=publish, total=explicit.total,
-                                 as_tuple=True, any_kept=jnp.any(verdict.keep))
-  theta, new_master, new_state, bad = result.theta, result.master, result.state, result.bad
-  squared = explicit.total(jnp.sum(jnp.square(g)) for g in gradient.values())
-  summed = explicit.psum(jnp.stack([squared, bad]), axis_name)
-  squared, bad = summed[0], summed[1]
-  both = verdict.keep[:, None] & verdict.keep[None, :]
-  cosine = exchange.mean_cosine(jnp.where(both, matrix, 0.0))
-  own = None if not layout.eager else (sent, _own(verdict.weights, learner))
-  return theta, new_master, new_state, squared, bad == 0, cosine, verdict, residual, own
+  # values, so that whether the round is kept comes out of the (closing) psum, and XLA
+  # does not copy the screening into each bucket's selects.
+  result = round_ops.outer_round(
+      layout.outer_tx(tx, buckets, names), dict(zip(keys, gradient)), outer_state,
+      dict(zip(keys, old)), {}, bucket_specs, config.commit_wire, publish=publish,
+      total=explicit.total, as_tuple=True, any_kept=jnp.any(verdict.keep))
+  squared = explicit.total(jnp.sum(jnp.square(g)) for g in gradient)
+  bad = result.bad
+  if layout.learners is not None:
+    squared, bad = explicit.psum(jnp.stack([squared, bad]), axis_name)
+  new_master = [result.master[k] for k in keys]
+  own = None if not layout.eager else (
+      sent, _own(verdict.weights, None if axis_name is None else lax.axis_index(axis_name)))
+  return (result.theta, layout.masters(buckets, new_master), result.state, squared,
+          bad == 0, cosine, verdict, residual, own)
 
 
 def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState, first,
@@ -217,12 +192,12 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
   # Without error feedback there is no residual ({}: nothing crosses the branches).
   delay = state.delay
   flat_of = lambda tree, on: layout.flatten(tree) if on else {}
-  flat = (layout.flatten(state.anchor), layout.master_pieces(state.master),
+  flat = (layout.flatten(state.anchor),
           flat_of(state.residual, layout.beta is not None),
           flat_of(getattr(delay, "start", None), layout.delay),
           flat_of(getattr(delay, "correction", None), layout.eager),
           flat_of(getattr(delay, "previous", None), layout.eager))
-  rest = (state.outer_state, state.pending, state.tokens, state.stats,
+  rest = (state.master, state.outer_state, state.pending, state.tokens, state.stats,
           delay.weight if layout.eager else (), delay.outer if layout.eager else ())
 
   def theta_of(n):
@@ -241,19 +216,15 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
 
   def sync_of(fragment, names):
     def sync(flat, rest):
-      outer_states, pending, counts, stats, weights, own_states = rest
+      masters, outer_states, pending, counts, stats, weights, own_states = rest
       whole = tuple(dict(x) for x in flat)
-      master = whole[1]
       # The fragment's pieces of the state shaped like the parameters (with layer
       # blocks, slices of whole leaves; written back below).
       anchor, residual, start, correction, previous = (
-          layout.view(x, names) if x else {} for x in (whole[0], *whole[2:]))
-      common = (fragment, names, anchor, master, outer_states[fragment], counts[fragment],
-                piece_theta, residual, start if layout.delay else anchor)
-      if layout.learners is None:
-        result = _sync_replicated(layout, config, tx, axis_name, *common)
-      else:
-        result = _sync_sharded(layout, config, tx, axis_name, learner, *common)
+          layout.view(x, names) if x else {} for x in whole)
+      result = _sync(layout, config, tx, axis_name, learner, names, anchor,
+                     masters[fragment], outer_states[fragment], counts[fragment],
+                     piece_theta, residual, start if layout.delay else anchor)
       theta, new_master, new_state, squared, finite, cosine, verdict, left, own = result
       # The residual is what this learner's wire did not carry, whatever the round's
       # outcome: a learner does not learn it (the mail runtime's learners cannot).
@@ -282,15 +253,11 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
         own_states = tuple(new_own if f == fragment else x
                            for f, x in enumerate(own_states))
       # The round's results, or the state before it (one choice: ``explicit.choose``).
-      kept_names = [n for n in names if layout.keep[n]]
-      old = ({n: anchor[n] for n in names}, {n: master[n] for n in kept_names},
-             outer_states[fragment])
-      new = vary_like(({n: theta[n] for n in names},
-                       {n: new_master[n] for n in names if layout.keep[n]},
-                       new_state), old)
+      old = ({n: anchor[n] for n in names}, masters[fragment], outer_states[fragment])
+      new = vary_like(({n: theta[n] for n in names}, new_master, new_state), old)
       chosen_anchor, chosen_master, kept = explicit.choose(finite, new, old)
       anchor.update(chosen_anchor)
-      master.update(chosen_master)
+      masters = tuple(chosen_master if f == fragment else m for f, m in enumerate(masters))
       outer_states = tuple(kept if f == fragment else s for f, s in enumerate(outer_states))
       stats = DiLoCoStatistics(
           rounds=stats.rounds + 1,
@@ -303,20 +270,19 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
       )
       pending = pending.at[fragment].set(jnp.where(finite, MERGE, RESET))
       counts = counts.at[fragment].set(jnp.zeros([2], jnp.int32))
-      for out, values in zip((whole[0], *whole[2:]),
-                             (anchor, residual, start, correction, previous)):
+      for out, values in zip(whole, (anchor, residual, start, correction, previous)):
         layout.write(out, values)
       return vary_like((whole,
-                        (outer_states, pending, counts, stats, weights, own_states)),
+                        (masters, outer_states, pending, counts, stats, weights, own_states)),
                        (flat, rest))
 
     return sync
 
   branches = [no_sync] + [sync_of(f, names) for f, names in enumerate(layout.plan)]
   flat, rest = lax.switch(sync_index, branches, flat, rest)
-  outer_states, pending, counts, stats, weights, own_states = rest
+  masters, outer_states, pending, counts, stats, weights, own_states = rest
   # With a delay a merge adopts the learner's new start, not the new Θ.
-  flat_anchor = flat[3] if layout.delay else flat[0]
+  flat_anchor = flat[2] if layout.delay else flat[0]
 
   def difference(n, theta):
     """The update that takes the parameters to ``theta``, at the updates' dtype."""
@@ -354,13 +320,13 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
 
   branches = [no_merge] + [merge_of(f, names) for f, names in enumerate(layout.plan)]
   flat_updates_out, pending = lax.switch(merge_index, branches, flat_anchor, pending)
-  anchor, master = layout.unflatten(flat[0]), layout.master_tree(flat[1])
-  residual = state.residual if layout.beta is None else layout.unflatten(flat[2])
+  anchor = layout.unflatten(flat[0])
+  residual = state.residual if layout.beta is None else layout.unflatten(flat[1])
   if layout.delay:
-    delay = DelayState(layout.unflatten(flat[3]))
+    delay = DelayState(layout.unflatten(flat[2]))
     if layout.eager:
-      delay = delay._replace(correction=layout.unflatten(flat[4]),
-                             previous=layout.unflatten(flat[5]), weight=weights,
+      delay = delay._replace(correction=layout.unflatten(flat[3]),
+                             previous=layout.unflatten(flat[4]), weight=weights,
                              outer=own_states)
   return layout.unflatten(flat_updates_out), RoundState(
-      anchor, master, outer_states, pending, counts, stats, residual, delay)
+      anchor, masters, outer_states, pending, counts, stats, residual, delay)

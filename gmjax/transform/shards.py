@@ -213,15 +213,18 @@ def from_rows(rows: jax.Array, shape: tuple[int, ...], like: jax.Array | None = 
   return flat.reshape(shape)
 
 
-def own(rows: jax.Array, learner: jax.Array) -> jax.Array:
-  """Shard ``learner`` of ``rows`` ``(R, M, 32)``, shape ``(R, 32)``.
+def own(rows: jax.Array, learner: jax.Array, axis: int = 1) -> jax.Array:
+  """Shard ``learner`` of ``rows`` ``(R, M, 32)``, shape ``(R, 32)`` (or of any array whose
+  learners' dimension is ``axis``, e.g. a bucket ``(F, S, M, 32)`` with ``axis=2``).
 
   A masked sum over the learner dimension rather than an index: exact (it adds zeros),
   local to each device, and the same code whether ``learner`` is a scalar
   (``shard_map``, ``pmap``) or batched (``vmap``).
   """
-  mine = lax.broadcasted_iota(jnp.int32, (1, rows.shape[1], 1), 1) == learner
-  return jnp.sum(explicit.where(mine, rows, jnp.zeros_like(rows)), axis=1)
+  shape = [1] * rows.ndim
+  shape[axis] = rows.shape[axis]
+  mine = lax.broadcasted_iota(jnp.int32, tuple(shape), axis) == learner
+  return jnp.sum(explicit.where(mine, rows, jnp.zeros_like(rows)), axis=axis)
 
 
 def valid(shape: tuple[int, ...], learners: int, learner: jax.Array) -> jax.Array:

@@ -62,13 +62,18 @@ class DiLoCoState(NamedTuple):
     anchor: Θ of each fragment's latest round, at the parameter dtype, shaped like the
       parameters. Between a round and its merge (``overlap_steps`` later) it already
       holds the new Θ the learner is about to merge.
-    master: the F32 master of each leaf (``master.<name>``), structured like the
-      parameters; ``optax.MaskedNode`` where Θ itself is the master (F32 leaves without
-      ``commit_precision``). Replicated: each leaf's shape. Sharded: this learner's
-      shard, F32 of shape ``(R, 32)`` (see ``gmjax.transform.shards``).
-    outer_state: per fragment, the outer optimizer's state over the fragment's leaves
-      (a tuple in the fragment's name order), full-sized when replicated, shards when
-      sharded. For the default Nesterov SGD its trace is ``momentum.<name>``.
+    master: per fragment, a tuple of F32 buckets (``gmjax.transform.buckets``): the
+      rows of 32 values of the fragment's leaves (pieces, with ``layer_axis``) that
+      travel and publish alike, end to end in the fragment's name order, shape
+      ``(F, S, 32)`` (``F`` the devices an FSDP split cuts them into, 1 otherwise).
+      Replicated, a bucket holds every row; sharded, this learner's rows (every
+      ``M``-th codec block of each leaf, see ``gmjax.transform.shards``).
+      ``optax.MaskedNode`` for a bucket whose Θ is its own master (F32 leaves without
+      ``commit_precision``).
+    outer_state: per fragment, the outer optimizer's state over the fragment's master
+      buckets (a tuple), e.g. the trace of the default Nesterov SGD. An outer optimizer
+      that is not elementwise (replicated only) keeps its state over the fragment's
+      leaves in their own shapes instead, in the fragment's name order.
     pending: per fragment, what its next merge does (0 nothing, 1 align with mixing,
       2 reset to the anchor after a skipped round), int32 of shape ``(P,)``.
     tokens: per fragment, tokens trained since the learner's last delta of it, exact

@@ -22,6 +22,7 @@ from gmjax.core.layers import Piece
 from gmjax.core.schedule import RoundSchedule
 from gmjax.core.schema import Schema
 from gmjax.transform import explicit, shards
+from gmjax.transform.buckets import Buckets
 from gmjax.transform.state import DelayState
 
 
@@ -53,10 +54,19 @@ class Layout:
   fragments hold (``DiLoCo.cut``: with ``layer_axis``, stacked leaves are cut into blocks
   of layers, the *pieces*); ``names`` are the tree's leaves. State shaped like the
   parameters keeps whole leaves, and a sync or merge reads and writes its fragment's
-  pieces in them (``view``, ``write``); masters and outer states are kept per piece.
+  pieces in them (``view``, ``write``). Masters and outer states are kept per fragment
+  as buckets (``buckets``): each bucket its pieces' rows end to end, this learner's part
+  ``(F, S, 32)`` (all of it when replicated), so the outer step is a few arrays a
+  fragment whatever the number of leaves.
   """
 
-  def __init__(self, config: DiLoCo, params: Any, learners: int | None):
+  def __init__(self, config: DiLoCo, params: Any, learners: int | None,
+               tx: optax.GradientTransformation, axis_name: Any, elementwise: bool):
+    self.config = config
+    self.wire = config.delta_wire
+    self.tx = tx
+    self.axis_name = axis_name
+    self.elementwise = elementwise
     self.tree = Schema.from_tree(params)
     self.schema = config.cut(self.tree)
     config.check_parameters(self.schema)
@@ -66,7 +76,6 @@ class Layout:
     self.plan = config.plan(self.schema)
     self.schedule = config.schedule(len(self.plan))
     self.table = sync_table(self.schedule)
-    self.keep = {s.name: config.keeps_master(s.dtype) for s in self.schema}
     self.names = self.tree.leaf_names
     self.cuts = self.schema.pieces or {n: (Piece(n, n),) for n in self.names}
     self.pieces = {p.name: p for ps in self.cuts.values() for p in ps}
@@ -89,22 +98,6 @@ class Layout:
       piece = self.pieces[n]
       flat[piece.leaf] = piece.put(flat[piece.leaf], v)
 
-  def master_tree(self, values: dict[str, Any]) -> Any:
-    """The master tree of per-piece ``values``: a cut leaf holds a tuple of its pieces'."""
-    return self.unflatten({
-        n: values[ps[0].name] if ps[0].axis is None else tuple(values[p.name] for p in ps)
-        for n, ps in self.cuts.items()})
-
-  def master_pieces(self, tree: Any) -> dict[str, Any]:
-    """The per-piece values of a master tree (``master_tree``'s inverse)."""
-    flat, out = self.flatten(tree), {}
-    for n, ps in self.cuts.items():
-      if ps[0].axis is None:
-        out[n] = flat[n]
-      else:
-        out.update((p.name, v) for p, v in zip(ps, flat[n]))
-    return out
-
   def cast(self, tree: Any) -> Any:
     """A copy of ``tree`` at the schema dtypes (float64 input becomes F32).
 
@@ -116,30 +109,93 @@ class Layout:
         {n: jnp.array(v, JNP_DTYPES[self.tree[n].dtype], copy=True) for n, v in flat.items()}
     )
 
-  def master_value(self, name: str, theta: jax.Array, learner: Any) -> jax.Array:
-    """The F32 master of piece ``name`` whose Θ is ``theta``: whole, or this learner's shard."""
+  @property
+  def row_learners(self) -> int:
+    """The learners a leaf's rows are cut for: ``M`` sharded, 1 replicated."""
+    return self.learners or 1
+
+  def rows(self, values: dict[str, Any]) -> dict[str, Any]:
+    """Each piece's F32 rows ``(R, row_learners, 32)`` (``gmjax.transform.shards``)."""
+    return {n: shards.to_rows(v, self.row_learners) for n, v in values.items()}
+
+  def buckets(self, rows: dict[str, Any]) -> Buckets:
+    """How a fragment's pieces lie in its buckets, from their ``rows``.
+
+    Pieces share a bucket when their deltas travel alike (one wire code), they publish
+    alike (one parameter dtype) and their rows lie alike; a bucket's pieces come in the
+    fragment's name order.
+    """
+    dtypes = {n: self.schema[n].dtype for n in rows}
+    return Buckets(rows, {n: self.wire.code(d) for n, d in dtypes.items()},
+                   self.axis_name, dtypes)
+
+  def own(self, bucket: jax.Array, learner: Any) -> jax.Array:
+    """This learner's part ``(F, S, 32)`` of a bucket of rows ``(F, S, M, 32)``."""
     if self.learners is None:
-      return jnp.array(theta, jnp.float32, copy=True)
-    return shards.own(shards.to_rows(theta, self.learners), learner)
+      return bucket[:, :, 0]
+    return shards.own(bucket, learner, 2)
 
-  def zeros(self, name: str, like: jax.Array) -> jax.Array:
-    """F32 zeros of piece ``name``'s master: whole, or one learner's shard.
+  def keeps(self, buckets: Buckets) -> tuple[bool, ...]:
+    """Whether each bucket keeps an F32 master beside Θ (else Θ in F32 is the master)."""
+    return tuple(self.config.keeps_master(d) for d in buckets.dtypes)
 
-    ``like`` is the piece of the parameters: on an explicit mesh the zeros take the
-    layout that the rare steps give the master (the parameter's, or its rows'), so that
+  def theta_buckets(self, theta: dict[str, Any], learner: Any) -> tuple[Buckets, list]:
+    """The buckets of the pieces ``theta`` (F32, this learner's part) and their layout."""
+    rows = self.rows(theta)
+    buckets = self.buckets(rows)
+    return buckets, [self.own(b, learner) for b in buckets.pack(rows)]
+
+  def masters(self, buckets: Buckets, values: list) -> tuple:
+    """The state's masters of one fragment: ``values`` where kept, else MaskedNode."""
+    return tuple(v if keep else optax.MaskedNode()
+                 for v, keep in zip(values, self.keeps(buckets)))
+
+  def outer_tx(self, tx: optax.GradientTransformation, buckets: Buckets, names: Any
+               ) -> optax.GradientTransformation:
+    """The outer optimizer over a fragment's master buckets.
+
+    ``tx`` itself when it acts element by element (the sharded step's requirement); else
+    (replicated, e.g. global-norm clipping or LAMB) ``tx`` over the pieces in their own
+    shapes, unpacked from the buckets and packed back, so it sees the leaves a user
+    gave it and not the buckets' padding.
+    """
+    if self.elementwise:
+      return tx
+    specs = {n: self.schema[n] for n in names}
+
+    def pieces(values):
+      rows = buckets.unpack([v[:, :, None] for v in values])
+      return tuple(shards.from_rows(rows[n], specs[n].shape) for n in names)
+
+    def packed(values):
+      rows = self.rows(dict(zip(names, values)))
+      return tuple(self.own(b, None) for b in buckets.pack(rows))
+
+    def init(params):
+      return tx.init(pieces(params))
+
+    def update(updates, state, params=None):
+      new, state = tx.update(pieces(updates), state,
+                             None if params is None else pieces(params))
+      return packed(new), state
+
+    return optax.GradientTransformation(init, update)
+
+  def master_init(self, params: Any) -> tuple[tuple, tuple]:
+    """The masters and outer states before the first update: zeros, per fragment.
+
+    Laid out as the rare steps make them (the buckets of the parameters' rows), so that
     ``lax.cond`` finds the same sharding on both sides and never has to gather one.
     """
-    spec = self.schema[name]
-    if self.learners is None:
-      return explicit.zeros(spec.shape, jnp.float32, explicit.spec(like))
-    return explicit.zeros(shards.shard_shape(spec.shape, self.learners), jnp.float32,
-                          shards.shard_spec(like, self.learners))
-
-  def master_init(self, params: Any) -> tuple[Any, dict[str, Any]]:
-    """The master tree before the first update (zeros where kept) and every piece's zeros."""
-    zeros = {n: self.zeros(n, v) for n, v in self.view(self.flatten(params)).items()}
-    return self.master_tree(
-        {n: z if self.keep[n] else optax.MaskedNode() for n, z in zeros.items()}), zeros
+    flat = self.view(self.flatten(params))
+    masters, states = [], []
+    for names in self.plan:
+      buckets, values = self.theta_buckets({n: flat[n] for n in names}, None
+                                           if self.learners is None else 0)
+      zeros = [jnp.zeros_like(v) for v in values]
+      masters.append(self.masters(buckets, zeros))
+      states.append(self.outer_tx(self.tx, buckets, names).init(tuple(zeros)))
+    return tuple(masters), tuple(states)
 
   def residual_init(self, params: Any) -> Any:
     """The residuals before any delta: F32 zeros laid out like ``params``, or
@@ -167,7 +223,3 @@ class Layout:
     return DelayState(start, copy(), copy(), -jnp.ones([len(self.plan)], jnp.float32),
                       tuple(eager.initial_state(tx, self.view(zeros, names), names)
                             for names in self.plan))
-
-  def outer_init(self, tx: optax.GradientTransformation, values: dict[str, Any]) -> tuple:
-    """Per fragment, ``tx.init`` over the fragment's pieces (``values``: name → array)."""
-    return tuple(tx.init(tuple(values[n] for n in names)) for names in self.plan)
