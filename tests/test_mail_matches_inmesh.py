@@ -134,6 +134,20 @@ def test_mail_learners_end_where_in_mesh_learners_end(config, tmp_path):
 
 
 @pytest.mark.timeout(180)
+def test_a_replicated_outer_that_is_not_elementwise_sees_the_leaves(tmp_path):
+  # LAMB scales each leaf's step by its own trust ratio: in-mesh, where the masters are
+  # held in buckets, it must still be given the leaves, as the mail closer gives them.
+  config = gmjax.DiLoCo(sync_every=4, fragments=1, delta_precision="I4", outer="lamb",
+                        outer_options={"learning_rate": 0.3}, flush_on_close=False)
+  mesh, _ = in_mesh(config, shard_outer=False)
+  mailed, _ = by_mail(config, tmp_path)
+  for m in range(LEARNERS):
+    for name in ms.params0():
+      np.testing.assert_allclose(mailed[m][name], mesh[m][name], rtol=2e-5, atol=2e-6,
+                                 err_msg=f"learner {m}, leaf {name}")
+
+
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("shard_outer,delay", [(True, {}), (False, {}),
                                                (True, {"outer_delay": 1, "eager": True})],
                          ids=["sharded", "replicated", "sharded-eager"])
