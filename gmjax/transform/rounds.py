@@ -76,7 +76,8 @@ def start(layout: Layout, tx, axis_name: Any, learner: Any):
     for names in layout.plan:
       buckets, values = layout.theta_buckets({n: pieces[n] for n in names}, learner)
       masters.append(layout.masters(buckets, values))
-      states.append(layout.outer_tx(tx, buckets, names).init(tuple(values)))
+      states.append(layout.outer_tx(tx, buckets, {n: pieces[n] for n in names}).init(
+          tuple(values)))
     new = state._replace(anchor=theta, master=tuple(masters), outer_state=tuple(states))
     if layout.delay:
       new = new._replace(delay=new.delay._replace(start=layout.unflatten(
@@ -108,8 +109,12 @@ def _exchange(layout, config, axis_name, learner, names, delta, rows, buckets, c
   """
   specs = layout.schema.subset(names).parameters
   wire = config.delta_wire
-  unrows = lambda packed: {s.name: shards.from_rows(r, s.shape, delta[s.name])
-                           for s, r in ((s, buckets.unpack(packed)[s.name]) for s in specs)}
+
+  def unrows(packed):
+    """Each piece, in its shape and layout, from buckets of rows ``(F, S, M, 32)``."""
+    rows_of = buckets.unpack(packed)
+    return {s.name: shards.from_rows(rows_of[s.name], s.shape, delta[s.name]) for s in specs}
+
   if layout.learners is None:
     if not wire.sparse:
       gradient, cosine, verdict, sent = replicated.aggregate(
@@ -165,7 +170,7 @@ def _sync(layout, config, tx, axis_name, learner, names, anchor, master, outer_s
   # values, so that whether the round is kept comes out of the (closing) psum, and XLA
   # does not copy the screening into each bucket's selects.
   result = round_ops.outer_round(
-      layout.outer_tx(tx, buckets, names), dict(zip(keys, gradient)), outer_state,
+      layout.outer_tx(tx, buckets, anchor), dict(zip(keys, gradient)), outer_state,
       dict(zip(keys, old)), {}, bucket_specs, config.commit_wire, publish=publish,
       total=explicit.total, as_tuple=True, any_kept=jnp.any(verdict.keep))
   squared = explicit.total(jnp.sum(jnp.square(g)) for g in gradient)

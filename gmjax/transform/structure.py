@@ -150,22 +150,23 @@ class Layout:
     return tuple(v if keep else optax.MaskedNode()
                  for v, keep in zip(values, self.keeps(buckets)))
 
-  def outer_tx(self, tx: optax.GradientTransformation, buckets: Buckets, names: Any
-               ) -> optax.GradientTransformation:
+  def outer_tx(self, tx: optax.GradientTransformation, buckets: Buckets,
+               like: dict[str, Any]) -> optax.GradientTransformation:
     """The outer optimizer over a fragment's master buckets.
 
     ``tx`` itself when it acts element by element (the sharded step's requirement); else
     (replicated, e.g. global-norm clipping or LAMB) ``tx`` over the pieces in their own
     shapes, unpacked from the buckets and packed back, so it sees the leaves a user
-    gave it and not the buckets' padding.
+    gave it and not the buckets' padding. ``like``: the fragment's pieces by name (laid
+    out as the parameters, whose layout orders their rows).
     """
     if self.elementwise:
       return tx
-    specs = {n: self.schema[n] for n in names}
+    names = list(like)
 
     def pieces(values):
       rows = buckets.unpack([v[:, :, None] for v in values])
-      return tuple(shards.from_rows(rows[n], specs[n].shape) for n in names)
+      return tuple(shards.from_rows(rows[n], like[n].shape, like[n]) for n in names)
 
     def packed(values):
       rows = self.rows(dict(zip(names, values)))
@@ -194,7 +195,8 @@ class Layout:
                                            if self.learners is None else 0)
       zeros = [jnp.zeros_like(v) for v in values]
       masters.append(self.masters(buckets, zeros))
-      states.append(self.outer_tx(self.tx, buckets, names).init(tuple(zeros)))
+      states.append(self.outer_tx(self.tx, buckets, {n: flat[n] for n in names}).init(
+          tuple(zeros)))
     return tuple(masters), tuple(states)
 
   def residual_init(self, params: Any) -> Any:
