@@ -1,9 +1,9 @@
 """What a parameter tree's structure fixes for ``gmjax.diloco``: ``Layout``.
 
 Its schema and fragment plan (layer blocks included), the round schedule as a table the
-step looks up, which leaves keep an F32 master, and how the state shaped like the
-parameters, the masters (whole or one learner's shard) and the outer states are built,
-flattened and written piece by piece.
+step looks up, how the state shaped like the parameters is flattened and written piece by
+piece, and how each fragment's pieces lie in its buckets, which hold the masters (whole,
+or one learner's rows) and over which the outer states are built.
 """
 
 from __future__ import annotations
