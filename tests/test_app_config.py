@@ -55,6 +55,17 @@ def test_bad_configs_name_the_problem(tmp_path, text, message):
     config_lib.load(_write(tmp_path, text))
 
 
+@pytest.mark.parametrize("table, wrong, right", [
+    ("diloco", "sync_evry", "sync_every"), ("train", "learnres", "learners"),
+    ("model", "d_modl", "d_model")])
+def test_an_unknown_key_is_named_with_the_closest_known_one(tmp_path, table, wrong, right):
+  text = (BASE.replace(f"[{table}]\n", f"[{table}]\n{wrong} = 1\n") if f"[{table}]" in BASE
+          else BASE + f"[{table}]\n{wrong} = 1\n")
+  with pytest.raises(ValueError, match=rf"\[{table}\]: unknown key '{wrong}'; did you mean"
+                                       rf" '{right}'\?"):
+    config_lib.load(_write(tmp_path, text))
+
+
 def test_missing_file():
   with pytest.raises(FileNotFoundError, match="quickstart"):
     config_lib.load("no/such/file.toml")

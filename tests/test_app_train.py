@@ -81,3 +81,37 @@ def test_train_refuses_a_bad_config(tmp_path):
                           capture_output=True, text=True, timeout=120, check=False)
   assert result.returncode == 2
   assert "fragments" in result.stderr
+
+
+def test_train_never_deletes_a_run_unless_forced(tmp_path):
+  config = tmp_path / "tiny.toml"
+  config.write_text(TINY)
+  out = tmp_path / "out"
+  kept = out / "run" / "manifest.json"
+  kept.parent.mkdir(parents=True)
+  kept.write_text("{}")
+  result = subprocess.run(
+      [sys.executable, "-m", "gmjax.app.cli", "train", str(config), "--out", str(out)],
+      capture_output=True, text=True, timeout=120, check=False)
+  assert result.returncode == 2
+  assert "holds a run already" in result.stderr and "--force" in result.stderr
+  assert kept.read_text() == "{}"  # nothing deleted, no learner started
+  assert not list(out.glob("learner-*.log"))
+
+
+def test_status_exits_quietly_when_the_reader_closes_the_pipe(tmp_path):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  import gmjax  # pylint: disable=g-import-not-at-top
+
+  run = tmp_path / "run"
+  gmjax.mail.create(str(run), {"w": jnp.ones(4)}, gmjax.DiLoCo(sync_every=2))
+  # The reader is gone before the command writes (as `gmjax status --json | head` once
+  # head has its lines): its first write fails with EPIPE.
+  process = subprocess.Popen(
+      [sys.executable, "-m", "gmjax.app.cli", "status", str(run), "--json"],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  process.stdout.close()
+  _, err = process.communicate(timeout=120)
+  assert process.returncode == 0, err.decode()
+  assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()

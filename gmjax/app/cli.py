@@ -32,7 +32,7 @@ def _train(args: argparse.Namespace) -> int:
     import dataclasses  # pylint: disable=g-import-not-at-top
 
     cfg = dataclasses.replace(cfg, out=args.out)
-  summary = train(cfg, show_progress=not args.quiet)
+  summary = train(cfg, show_progress=not args.quiet, force=args.force)
   losses = summary["final_val_loss"]
   print(f"\nrun: {summary['run']}  rounds committed: {summary['rounds']}"
         f"  mean cosine: {summary['mean_cosine'] if summary['mean_cosine'] is None else round(summary['mean_cosine'], 3)}")
@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
   train.add_argument("config", help="a TOML file, e.g. configs/quickstart.toml")
   train.add_argument("--out", help="output folder (default: the config's [train] out)")
   train.add_argument("--quiet", action="store_true", help="no progress bars")
+  train.add_argument("--force", action="store_true",
+                     help="delete a run already in the output folder and train anew")
   train.set_defaults(func=_train)
   status = commands.add_parser("status", help="print a run's rounds and learners")
   status.add_argument("run", help="the run's URL or directory")
@@ -84,9 +86,14 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   try:
     return args.func(args)
-  except (FileNotFoundError, ValueError, PermissionError) as error:
+  except (FileNotFoundError, FileExistsError, ValueError, PermissionError) as error:
     print(f"gmjax {args.command}: {error}", file=sys.stderr)
     return 2
+  except BrokenPipeError:
+    # The reader went away (``gmjax status --json | head``): what it read is all it
+    # wanted. Point stdout at /dev/null so that the interpreter's final flush is quiet.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,13 @@ _DEFAULTS = {
 }
 
 
+def _unknown(table: str, key: str, known) -> str:
+  """The error for an unknown key of ``[table]``, naming the closest known key."""
+  close = difflib.get_close_matches(key, sorted(known), n=1)
+  hint = f"did you mean {close[0]!r}? " if close else ""
+  return f"config [{table}]: unknown key {key!r}; {hint}known: {sorted(known)}"
+
+
 def load(path: str | Path) -> TrainConfig:
   """Reads and checks a TOML config with ``[train]``, ``[model]`` and ``[diloco]`` tables.
 
@@ -73,7 +81,7 @@ def load(path: str | Path) -> TrainConfig:
   train = dict(_DEFAULTS, name=path.stem, out=f"runs/{path.stem}")
   for key, value in raw.get("train", {}).items():
     if key not in _RUN_KEYS:
-      raise ValueError(f"config [train]: unknown key {key!r}; known: {sorted(_RUN_KEYS)}")
+      raise ValueError(_unknown("train", key, _RUN_KEYS))
     kind = _RUN_KEYS[key]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
       value = float(value)
@@ -89,9 +97,13 @@ def load(path: str | Path) -> TrainConfig:
   model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
   bad = sorted(set(raw.get("model", {})) - model_fields)
   if bad:
-    raise ValueError(f"config [model]: unknown keys {bad}; known: {sorted(model_fields)}")
+    raise ValueError(_unknown("model", bad[0], model_fields))
   model = ModelConfig(**raw.get("model", {}))
   diloco_raw = dict(raw.get("diloco", {}))
+  diloco_fields = {f.name for f in dataclasses.fields(DiLoCo)}
+  bad = sorted(set(diloco_raw) - diloco_fields)
+  if bad:
+    raise ValueError(_unknown("diloco", bad[0], diloco_fields))
   if "sync_every" not in diloco_raw:
     raise ValueError("config [diloco] needs sync_every")
   try:

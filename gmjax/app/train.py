@@ -75,12 +75,22 @@ def bytes_by_learner(cfg: config_lib.TrainConfig, params: Any, rounds: list[dict
   return sent
 
 
-def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True) -> dict[str, Any]:
-  """Runs the demo job; returns a summary (also written to ``<out>/summary.json``)."""
+def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
+          force: bool = False) -> dict[str, Any]:
+  """Runs the demo job; returns a summary (also written to ``<out>/summary.json``).
+
+  Raises:
+    FileExistsError: ``<out>/run`` holds a run already and ``force`` is not set (a run
+      is never deleted unless asked).
+  """
   out = Path(cfg.out)
   run_dir = out / "run"
   if run_dir.exists():
-    print(f"gmjax train: replacing the previous run in {run_dir}")
+    if not force:
+      raise FileExistsError(
+          f"{run_dir} holds a run already; pass --out DIR to train elsewhere, or --force to"
+          " delete that run and train anew")
+    print(f"gmjax train: --force: deleting the previous run in {run_dir}")
     shutil.rmtree(run_dir)
   out.mkdir(parents=True, exist_ok=True)
   for old in out.glob("metrics*.jsonl"):
