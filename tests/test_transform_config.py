@@ -95,6 +95,38 @@ def test_sharded_init_outside_the_axis_says_how():
   assert state.anchor["w"].shape == (2, 3)
 
 
+def test_axis_misuse_names_the_bound_axes_and_the_fix():
+  params = {"w": jnp.ones((2, 3))}
+  wrong = gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=4), axis_name="learners")
+  with pytest.raises(ValueError, match=r"init must run inside the learners' mapped axis"
+                                       r" 'learners'.*bound here are \['learner'\].*"
+                                       r"axis_name='learner'"):
+    jax.vmap(wrong.init, axis_name="learner")(params)
+  optimizer = gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=4), axis_name="learner")
+  state = jax.vmap(optimizer.init, axis_name="learner")(params)
+  one = jax.tree.map(lambda x: x[0], state)
+  with pytest.raises(ValueError, match=r"update must run inside.*no mapped axis is bound"
+                                       r".*jax.vmap\(optimizer.update"):
+    optimizer.update({"w": jnp.ones(3)}, one, {"w": jnp.ones(3)})
+  # Replicated, init runs anywhere; update still needs the axis (not JAX's NameError).
+  replicated = gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=4), axis_name="learner",
+                            shard_outer=False)
+  state = replicated.init({"w": jnp.ones(3)})
+  with pytest.raises(ValueError, match=r"update must run inside.*'learner'"):
+    replicated.update({"w": jnp.ones(3)}, state, {"w": jnp.ones(3)})
+
+
+def test_params_reshaped_after_init_are_named():
+  optimizer = gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=4))
+  state = optimizer.init({"w": jnp.ones((2, 3)), "b": jnp.ones(3)})
+  params = {"w": jnp.ones((3, 2)), "b": jnp.ones(3)}
+  with pytest.raises(ValueError, match=r"params\['w'\] of shape \(3, 2\).*shape \(2, 3\)"
+                                       r".*optimizer.init"):
+    optimizer.update(params, state, params)
+  with pytest.raises(ValueError, match="structured as"):
+    optimizer.update({"w": jnp.ones((2, 3))}, state, {"w": jnp.ones((2, 3))})
+
+
 def test_token_counts_stay_exact_past_2_to_the_24():
   # 2^24 + 1 tokens a step: an F32 count would lose the odd token at once.
   config = gmjax.DiLoCo(sync_every=8)

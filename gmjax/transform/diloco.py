@@ -66,18 +66,60 @@ def _check(inner: Any, config: Any, axis_name: Any, outer: Any, shard_outer: Any
     )
 
 
-def _axis_size(axis_name: Any) -> int:
-  """``M``, the size of the learners' axis, which must be bound (raises otherwise)."""
+def _bound_axes() -> tuple[str, ...]:
+  """The mapped axis names bound here (``vmap``/``pmap`` names, ``shard_map``'s manual
+  axes), as far as JAX says: for error messages only."""
+  names = set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
+  try:
+    # JAX has no public query for the names vmap binds; a message can do without them.
+    from jax._src import core as jax_core  # pylint: disable=g-import-not-at-top
+
+    names |= set(jax_core.get_axis_env().axis_names())
+  except Exception:  # pylint: disable=broad-except
+    pass
+  return tuple(sorted(str(n) for n in names))
+
+
+def _axis_size(axis_name: Any, where: str, sharded: bool) -> int:
+  """``M``, the size of the learners' axis, which must be bound here (raises otherwise).
+
+  ``where`` is ``"init"`` or ``"update"``, for the message.
+  """
   try:
     return int(lax.psum(1, axis_name))
   except NameError:
+    pass
+  bound = _bound_axes()
+  here = (f"the mapped axes bound here are {list(bound)}" if bound
+          else "no mapped axis is bound here")
+  fix = (f"pass axis_name={bound[0]!r} to gmjax.diloco if that is the learners' axis, or"
+         f" map {where} over axis_name={axis_name!r}" if bound else
+         f"call {where} inside the mapped axis, e.g. jax.vmap(optimizer.{where},"
+         f" axis_name={axis_name!r}), or inside the shard_map / pmap of the step")
+  why = ("so that the state holds one learner's shard of the outer state" if where == "init"
+         else "whose learners it synchronizes")
+  raise ValueError(
+      f"gmjax.diloco: {where} must run inside the learners' mapped axis {axis_name!r},"
+      f" {why}, but {here}: {fix}."
+      + (" Or pass shard_outer=False to replicate the outer state (then init may run"
+         " outside the axis)." if sharded and where == "init" else "")
+  ) from None
+
+
+def _check_params(params: Any, anchor: Any) -> None:
+  """Raises unless ``params`` has the structure and shapes the state was built for."""
+  got, want = jax.tree.structure(params), jax.tree.structure(anchor)
+  if got != want:
     raise ValueError(
-        f"gmjax.diloco: with a sharded outer step, init must run inside the learners'"
-        f" mapped axis {axis_name!r}, so that the state holds one learner's shard: e.g."
-        f" jax.vmap(optimizer.init, axis_name={axis_name!r})(params), or init inside the"
-        " shard_map / pmap of the step; or pass shard_outer=False to replicate the outer"
-        " state."
-    ) from None
+        f"gmjax.diloco: update got params structured as {got}, but the state was built"
+        f" for {want}; build the state with optimizer.init on these params.")
+  for (path, p), a in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                          jax.tree.leaves(anchor)):
+    if jnp.shape(p) != jnp.shape(a):
+      raise ValueError(
+          f"gmjax.diloco: update got params{jax.tree_util.keystr(path)} of shape"
+          f" {jnp.shape(p)}, but the state was built for shape {jnp.shape(a)}; build the"
+          " state with optimizer.init on the parameters as they are now.")
 
 
 def _unbatched(count: jax.Array, axis_name: Any) -> jax.Array:
@@ -205,12 +247,12 @@ def diloco(
   tau = config.overlap_steps
   sync_every = config.sync_every
 
-  def layout_of(params):
-    return structure.Layout(config, params, _axis_size(axis_name) if sharded else None, tx,
-                            axis_name, acts_elementwise)
+  def layout_of(params, where):
+    learners = _axis_size(axis_name, where, sharded) if sharded else None
+    return structure.Layout(config, params, learners, tx, axis_name, acts_elementwise)
 
   def init_fn(params):
-    layout = layout_of(params)
+    layout = layout_of(params, "init")
     anchor = layout.cast(params)
     master, outer_state = layout.master_init(params)
     return DiLoCoState(
@@ -232,7 +274,10 @@ def diloco(
           "gmjax.diloco: update needs params (the deltas are anchor − params); call"
           " update(grads, state, params)."
       )
-    layout = layout_of(params)
+    _check_params(params, state.anchor)
+    if axis_name is not None and not sharded:
+      _axis_size(axis_name, "update", sharded)  # the learners' axis must be bound
+    layout = layout_of(params, "update")
     step_tokens = token_counts.step_tokens(tokens)
     learner = lax.axis_index(axis_name) if sharded else None
     count = _unbatched(state.count, axis_name)
