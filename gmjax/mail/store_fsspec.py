@@ -6,6 +6,8 @@ S3 has its own store (``gmjax.mail.store_s3``).
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import threading
 
@@ -94,8 +96,6 @@ class FsspecStore(Store):
 
   def _delete(self, path: str) -> None:
     target = self._path(path)
-    try:
+    with contextlib.suppress(FileNotFoundError):  # deleting what is gone is done
       self.fs.rm(target, recursive=True)
-    except FileNotFoundError:
-      pass
     self.fs.invalidate_cache(target)

@@ -74,10 +74,10 @@ def _bound_axes() -> tuple[str, ...]:
     # JAX has no public query for the names vmap binds; a message can do without them.
     from jax._src import core as jax_core  # pylint: disable=g-import-not-at-top
 
-    names |= set(jax_core.get_axis_env().axis_names())
+    mapped = jax_core.get_axis_env().axis_names()
   except Exception:  # pylint: disable=broad-except
-    pass
-  return tuple(sorted(str(n) for n in names))
+    mapped = ()
+  return tuple(sorted(str(n) for n in names | set(mapped)))
 
 
 def _axis_size(axis_name: Any, where: str, sharded: bool) -> int:
@@ -88,8 +88,7 @@ def _axis_size(axis_name: Any, where: str, sharded: bool) -> int:
   try:
     return int(lax.psum(1, axis_name))
   except NameError:
-    pass
-  bound = _bound_axes()
+    bound = _bound_axes()
   here = (f"the mapped axes bound here are {list(bound)}" if bound
           else "no mapped axis is bound here")
   fix = (f"pass axis_name={bound[0]!r} to gmjax.diloco if that is the learners' axis, or"

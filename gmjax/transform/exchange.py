@@ -147,9 +147,7 @@ def judge_and_sum(deltas: Sequence[jax.Array], counts: jax.Array, axis_name: Any
   summed = explicit.psum(partial, axis_name)
   size = learners * learners
   matrix = summed[:size].reshape(learners, learners)
-  # The diagonal as a masked sum: ``jnp.diagonal`` is a gather, which XLA may partition
-  # over the other mesh axes.
-  squares = jnp.sum(jnp.where(np.eye(learners, dtype=bool), matrix, 0.0), axis=1)
+  squares = _diagonal(matrix)
   verdict = screen.judge(squares, summed[size:], every)
   gradient = [round_ops.weighted_sum(d, verdict.weights, LEARNER_DIM, keep=verdict.keep)
               for d in deltas]
@@ -230,11 +228,16 @@ def publish(
   return theta, bad
 
 
+def _diagonal(matrix: jax.Array) -> jax.Array:
+  """The diagonal of a square matrix as a masked sum: ``jnp.diagonal`` is a gather, which
+  XLA may partition over the other mesh axes."""
+  return jnp.sum(jnp.where(np.eye(matrix.shape[0], dtype=bool), matrix, 0.0), axis=1)
+
+
 def mean_cosine(matrix: jax.Array) -> jax.Array:
   """Mean pairwise cosine from a Gram matrix, skipping zero deltas; NaN without a pair."""
   learners = matrix.shape[0]
-  # The diagonal as a masked sum (``jnp.diagonal`` is a gather, which XLA may partition).
-  diagonal = jnp.sum(jnp.where(jnp.eye(learners, dtype=bool), matrix, 0.0), axis=1)
+  diagonal = _diagonal(matrix)
   norms = jnp.sqrt(jnp.maximum(diagonal, 0.0))
   nonzero = norms > 0
   upper = jnp.triu(jnp.ones((learners, learners), bool), k=1)

@@ -159,7 +159,7 @@ def _sync(layout, config, tx, axis_name, learner, names, anchor, master, outer_s
   # Buckets whose pieces keep no master (F32 Θ published as itself) start from Θ.
   keeps = layout.keeps(buckets)
   if not all(keeps):
-    _, current = layout.theta_buckets(anchor, learner)
+    current = [layout.own(b, learner) for b in buckets.pack(layout.rows(anchor))]
   old = [m if keep else current[i] for i, (m, keep) in enumerate(zip(master, keeps))]
   bucket_specs = [ParameterSpec(str(i), "F32", g.shape) for i, g in enumerate(gradient)]
   keys = [s.name for s in bucket_specs]
