@@ -20,6 +20,7 @@ from gmjax.core.schema import Schema as Schema
 from gmjax.core.stats import cosine as cosine
 from gmjax import mail as mail
 from gmjax.transform.diloco import diloco as diloco
+from gmjax.transform.finish import finish as finish
 from gmjax.transform.state import DiLoCoState as DiLoCoState
 from gmjax.transform.state import DiLoCoStatistics as DiLoCoStatistics
 
@@ -45,6 +46,7 @@ __all__ = (
     "dequantize",
     "diloco",
     "encode",
+    "finish",
     "layout",
     "mail",
     "quantize",

@@ -1,0 +1,123 @@
+"""``gmjax.finish``: the global model Θ at the end of an in-mesh run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from gmjax.transform import explicit
+from gmjax.transform.state import DiLoCoState
+
+
+def finish(state: DiLoCoState, params: Any, *, learner_axis: int | None = None) -> Any:
+  """The global model Θ of a ``gmjax.diloco`` run, shaped, typed and laid out as ``params``.
+
+  Θ is every fragment's latest committed value: the anchor each round publishes to all
+  learners (``state.anchor``). A fragment whose round has run but whose merge is still
+  pending (``overlap_steps`` later) is taken at its new Θ, as the merge would set it with
+  ``mixing = 0``; a fragment whose latest round was skipped (not finite, or every delta
+  rejected) keeps its previous Θ. The inner steps a learner took after a fragment's
+  latest sync are, as in DiLoCo, not part of Θ: end a run on a step that syncs the last
+  fragment (a multiple of ``sync_every``) to count as many of them as the schedule can.
+
+  The learners' own parameters still differ from each other and from Θ (each trained
+  on its own data since the round); Θ is what every learner agrees on, the model to
+  evaluate, save and serve.
+
+  Two ways to call it:
+
+  * inside the learners' mapped axis (under ``vmap``/``shard_map``, with each learner's
+    ``state`` and ``params``), or for one learner: ``learner_axis=None``. Every learner
+    gets the same Θ, laid out as its ``params``.
+  * outside, on states and parameters stacked over the learners (what ``jax.vmap(step)``
+    returns): ``learner_axis=0`` (the stacking dimension). Returns one Θ, without that
+    dimension, laid out as ``params`` without the learners' mesh axis (replicated over
+    it, still split over the others, e.g. FSDP).
+
+  Args:
+    state: the ``gmjax.DiLoCoState`` of the run, as ``update`` returned it (for a chained
+      optimizer, the ``DiLoCoState`` inside the chain's state).
+    params: the learner's parameters (stacked with ``learner_axis``); Θ takes their
+      dtypes and, on an explicit mesh or for arrays placed with a ``NamedSharding``,
+      their sharding.
+    learner_axis: None inside the learners' axis, else the dimension the learners are
+      stacked on in ``state`` and ``params``.
+
+  Returns:
+    Θ, a pytree like ``params`` (without the learners' dimension with ``learner_axis``).
+
+  Raises:
+    TypeError: ``state`` is not a ``gmjax.DiLoCoState``.
+    ValueError: ``params`` is not structured or shaped like the state's anchor.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, gmjax
+    >>> config = gmjax.DiLoCo(sync_every=2, overlap_steps=0)
+    >>> optimizer = gmjax.diloco(optax.sgd(0.1), config, axis_name="learner")
+    >>> params = {"w": jnp.array([[1.0, 2.0], [3.0, 4.0]])}  # two learners
+    >>> state = jax.vmap(optimizer.init, axis_name="learner")(params)
+    >>> @jax.vmap
+    ... def grads(p):
+    ...   return jax.tree.map(jnp.ones_like, p)
+    >>> step = jax.vmap(optimizer.update, axis_name="learner")
+    >>> for _ in range(2):
+    ...   updates, state = step(grads(params), state, params)
+    ...   params = optax.apply_updates(params, updates)
+    >>> gmjax.finish(state, params, learner_axis=0)["w"].shape
+    (2,)
+  """
+  if not isinstance(state, DiLoCoState):
+    raise TypeError(
+        f"gmjax.finish: state must be the gmjax.DiLoCoState of gmjax.diloco, got"
+        f" {type(state).__name__}; for a chained optimizer pass the DiLoCoState inside"
+        " the chain's state (e.g. state[1] of optax.chain(clip, gmjax.diloco(...))).")
+  anchor = state.anchor
+  if jax.tree.structure(params) != jax.tree.structure(anchor):
+    raise ValueError(
+        f"gmjax.finish: params are structured as {jax.tree.structure(params)}, but the"
+        f" state's anchor as {jax.tree.structure(anchor)}; pass the parameters the"
+        " optimizer was updating.")
+  for (path, p), a in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                          jax.tree.leaves(anchor)):
+    if jnp.shape(p) != jnp.shape(a):
+      raise ValueError(
+          f"gmjax.finish: params{jax.tree_util.keystr(path)} has shape {jnp.shape(p)}"
+          f" but the state's anchor {jnp.shape(a)}; pass the parameters the optimizer"
+          " was updating" + (", stacked like the state" if learner_axis is not None
+                             else "") + ".")
+  if learner_axis is not None and not isinstance(learner_axis, int):
+    raise ValueError(
+        f"gmjax.finish: learner_axis must be None or an int (the dimension the learners"
+        f" are stacked on), got {learner_axis!r}.")
+  return jax.tree.map(lambda a, p: _one(a, p, learner_axis), anchor, params)
+
+
+def _one(theta: jax.Array, param: jax.Array, learner_axis: int | None) -> jax.Array:
+  """One leaf of Θ at ``param``'s dtype and layout (learner 0's copy, with an axis)."""
+  dtype = jnp.result_type(param)
+  if learner_axis is None:
+    return explicit.like(jnp.asarray(theta, dtype), param)
+  if not -jnp.ndim(param) <= learner_axis < jnp.ndim(param):
+    raise ValueError(
+        f"gmjax.finish: learner_axis={learner_axis} is not a dimension of a parameter of"
+        f" shape {jnp.shape(param)}; pass the dimension the learners are stacked on.")
+  axis = learner_axis % jnp.ndim(param)
+  theta = jnp.asarray(theta, dtype)
+  # Every learner holds the same Θ (the round publishes it to all): learner 0's copy.
+  index = (slice(None),) * axis + (0,)
+  entries = explicit.spec(param)
+  if entries is not None:  # traced or placed on an explicit mesh: its type says where
+    # Explicit sharding has no rule for one index of a sharded dimension; XLA places it
+    # (a copy from learner 0's devices) with the mesh's axes made Auto.
+    want = PartitionSpec(*(entries[:axis] + entries[axis + 1:]))
+    return jax.jit(jax.sharding.auto_axes(lambda t: t[index], out_sharding=want))(theta)
+  out = theta[index]
+  sharding = getattr(param, "sharding", None)
+  if isinstance(sharding, NamedSharding) and not isinstance(out, jax.core.Tracer):
+    spec = tuple(sharding.spec) + (None,) * (jnp.ndim(param) - len(sharding.spec))
+    return jax.device_put(out, NamedSharding(sharding.mesh,
+                                             PartitionSpec(*(spec[:axis] + spec[axis + 1:]))))
+  return out

@@ -1,0 +1,89 @@
+"""``gmjax.finish``: the global model Θ of an in-mesh run, with FSDP on an explicit mesh.
+
+Θ equals the numpy reference's anchor, with a fragment's round done and its merge still
+pending; it comes back at the parameters' dtype and sharding, inside the learners' axis
+(every learner the same Θ) and outside it (one Θ without the learners' dimension).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gmjax
+import transform_harness as harness
+import transform_reference as reference
+from gmjax.transform.state import MERGE
+from test_transform_fsdp import (LEARNERS, SHARDED, STEPS, _build, _mesh, _place, _setup,
+                                 _stacked)
+
+
+def _train(dtype=jnp.float32):
+  """``STEPS`` steps on the explicit (learner, fsdp) mesh; ``(setup, mesh, params, state)``."""
+  setup, config = _setup("F8_E4M3")
+  optimizer = gmjax.diloco(optax.sgd(setup.lr), config, axis_name="learner")
+  mesh = _mesh(AxisType.Explicit)
+  with jax.set_mesh(mesh):
+    params = _place(mesh, {n: v.astype(dtype) for n, v in _stacked(setup.theta0).items()})
+    targets = _place(mesh, _stacked(setup.targets))
+    curvature, tokens = jax.device_put(
+        (jnp.asarray(setup.curvature, jnp.float32), jnp.ones(LEARNERS, jnp.float32)),
+        NamedSharding(mesh, P("learner")))
+    init, step = _build(optimizer, mesh, "vmap")
+    state = init(params)
+    for _ in range(STEPS):
+      params, state = jax.block_until_ready(step(params, state, targets, curvature, tokens))
+  return setup, mesh, params, state
+
+
+def test_finish_is_the_reference_anchor_laid_out_as_the_parameters():
+  setup, mesh, params, state = _train()
+  # The run stops between a round and its merge: Θ already holds that round.
+  assert int(np.max(np.asarray(state.pending))) == MERGE
+  expected = reference.run(setup, STEPS)["anchor"]
+  with jax.set_mesh(mesh):
+    outside = gmjax.finish(state, params, learner_axis=0)
+    jitted = jax.jit(gmjax.finish, static_argnames="learner_axis")(state, params,
+                                                                  learner_axis=0)
+    inside = jax.jit(jax.vmap(gmjax.finish, spmd_axis_name="learner"))(state, params)
+  for theta in (outside, jitted):
+    harness.assert_tree_close(jax.device_get(theta), expected, what="Θ")
+    for name, leaf in theta.items():
+      assert leaf.shape == setup.theta0[0][name].shape and leaf.dtype == jnp.float32
+      want = ("fsdp" if SHARDED[name] else None, None)
+      assert tuple(jax.typeof(leaf).sharding.spec)[:leaf.ndim] == want[:leaf.ndim], name
+  for name, leaf in inside.items():
+    assert jax.typeof(leaf).sharding.spec == jax.typeof(params[name]).sharding.spec
+    for m in range(LEARNERS):
+      np.testing.assert_array_equal(np.asarray(leaf)[m], outside[name],
+                                    err_msg=f"{name} learner {m}")
+  # Θ is not any learner's parameters: they trained on past the round.
+  assert not np.allclose(np.asarray(params["w"])[0], outside["w"])
+
+
+def test_finish_takes_the_parameters_dtype():
+  _, mesh, params, state = _train(jnp.bfloat16)
+  with jax.set_mesh(mesh):
+    theta = gmjax.finish(state, params, learner_axis=0)
+  assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(theta))
+  np.testing.assert_array_equal(np.asarray(theta["w"], np.float32),
+                                np.asarray(state.anchor["w"], np.float32)[0])
+
+
+def test_finish_names_what_is_wrong():
+  optimizer = gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=2, overlap_steps=0))
+  params = {"w": jnp.ones(3)}
+  state = optimizer.init(params)
+  with pytest.raises(TypeError, match="gmjax.DiLoCoState"):
+    gmjax.finish((optax.EmptyState(), state), params)
+  with pytest.raises(ValueError, match=r"params\['w'\] has shape \(4,\)"):
+    gmjax.finish(state, {"w": jnp.ones(4)})
+  with pytest.raises(ValueError, match="structured"):
+    gmjax.finish(state, {"v": jnp.ones(3)})
+  with pytest.raises(ValueError, match="learner_axis=1"):
+    gmjax.finish(state, params, learner_axis=1)
+  theta = gmjax.finish(state, params)
+  np.testing.assert_array_equal(theta["w"], params["w"])
