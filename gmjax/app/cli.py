@@ -23,9 +23,31 @@ def results_table(losses: dict, sent: dict) -> str:
   return "\n".join(rows)
 
 
+# What ``gmjax train`` needs beyond the core library: ``pip install 'gmjax[app]'``.
+APP_PACKAGES = ("flax", "matplotlib", "tqdm")
+
+
+class MissingExtra(ImportError):
+  """A package of the ``app`` extra that ``gmjax train`` needs is not installed."""
+
+
+def _import_app():
+  """The training job's modules, or MissingExtra naming the extra that installs them."""
+  try:
+    from gmjax.app import config as config_lib  # pylint: disable=g-import-not-at-top
+    from gmjax.app.train import train  # pylint: disable=g-import-not-at-top
+  except ImportError as error:
+    missing = (error.name or "").split(".")[0]
+    if missing not in APP_PACKAGES:
+      raise
+    raise MissingExtra(
+        f"{missing} is not installed: the training job needs the app extra,"
+        " pip install 'gmjax[app]'.", name=missing) from error
+  return config_lib, train
+
+
 def _train(args: argparse.Namespace) -> int:
-  from gmjax.app import config as config_lib  # pylint: disable=g-import-not-at-top
-  from gmjax.app.train import train  # pylint: disable=g-import-not-at-top
+  config_lib, train = _import_app()
 
   cfg = config_lib.load(args.config)
   if args.out:
@@ -86,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   try:
     return args.func(args)
-  except (FileNotFoundError, FileExistsError, ValueError, PermissionError) as error:
+  except (FileNotFoundError, FileExistsError, ValueError, PermissionError,
+          MissingExtra) as error:
     print(f"gmjax {args.command}: {error}", file=sys.stderr)
     return 2
   except BrokenPipeError:

@@ -102,6 +102,17 @@ class DiLoCo:
       ``b`` holds block ``b`` of every stacked leaf, and the other leaves join the
       lightest fragments (``plan``). Every stacked leaf must hold the same ``L``.
 
+  Example:
+    >>> import numpy as np
+    >>> import gmjax
+    >>> config = gmjax.DiLoCo(sync_every=8, fragments=2, delta_precision="I4")
+    >>> params = {"w": np.zeros((4, 4), np.float32), "b": np.zeros(4, np.float32)}
+    >>> config.plan(gmjax.Schema.from_tree(params))  # the leaves of each fragment
+    (('b',), ('w',))
+    >>> schedule = config.schedule(2)  # round r syncs fragment r mod 2 at step_of(r)
+    >>> [schedule.step_of(r) for r in range(4)]
+    [4, 8, 12, 16]
+
   References:
     Douillard et al., arXiv 2311.08105; Douillard et al., arXiv 2501.18512; Kale,
     Douillard and Donchev, *Eager Updates For Overlapped Communication and Computation
@@ -285,7 +296,7 @@ class DiLoCo:
     """The outer optimizer as an optax transformation (``optax.<outer>(**options)``)."""
     return outer.transformation(self.outer, self.outer_arguments())
 
-  # The seed's Algorithm protocol.
+  # The ``gmjax.core.records.Algorithm`` protocol, which the mail runtime drives.
 
   def schedule(self, fragments: int | Schema | None = None) -> RoundSchedule:
     """The round schedule of a fragment plan.

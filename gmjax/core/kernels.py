@@ -234,7 +234,8 @@ def quantize(x: jax.Array, precision: str) -> tuple[jax.Array, jax.Array]:
   # A zero block, or one whose scale is zero, has all-zero codes; so has a zero or
   # subnormal value.
   scaled = jnp.where(normal & (scale > 0), blocks / divisor, jnp.float32(0))
-  # The scale's rounding can take a quotient just past qmax; the specification clips.
+  # The scale's rounding can take a quotient just past qmax; clipping keeps every code
+  # within ±Qmax, the codes the format defines (README.md, "The codec").
   # (float8_e4m3fn has no infinity and does not saturate: 465 would become NaN.)
   scaled = jnp.clip(scaled, -qmax, qmax)
   size = math.prod(x.shape)

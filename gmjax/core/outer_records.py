@@ -10,11 +10,12 @@ ends in one, comes last:
   ``outer.0.mu.<name>`` (``<k>`` is the position in optax's chain);
 - ``outer.<k>.<field>`` for a scalar, e.g. Adam's step count ``outer.0.count``.
 
-The default outer optimizer, ``optax.sgd``, keeps the seed's name for its momentum: the
-trace at ``0.trace`` is ``momentum.<name>`` (``seed_aliases``). ``Schema`` rejects
-parameter names under ``outer.`` and parameter names that collide with ``momentum.<name>``,
-so no record can shadow a parameter. Names are only ever generated from a template, never
-parsed, so parameter names may hold ``.`` and ``/``.
+The default outer optimizer, ``optax.sgd``, keeps the shorter name of its momentum ``u``:
+the trace at ``0.trace`` is stored as ``momentum.<name>`` (``seed_aliases``; README.md,
+"Across machines"). ``Schema`` rejects parameter names under ``outer.`` and parameter
+names that collide with ``momentum.<name>``, so no record can shadow a parameter. Names
+are only ever generated from a template, never parsed, so parameter names may hold ``.``
+and ``/``.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ Aliases = Sequence[tuple[str, str]]
 
 
 def seed_aliases(outer: str) -> tuple[tuple[str, str], ...]:
-  """Record prefixes that keep the seed's names for the outer optimizer ``outer``.
+  """Record prefixes that store some of ``outer``'s state leaves under fixed names.
 
   ``optax.sgd`` is ``chain(trace, scale_by_learning_rate)``: its trace (the momentum
-  ``u``) is stored as ``momentum.<name>``, as gmjax always stored it.
+  ``u``) is stored as ``momentum.<name>``.
   """
   return (("0.trace", MOMENTUM[:-1]),) if outer == "sgd" else ()
 

@@ -1,8 +1,10 @@
 """The records runtimes exchange and the protocols they drive.
 
-These keep the semantics of the gradientmail algorithms module: a committed
+The typed values the pure core hands the runtimes and takes from them: a committed
 ``FragmentState``, a learner's ``Contribution``, the ``Participant`` entry the round
-record keeps, and the ``RoundResult`` an ``Aggregator`` returns.
+record keeps, and the ``RoundResult`` an ``Aggregator`` returns; and the ``Algorithm``
+and ``Aggregator`` protocols the mail runtime drives (``gmjax.DiLoCo`` and
+``gmjax.core.aggregator.DiLoCoAggregator`` implement them).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Where a run keeps each record (section 6 of the specification) and name rules.
+"""Where a run keeps each record under its prefix, and the rules for learner names.
 
 ::
 

@@ -1,9 +1,10 @@
 """The round record: what a commit (``fragments/<f>/<v>.commit.json``) says, typed.
 
 A ``RoundRecord`` is built by the closer (and by ``create`` for version 0) and read by
-learners, closers, ``Run.rounds`` and ``gmjax status``. Its JSON is the wire format of
-section 6 of the specification; ``to_json`` gives the same keys, in the same order,
-with the same values as the closer always wrote:
+learners, closers, ``Run.rounds`` and ``gmjax status``. Its JSON is the content of the
+run's commit files (``gmjax.mail.layout``; the run layout in README.md, "Across
+machines"); ``to_json`` gives the same keys, in the same order, with the same values as
+the closer writes:
 
 * every record: ``round`` (null for version 0, which is not a round), ``fragment``,
   ``version``, ``step``, ``participants``, ``rejected``, ``final``, ``outer_step``,

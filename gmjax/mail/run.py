@@ -83,6 +83,20 @@ class Run:
     Raises:
       ValueError/TypeError: a bad name, poll interval or timeout.
       NameTaken: a live learner of the run has this name.
+
+    Example:
+      >>> import tempfile
+      >>> import numpy as np
+      >>> import gmjax
+      >>> params = {"w": np.ones((4, 2), np.float32)}
+      >>> run = gmjax.mail.create(tempfile.mkdtemp(), params, gmjax.DiLoCo(sync_every=2))
+      >>> learner = run.join("worker-0", poll_interval=0.01)
+      >>> params = learner.pull(params)  # the newest committed parameters
+      >>> for _ in range(4):
+      ...   params = learner.step({"w": params["w"] - 0.1}, tokens=8)  # publishes every 2
+      >>> params = learner.close(params)
+      >>> [(r["round"], r["version"]) for r in run.rounds()]
+      [(0, 1), (1, 2)]
     """
     from gmjax.mail.learner import Learner  # pylint: disable=g-import-not-at-top
 
@@ -229,6 +243,21 @@ def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = N
     RunExists: a run with another schema, configuration, plan or key is at ``url``.
     TypeError: ``config`` is not a ``gmjax.DiLoCo``.
     ValueError: ``config`` does not fit ``params`` (``DiLoCo.check_parameters``).
+    ImportError: a ``gs://`` or ``s3://`` URL without gcsfs or s3fs installed (the
+      message names the extra: ``pip install 'gmjax[gcs]'``, ``'gmjax[s3]'``).
+
+  Example:
+    >>> import tempfile
+    >>> import numpy as np
+    >>> import gmjax
+    >>> params = {"w": np.ones((4, 2), np.float32), "b": np.zeros(2, np.float32)}
+    >>> config = gmjax.DiLoCo(sync_every=4, fragments=2)
+    >>> url = tempfile.mkdtemp()  # or "memory://exp1", "gs://bucket/runs/exp1"
+    >>> run = gmjax.mail.create(url, params, config)
+    >>> run.plan, run.rounds()  # version 0 of each fragment is committed; no rounds yet
+    ((('b',), ('w',)), [])
+    >>> gmjax.mail.create(url, params, config).plan  # the same run again: it is opened
+    (('b',), ('w',))
   """
   if not isinstance(config, DiLoCo):
     raise TypeError(f"config must be a gmjax.DiLoCo, got {type(config).__name__}.")

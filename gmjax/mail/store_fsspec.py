@@ -7,7 +7,7 @@ S3 has its own store (``gmjax.mail.store_s3``).
 from __future__ import annotations
 
 import contextlib
-
+import importlib
 import os
 import threading
 
@@ -18,6 +18,28 @@ import fsspec
 from gmjax.mail.store import BadObject, Store
 
 _MEMORY_LOCK = threading.Lock()
+# The fsspec filesystem package each cloud protocol needs, and the gmjax extra that
+# installs it.
+_EXTRAS = {"gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"),
+           "s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3")}
+
+
+def require_filesystem(protocol: str) -> None:
+  """Imports the filesystem package ``protocol`` needs, if it needs one of gmjax's extras.
+
+  Raises:
+    ImportError: the package is not installed; the message names the extra that
+      installs it (``gs://`` needs gcsfs: ``pip install 'gmjax[gcs]'``).
+  """
+  if protocol not in _EXTRAS:
+    return
+  package, extra = _EXTRAS[protocol]
+  try:
+    importlib.import_module(package)
+  except ImportError as error:
+    raise ImportError(
+        f"{protocol}:// needs {package}, which is not installed: pip install"
+        f" 'gmjax[{extra}]' (or pip install {package}).", name=package) from error
 
 
 class FsspecStore(Store):
@@ -28,6 +50,7 @@ class FsspecStore(Store):
     super().__init__(url, **kwargs)
     options = dict(storage_options or {})
     protocol = url.split("://", 1)[0]
+    require_filesystem(protocol)
     if protocol in ("gs", "gcs"):
       options.setdefault("use_listings_cache", False)
       options.setdefault("skip_instance_cache", True)

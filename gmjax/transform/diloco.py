@@ -230,6 +230,28 @@ def diloco(
     TypeError: ``config`` is not a ``gmjax.DiLoCo``, or ``inner``/``outer`` not a
       transformation.
 
+  Example:
+    Two learners on a ``vmap`` axis, syncing every 2 steps:
+
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import gmjax
+    >>> optimizer = gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=2),
+    ...                          axis_name="learner")
+    >>> def train_step(params, state, x):
+    ...   grads = jax.grad(lambda p: jnp.mean((x @ p["w"] - 1.0) ** 2))(params)
+    ...   updates, state = optimizer.update(grads, state, params)
+    ...   return optax.apply_updates(params, updates), state
+    >>> step = jax.jit(jax.vmap(train_step, axis_name="learner"))
+    >>> params = {"w": jnp.zeros((2, 3, 1))}  # the leading axis holds the learners
+    >>> state = jax.vmap(optimizer.init, axis_name="learner")(params)
+    >>> x = jnp.arange(12.0).reshape(2, 2, 3) / 10  # each learner's own batch
+    >>> for _ in range(4):
+    ...   params, state = step(params, state, x)
+    >>> params["w"].shape, state.stats.rounds.tolist()  # rounds done, per learner
+    ((2, 3, 1), [2, 2])
+
   References:
     Douillard et al., arXiv 2311.08105; Douillard et al., arXiv 2501.18512.
   """
