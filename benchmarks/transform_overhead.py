@@ -18,8 +18,14 @@ With ``--learners M`` (M > 1) the same runs on ``M`` fake CPU devices, one learn
 shard_map with no communication; "data-parallel adamw" also ``pmean``-s the gradients
 every step, the synchronous baseline DiLoCo replaces.
 
+With ``--multisteps K`` (one learner) every step is a micro-step of gradient
+accumulation over ``K`` micro-batches: ``optax.MultiSteps(optax.adamw, K)`` is the
+reference, against ``optax.MultiSteps(gmjax.diloco(adamw), K)`` (``sync_every`` counted
+in macro steps) and ``gmjax.diloco(optax.MultiSteps(adamw, K))`` (``sync_every·K`` micro-
+steps, the same schedule); a window is then ``sync_every·K`` micro-steps.
+
 Run: .venv/bin/python benchmarks/transform_overhead.py [--repeats N] [--sync-every H]
-     [--learners M]
+     [--learners M] [--multisteps K]
 """
 
 from __future__ import annotations
@@ -125,9 +131,23 @@ class Trainer:
     return (time.perf_counter() - start) / steps
 
 
-def variants(sync_every, learners):
-  """``{label: (make optimizer, Trainer keyword arguments)}`` of the compared steps."""
+def variants(sync_every, learners, multisteps=1):
+  """``{label: (make optimizer, Trainer keyword arguments)}`` of the compared steps.
+
+  The first is the reference of the ratios.
+  """
   inner = lambda: optax.adamw(1e-3)
+  if multisteps > 1:
+    accumulate = lambda tx: optax.MultiSteps(tx, multisteps)
+    config = lambda h: gmjax.DiLoCo(sync_every=h, fragments=4, delta_precision="I4",
+                                    overlap_steps=0)
+    return {
+        f"MultiSteps(adamw, {multisteps})": (lambda: accumulate(inner()), {}),
+        "MultiSteps(diloco P=4 I4)": (
+            lambda: accumulate(gmjax.diloco(inner(), config(sync_every))), {}),
+        "diloco(MultiSteps) P=4 I4": (
+            lambda: gmjax.diloco(accumulate(inner()), config(sync_every * multisteps)), {}),
+    }
   found = {"optax.adamw": (inner, {})}
   if learners == 1:
     layouts, axis = [("", {})], {}
@@ -148,32 +168,38 @@ def main():
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--sync-every", type=int, default=50)
   parser.add_argument("--learners", type=int, default=1)
+  parser.add_argument("--multisteps", type=int, default=1)
   args = parser.parse_args()
+  if args.multisteps > 1 and args.learners > 1:
+    parser.error("--multisteps runs one learner; leave --learners at 1")
   if args.learners > 1:
     inmesh.fake_cpu_devices(args.learners)  # before JAX's first use of a device
   mesh = None if args.learners == 1 else jax.make_mesh((args.learners,), ("learner",))
   n = sum(p.size for p in jax.tree.leaves(init_mlp(jax.random.PRNGKey(0))))
+  window = args.sync_every * args.multisteps
   print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({platform.machine()}),"
         f" MLP {WIDTHS}, {n / 1e6:.2f}M params, batch {BATCH}, {args.learners} learner(s),"
-        f" window {args.sync_every} steps, median of {args.repeats}")
+        f" window {window} steps, median of {args.repeats}")
   donations = (True, False) if mesh is None else (True,)
   trainers = {
       (label, donate): Trainer(make(), donate, mesh, **options)
       for donate in donations
-      for label, (make, options) in variants(args.sync_every, args.learners).items()
+      for label, (make, options) in variants(args.sync_every, args.learners,
+                                             args.multisteps).items()
   }
+  reference = next(iter(trainers))[0]
   for trainer in trainers.values():
-    trainer.window(args.sync_every)  # compiles
+    trainer.window(window)  # compiles
   # Windows interleave, so a change in machine load moves every variant alike.
   seconds = {key: [] for key in trainers}
   for _ in range(args.repeats):
     for key, trainer in trainers.items():
-      seconds[key].append(trainer.window(args.sync_every))
+      seconds[key].append(trainer.window(window))
   for (label, _), trainer in trainers.items():
     if trainer.step._cache_size() > (1 if mesh is None else 2):
       raise RuntimeError(f"{label}: the step compiled {trainer.step._cache_size()} times")
   for (label, donate), times in seconds.items():
-    base = seconds["optax.adamw", donate]
+    base = seconds[reference, donate]
     ratio = statistics.median(t / b for t, b in zip(times, base))
     temp = trainers[label, donate].temp_bytes() / 2**20
     print(f"  {label:38s} {'donated' if donate else 'copied ':8s}"

@@ -1,0 +1,95 @@
+"""Gradient accumulation with ``optax.MultiSteps``, in both orderings.
+
+``gmjax.diloco(optax.MultiSteps(inner, K), config(sync_every=K·H, overlap_steps=K·τ))``
+counts micro-steps;
+``optax.MultiSteps(gmjax.diloco(inner, config(sync_every=H)), K)`` counts macro steps.
+Both must train as ``gmjax.diloco(inner, config(sync_every=H))`` does on the mean of
+the ``K`` micro-batches' gradients (the gradients here are linear in the targets, so
+the mean gradient is the gradient of the mean target).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import gmjax
+
+LEARNERS, K, H, MACRO = 2, 3, 2, 8
+SHAPES = {"w": (8, 4), "b": (40,)}
+
+
+def _problem():
+  rng = np.random.default_rng(0)
+  start = {n: jnp.asarray(rng.standard_normal(s), jnp.float32) for n, s in SHAPES.items()}
+  # Every learner starts from the same point (the first update adopts learner 0's).
+  params = jax.tree.map(lambda x: jnp.stack([x] * LEARNERS), start)
+  # targets[t][m]: the micro-batch target of micro-step t for learner m.
+  targets = [jax.tree.map(lambda x: jnp.asarray(
+      rng.standard_normal((LEARNERS,) + x.shape[1:]), jnp.float32), params)
+             for _ in range(K * MACRO)]
+  return params, targets
+
+
+def _grads(params, target):
+  return jax.tree.map(lambda p, t: 0.5 * (p - t), params, target)
+
+
+def _train(optimizer, params, targets):
+  def step(params, state, target):
+    updates, state = optimizer.update(_grads(params, target), state, params)
+    return optax.apply_updates(params, updates), state
+
+  step = jax.jit(jax.vmap(step, axis_name="learner"))
+  state = jax.vmap(optimizer.init, axis_name="learner")(params)
+  for target in targets:
+    params, state = step(params, state, target)
+  assert step._cache_size() == 1
+  return params, state
+
+
+def _config(steps):
+  """Syncs every ``H`` steps of ``steps`` (micro-)steps each, overlapping one of them."""
+  return gmjax.DiLoCo(sync_every=H * steps, fragments=2, delta_precision="F8_E4M3",
+                      overlap_steps=steps, mixing=0.5)
+
+
+@pytest.fixture(scope="module")
+def reference():
+  params, targets = _problem()
+  macro = [jax.tree.map(lambda *ts: sum(ts) / K, *targets[i * K:(i + 1) * K])
+           for i in range(MACRO)]
+  optimizer = gmjax.diloco(optax.adam(0.05), _config(1), axis_name="learner")
+  return _train(optimizer, params, macro)
+
+
+def _close(actual, expected):
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-5)
+
+
+def test_diloco_around_multisteps_counts_micro_steps(reference):
+  params, targets = _problem()
+  optimizer = gmjax.diloco(optax.MultiSteps(optax.adam(0.05), K), _config(K),
+                           axis_name="learner")
+  params, state = _train(optimizer, params, targets)
+  want_params, want_state = reference
+  _close(params, want_params)
+  _close(state.anchor, want_state.anchor)
+  rounds = int(np.asarray(state.stats.rounds)[0])
+  assert rounds == int(np.asarray(want_state.stats.rounds)[0]) > 0
+  assert int(np.asarray(state.count)[0]) == K * MACRO
+
+
+def test_multisteps_around_diloco_counts_macro_steps(reference):
+  params, targets = _problem()
+  optimizer = optax.MultiSteps(
+      gmjax.diloco(optax.adam(0.05), _config(1), axis_name="learner"), K)
+  params, state = _train(optimizer, params, targets)
+  want_params, want_state = reference
+  _close(params, want_params)
+  inner = state.inner_opt_state
+  _close(inner.anchor, want_state.anchor)
+  assert int(np.asarray(inner.stats.rounds)[0]) == int(np.asarray(want_state.stats.rounds)[0])
+  assert int(np.asarray(inner.count)[0]) == MACRO
