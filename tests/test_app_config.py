@@ -78,3 +78,73 @@ def test_shipped_configs_load(path):
   cfg = config_lib.load(path)
   assert cfg.steps > 0 and cfg.learners >= 1
   assert cfg.diloco.sync_every > 0
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ("learners = 2", "learners = 0", r"\[train\] learners = 0 must be >= 1"),
+    ("steps = 4", "steps = -3", r"\[train\] steps = -3 must be >= 1"),
+    ("batch_size = 2", "batch_size = 0", r"\[train\] batch_size = 0 must be >= 1"),
+    ("steps = 4", "steps = 4\neval_every = 0", r"\[train\] eval_every = 0 must be >= 1"),
+    ("steps = 4", "steps = 4\neval_batches = 0", r"\[train\] eval_batches = 0 must be >= 1"),
+    ("steps = 4", "steps = 4\ncorpus_bytes = 0", r"\[train\] corpus_bytes = 0 must be >= 1"),
+    ("steps = 4", "steps = 4\nwarmup_steps = -1", r"\[train\] warmup_steps = -1 must be >= 0"),
+    ("steps = 4", "steps = 4\nseed = -1", r"\[train\] seed = -1 must be >= 0"),
+    ("learning_rate = 1e-3", "learning_rate = 0.0", r"\[train\] learning_rate = 0.0 must be"
+     r" a finite number > 0"),
+    ("learning_rate = 1e-3", "learning_rate = nan", r"\[train\] learning_rate = nan"),
+    ("steps = 4", "steps = 4\npoll_interval = 0", r"\[train\] poll_interval = 0.0 must be"),
+    ("steps = 4", "steps = 4\nweight_decay = -0.1", r"\[train\] weight_decay = -0.1 must be"),
+    ("steps = 4", "steps = 4\nout = ''", r"\[train\] out = '' must not be empty"),
+    ("[diloco]", "[model]\nseq_len = 100000\n[diloco]",
+     r"\[model\] seq_len = 100000 is too long for the demo model.*set seq_len <= \d+"),
+    ("[diloco]", "[model]\nseq_len = 0\n[diloco]", r"\[model\] seq_len = 0 must be a positive"),
+    ("[diloco]", "[model]\nd_model = '64'\n[diloco]", r"\[model\] d_model = '64' must be a"),
+    ("[diloco]", "[model]\nvocab = 100\n[diloco]", r"\[model\] vocab = 100 is too small.*256"),
+    ("[diloco]", "[model]\nd_model = 30\nheads = 4\n[diloco]",
+     r"\[model\] heads = 4 does not divide d_model = 30.*e.g. 3"),
+    ("sync_every = 2", "sync_every = 2\nouter = 'custom'", r"\[diloco\] outer = 'custom'"),
+    ("sync_every = 2", "sync_every = 2\nouter_momentum = 1.5", r"\[diloco\].*outer_momentum"),
+    ("steps = 4", "steps = 4\nseq_len = 64", r"\[train\]: unknown key 'seq_len'; it belongs in"
+     r" \[model\]"),
+])
+def test_every_value_is_checked_with_a_fix(tmp_path, old, new, message):
+  with pytest.raises(ValueError, match=message) as error:
+    config_lib.load(_write(tmp_path, BASE.replace(old, new, 1)))
+  assert "\n" not in str(error.value)
+
+
+def test_seq_len_is_checked_against_what_the_batch_allows(tmp_path):
+  long = BASE.replace("[diloco]", "[model]\nseq_len = 5000\n[diloco]")
+  config_lib.load(_write(tmp_path, long.replace("[train]", "[train]\nbaseline = false")))
+  with pytest.raises(ValueError, match=r"at batch 4 \(the baseline's"):
+    config_lib.load(_write(tmp_path, long))
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ("steps = 4", "steps = 4\ncorpus_bytes = 100",
+     r"\[model\] seq_len = 64: with \[train\] corpus_bytes = 100, each of the 2 learners'"
+     r" shards holds 0 training tokens.*raise corpus_bytes"),
+    ("[diloco]", "[model]\nseq_len = 1000\n[diloco]\n", None),
+])
+def test_check_data_names_a_corpus_too_short(tmp_path, old, new, message):
+  cfg = config_lib.load(_write(tmp_path, BASE.replace(old, new, 1)))
+  if message is None:
+    config_lib.check_data(cfg)
+    return
+  with pytest.raises(ValueError, match=message):
+    config_lib.check_data(cfg)
+
+
+def test_train_refuses_before_starting_anything(tmp_path):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  config = _write(tmp_path, BASE.replace("[diloco]", "[model]\nseq_len = 100000\n[diloco]"))
+  out = tmp_path / "out"
+  result = subprocess.run(
+      [sys.executable, "-m", "gmjax.app.cli", "train", str(config), "--out", str(out)],
+      capture_output=True, text=True, timeout=120, check=False)
+  assert result.returncode == 2, result.stderr
+  assert result.stderr.startswith("gmjax train: config [model] seq_len = 100000")
+  assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+  assert not out.exists()  # no file written, no learner started

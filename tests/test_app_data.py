@@ -27,3 +27,12 @@ def test_shards_are_disjoint_and_deterministic():
 def test_bad_shard():
   with pytest.raises(ValueError, match="shard"):
     data.Batches(np.zeros(100, np.uint8), seq_len=8, batch_size=2, shard=2, shards=2)
+
+
+def test_skip_resumes_the_batch_stream():
+  tokens = np.arange(10_000, dtype=np.uint8)
+  straight = data.Batches(tokens, seq_len=8, batch_size=3, shard=1, shards=2, seed=4)
+  expected = [straight.next() for _ in range(6)][-1]
+  resumed = data.Batches(tokens, seq_len=8, batch_size=3, shard=1, shards=2, seed=4)
+  resumed.skip(5)
+  np.testing.assert_array_equal(resumed.next(), expected)

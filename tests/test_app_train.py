@@ -1,8 +1,11 @@
 """``gmjax train`` end to end: learner processes over a local run, metrics, plots, status."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -115,3 +118,101 @@ def test_status_exits_quietly_when_the_reader_closes_the_pipe(tmp_path):
   _, err = process.communicate(timeout=120)
   assert process.returncode == 0, err.decode()
   assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
+
+
+def _train_cli(*args, timeout=280):
+  return subprocess.run([sys.executable, "-m", "gmjax.app.cli", "train", *map(str, args)],
+                        capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def test_resume_needs_a_run_and_refuses_force(tmp_path):
+  config = tmp_path / "tiny.toml"
+  config.write_text(TINY)
+  out = tmp_path / "out"
+  result = _train_cli(config, "--out", out, "--resume")
+  assert result.returncode == 2
+  assert f"no run to continue in {out / 'run'}; drop --resume" in result.stderr
+  result = _train_cli(config, "--out", out, "--resume", "--force")
+  assert result.returncode == 2 and "pass one of them" in result.stderr
+  assert not out.exists()
+
+
+def _newest_step(run_dir):
+  import gmjax  # pylint: disable=g-import-not-at-top
+
+  run = gmjax.mail.open(str(run_dir))
+  return max(run.commit_step(f, v) for f, v in run.newest_versions().items())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_stopped_run_resumes_until_its_steps_are_done(tmp_path):
+  import gmjax  # pylint: disable=g-import-not-at-top
+
+  config = tmp_path / "tiny.toml"
+  config.write_text(TINY.replace("steps = 8", "steps = 40").replace("eval_every = 4",
+                                                                   "eval_every = 20"))
+  out = tmp_path / "out"
+  # Stop the whole job (the CLI and its learner processes) once two rounds committed.
+  job = subprocess.Popen(  # pylint: disable=consider-using-with
+      [sys.executable, "-m", "gmjax.app.cli", "train", str(config), "--out", str(out),
+       "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+      start_new_session=True)
+  deadline = time.monotonic() + 400
+  try:
+    while True:
+      assert job.poll() is None, "the job ended before it was stopped"
+      assert time.monotonic() < deadline, "no two rounds committed in 400 s"
+      try:
+        if len(gmjax.mail.open(str(out / "run")).round_records()) >= 2:
+          break
+      except (FileNotFoundError, ValueError):
+        pass  # the run is being created
+      time.sleep(0.05)
+  finally:
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+  stopped_at = _newest_step(out / "run")
+  assert 2 <= stopped_at < 40 and not (out / "summary.json").exists()
+
+  differs = config.with_name("other.toml")
+  differs.write_text(config.read_text().replace("steps = 40", "steps = 41"))
+  result = _train_cli(differs, "--out", out, "--resume")
+  assert result.returncode == 2
+  assert "[train] steps: 40 -> 41; resume with that config" in result.stderr
+
+  result = _train_cli(config, "--out", out, "--quiet", "--resume", timeout=600)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert f"rejoin {out / 'run'} at step {stopped_at} of 40" in result.stdout
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["resumed_at_step"] == stopped_at
+  assert all(v is not None and 0 < v < 10 for v in summary["final_val_loss"].values())
+  records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+  for name in ("learner-0", "learner-1"):
+    mine = [r for r in records if r.get("learner") == name]
+    events = [r["event"] for r in mine]
+    resumed = events.index("resume")
+    before = [r["step"] for r in mine[:resumed] if r["event"] == "step"]
+    after = [r["step"] for r in mine[resumed:] if r["event"] == "step"]
+    # The stopped attempt's records are kept; the resumed learner goes on from the
+    # newest committed round to the last step.
+    assert events[0] == "start" and before == list(range(1, len(before) + 1))
+    assert len(before) >= stopped_at
+    assert mine[resumed]["step"] == stopped_at and "val_loss" in mine[resumed]
+    assert after == list(range(stopped_at + 1, 41))
+    assert events[-1] == "closed" and events.count("resume") == 1
+  rounds = [r for r in records if r.get("event") == "round"]
+  for fragment in (0, 1):
+    versions = [r["version"] for r in rounds if r["fragment"] == fragment]
+    assert versions == list(range(1, len(versions) + 1))
+  assert max(r["step"] for r in rounds) >= 40
+  assert gmjax.mail.verify(gmjax.mail.open(str(out / "run")), deep=True) == []
+  baseline = (out / "metrics-baseline.jsonl").read_bytes()
+  assert [json.loads(l)["step"] for l in baseline.splitlines()][-1] == 40
+
+  # Resumed again, the run has nothing left to train: the baseline's metrics are kept.
+  result = _train_cli(config, "--out", out, "--quiet", "--resume")
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert "have trained all 40 steps" in result.stdout
+  assert "keeping the baseline's 40 steps" in result.stdout
+  assert (out / "metrics-baseline.jsonl").read_bytes() == baseline

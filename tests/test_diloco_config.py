@@ -258,3 +258,40 @@ def test_sparse_json_round_trip_and_old_records_dense():
   assert {s.name: (s.dtype, s.shape) for s in sparse_layout.parameters} == {
       # 2 full chunks of 1024 keep 64 each, the last (952 values) 64: 192 kept values.
       "w": ("U8", (96,)), "w.scale": ("F32", (6,)), "w.index": ("U16", (192,))}
+
+
+def test_custom_outer_round_trips_and_builds_nothing():
+  config = gmjax.DiLoCo(sync_every=4, fragments=2, outer="custom", delta_precision="I4")
+  record = json.loads(json.dumps(config.to_json()))
+  assert record["outer"] == "custom"
+  again = gmjax.DiLoCo.from_json(record)
+  assert again == config and hash(again) == hash(config)
+  for method in ("outer_transform", "outer_arguments"):
+    with pytest.raises(ValueError, match=rf"DiLoCo.{method}: outer='custom' means the outer"
+                                         r" optimizer is given in code.*outer=tx"):
+      getattr(config, method)()
+  assert config.outer_description() == "config.outer='custom' (given in code)"
+
+
+@pytest.mark.parametrize("settings, named", [
+    (dict(outer_learning_rate=0.5), "outer_learning_rate=0.5"),
+    (dict(outer_momentum=0.0), "outer_momentum=0.0"),
+    (dict(nesterov=False), "nesterov=False"),
+    (dict(outer_options={"b1": 0.8}), "outer_options="),
+])
+def test_custom_outer_refuses_settings_it_would_ignore(settings, named):
+  with pytest.raises(ValueError, match=rf"outer='custom' takes the outer optimizer given in"
+                                       rf" code.*{named}.*would not be used"):
+    gmjax.DiLoCo(sync_every=4, outer="custom", **settings)
+
+
+def test_custom_outer_refused_by_eager_and_by_mail(tmp_path):
+  from gmjax import mail  # pylint: disable=g-import-not-at-top
+
+  with pytest.raises(ValueError, match="outer='sgd' at a constant learning rate, got"
+                                       " outer='custom'"):
+    gmjax.DiLoCo(sync_every=4, outer="custom", outer_delay=1, eager=True)
+  with pytest.raises(ValueError, match=r"gmjax.mail.create: config.outer='custom'.*manifest"):
+    mail.create(str(tmp_path / "run"), {"w": np.zeros(3, np.float32)},
+                gmjax.DiLoCo(sync_every=4, outer="custom"))
+  assert not (tmp_path / "run").exists()

@@ -68,7 +68,7 @@ def test_state_shares_no_buffer_with_params():
 
 
 def test_sharded_outer_refuses_a_non_elementwise_optimizer():
-  config = gmjax.DiLoCo(sync_every=4)
+  config = gmjax.DiLoCo(sync_every=4, outer="custom")
   for outer in (optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.7)),
                 optax.lamb(0.1)):
     with pytest.raises(ValueError, match="not elementwise.*shard_outer=False"):
@@ -83,7 +83,7 @@ def test_sharded_outer_refuses_a_non_elementwise_optimizer():
   gmjax.diloco(optax.sgd(0.1), config, outer=optax.chain(optax.scale_by_adam(),
                                                          optax.scale(-0.1)), axis_name="l")
   with pytest.raises(ValueError, match="axis_name is None"):
-    gmjax.diloco(optax.sgd(0.1), config, shard_outer=True)
+    gmjax.diloco(optax.sgd(0.1), config, outer=optax.sgd(0.7), shard_outer=True)
 
 
 def test_sharded_init_outside_the_axis_says_how():
@@ -141,3 +141,44 @@ def test_token_counts_stay_exact_past_2_to_the_24():
   tokens = np.asarray(state.tokens, np.int64)
   counted = tokens[..., 0] * 2**24 + tokens[..., 1]
   np.testing.assert_array_equal(counted[:, 0], [5 * (2**24 + 1), 5 * (2**30 + 3)])
+
+
+def test_an_outer_given_in_code_needs_a_custom_config():
+  with pytest.raises(ValueError, match=(
+      r"outer= was given, but config.outer='sgd' \(learning_rate 0.7, momentum 0.9,"
+      r" nesterov\) is what the config says would run.*dataclasses.replace\(config,"
+      r" outer='custom'\).*drop outer=")):
+    gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=4), outer=optax.adam(0.1))
+  adam = gmjax.DiLoCo(sync_every=4, outer="adam", outer_options={"b1": 0.8})
+  with pytest.raises(ValueError, match=r"config.outer='adam' \(learning_rate 0.7, b1 0.8\)"):
+    gmjax.diloco(optax.sgd(0.1), adam, outer=optax.adam(0.1))
+  with pytest.raises(ValueError, match=r"config.outer='custom' means the outer optimizer is"
+                                       r" given in code, but outer= is None.*outer=tx"):
+    gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=4, outer="custom"))
+
+
+@pytest.mark.parametrize("shard_outer", [True, False])
+def test_a_custom_outer_runs_as_the_config_would(shard_outer):
+  # The config's Nesterov SGD and the same optimizer given in code take the same steps.
+  params = {"w": jnp.arange(12.0).reshape(2, 6) / 10}
+  grads = {"w": jnp.stack([jnp.linspace(-1.0, 1.0, 6), jnp.linspace(2.0, 0.0, 6)])}
+
+  def train(optimizer):
+    state = jax.vmap(optimizer.init, axis_name="learner")(params)
+    step = jax.jit(jax.vmap(lambda g, s, p: optimizer.update(g, s, p), axis_name="learner"))
+    p = params
+    for _ in range(6):
+      updates, state = step(grads, state, p)
+      p = optax.apply_updates(p, updates)
+    return p, state
+
+  config = gmjax.DiLoCo(sync_every=2)
+  custom = dataclasses.replace(config, outer="custom")
+  expected, _ = train(gmjax.diloco(optax.sgd(0.1), config, axis_name="learner",
+                                   shard_outer=shard_outer))
+  got, state = train(gmjax.diloco(
+      optax.sgd(0.1), custom, outer=optax.sgd(0.7, momentum=0.9, nesterov=True),
+      axis_name="learner", shard_outer=shard_outer))
+  np.testing.assert_array_equal(got["w"], expected["w"])
+  assert state.stats.rounds.tolist() == [3, 3]
+  assert gmjax.DiLoCo.from_json(custom.to_json()) == custom

@@ -54,7 +54,7 @@ def _train(args: argparse.Namespace) -> int:
     import dataclasses  # pylint: disable=g-import-not-at-top
 
     cfg = dataclasses.replace(cfg, out=args.out)
-  summary = train(cfg, show_progress=not args.quiet, force=args.force)
+  summary = train(cfg, show_progress=not args.quiet, force=args.force, resume=args.resume)
   losses = summary["final_val_loss"]
   print(f"\nrun: {summary['run']}  rounds committed: {summary['rounds']}"
         f"  mean cosine: {summary['mean_cosine'] if summary['mean_cosine'] is None else round(summary['mean_cosine'], 3)}")
@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
   train.add_argument("--quiet", action="store_true", help="no progress bars")
   train.add_argument("--force", action="store_true",
                      help="delete a run already in the output folder and train anew")
+  train.add_argument("--resume", action="store_true",
+                     help="continue the run in the output folder, started with this config,"
+                     " until its steps are done")
   train.set_defaults(func=_train)
   status = commands.add_parser("status", help="print a run's rounds and learners")
   status.add_argument("run", help="the run's URL or directory")

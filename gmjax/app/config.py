@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import tomllib
 from pathlib import Path
 from typing import Any
 
+from gmjax.app import data
 from gmjax.app.model import ModelConfig
-from gmjax.core.diloco import DiLoCo
+from gmjax.core.diloco import CUSTOM, DiLoCo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,19 +55,132 @@ _DEFAULTS = {
 }
 
 
+_TABLES = {
+    "train": set(_RUN_KEYS),
+    "model": {f.name for f in dataclasses.fields(ModelConfig)},
+    "diloco": {f.name for f in dataclasses.fields(DiLoCo)},
+}
+_AT_LEAST_ONE = {
+    "learners": "the learner processes to start",
+    "steps": "inner steps per learner",
+    "batch_size": "sequences in each learner's batch",
+    "eval_every": "steps between two evaluations",
+    "eval_batches": "batches per evaluation",
+    "corpus_bytes": "bytes of the corpus to read; leave it out to read all of it",
+}
+_FLOAT_BOUNDS = {"learning_rate": "> 0", "weight_decay": ">= 0", "poll_interval": "> 0"}
+ATTENTION_BYTES = 4 * 2**30
+"""The most the demo model's attention scores may take in one training process."""
+
+
 def _unknown(table: str, key: str, known) -> str:
-  """The error for an unknown key of ``[table]``, naming the closest known key."""
+  """The error for an unknown key of ``[table]``, naming the closest known key, or the
+  table where the key belongs."""
+  home = next((t for t, keys in _TABLES.items() if t != table and key in keys), None)
+  if home is not None:
+    return f"config [{table}]: unknown key {key!r}; it belongs in [{home}]: move it there"
   close = difflib.get_close_matches(key, sorted(known), n=1)
   hint = f"did you mean {close[0]!r}? " if close else ""
   return f"config [{table}]: unknown key {key!r}; {hint}known: {sorted(known)}"
 
 
+def _check_train(train: dict[str, Any]) -> None:
+  """Raises ValueError naming the first ``[train]`` value the job cannot run with."""
+  for key, meaning in _AT_LEAST_ONE.items():
+    value = train[key]
+    if value is not None and value < 1:
+      raise ValueError(f"config [train] {key} = {value!r} must be >= 1 ({meaning}); set it"
+                       " to a positive int")
+  for key in ("seed", "warmup_steps"):
+    if train[key] < 0:
+      raise ValueError(f"config [train] {key} = {train[key]!r} must be >= 0; set it to 0 or"
+                       " more")
+  for key, bound in _FLOAT_BOUNDS.items():
+    value = train[key]
+    if not math.isfinite(value) or (value <= 0 if bound == "> 0" else value < 0):
+      raise ValueError(f"config [train] {key} = {value!r} must be a finite number {bound};"
+                       f" e.g. {key} = {_DEFAULTS.get(key, 1e-3)!r}")
+  for key in ("name", "out"):
+    if not train[key].strip():
+      raise ValueError(f"config [train] {key} = {train[key]!r} must not be empty; leave it"
+                       " out for the config file's name")
+
+
+def _model(raw: dict[str, Any]) -> ModelConfig:
+  """The ``[model]`` table as a ``ModelConfig``; raises ValueError naming a bad value."""
+  for key, value in raw.items():
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"config [model] {key} = {value!r} must be a positive int")
+  model = ModelConfig(**raw)
+  if model.vocab < data.VOCAB:
+    raise ValueError(f"config [model] vocab = {model.vocab} is too small for the demo"
+                     f" corpus's {data.VOCAB} byte values; set vocab = {data.VOCAB}")
+  if model.d_model % model.heads:
+    divisors = [h for h in range(1, model.d_model + 1) if model.d_model % h == 0]
+    closest = min(divisors, key=lambda h: abs(h - model.heads))
+    raise ValueError(f"config [model] heads = {model.heads} does not divide d_model ="
+                     f" {model.d_model}; set heads to a divisor of d_model, e.g. {closest}")
+  return model
+
+
+def _check_context(model: ModelConfig, train: dict[str, Any]) -> None:
+  """Raises ValueError if ``seq_len`` is beyond what the demo model can train on.
+
+  The model attends densely: each layer keeps ``batch·heads·seq_len²`` F32 scores and
+  as many probabilities for the backward pass, and the baseline trains on the learners'
+  batches at once.
+  """
+  batch = train["batch_size"] * (train["learners"] if train["baseline"] else 1)
+  per_token_pair = 2 * 4 * model.layers * batch * model.heads
+  needed = per_token_pair * model.seq_len**2
+  if needed > ATTENTION_BYTES:
+    longest = math.isqrt(ATTENTION_BYTES // per_token_pair)
+    why = " (the baseline's, learners·batch_size)" if train["baseline"] else ""
+    raise ValueError(
+        f"config [model] seq_len = {model.seq_len} is too long for the demo model: its"
+        f" dense attention would keep {needed / 2**30:,.1f} GiB of scores at batch"
+        f" {batch}{why}, over the {ATTENTION_BYTES // 2**30} GiB allowed; set seq_len <="
+        f" {longest}, or lower batch_size, heads or layers")
+
+
+def check_data(cfg: TrainConfig) -> None:
+  """Checks that the demo corpus is there and long enough for every learner's shard and
+  the validation windows at ``seq_len``.
+
+  Raises:
+    FileNotFoundError: the standard library's sources are missing.
+    ValueError: a shard or the validation part is shorter than ``seq_len + 2`` tokens.
+  """
+  train_tokens, valid_tokens = data.load_corpus(cfg.corpus_bytes)
+  need = cfg.model.seq_len + 2
+  read = ("all of the standard library's sources" if cfg.corpus_bytes is None
+          else f"[train] corpus_bytes = {cfg.corpus_bytes}")
+  fix = ("raise corpus_bytes (or leave it out to read the whole corpus), or lower"
+         if cfg.corpus_bytes is not None else "lower")
+  shard = train_tokens.size // cfg.learners
+  if shard < need:
+    raise ValueError(
+        f"config [model] seq_len = {cfg.model.seq_len}: with {read}, each of the"
+        f" {cfg.learners} learners' shards holds {shard} training tokens, and a window"
+        f" needs seq_len + 2 = {need}; {fix} seq_len or learners")
+  if valid_tokens.size < need:
+    raise ValueError(
+        f"config [model] seq_len = {cfg.model.seq_len}: with {read}, the validation part"
+        f" holds {valid_tokens.size} tokens, and a window needs seq_len + 2 = {need};"
+        f" {fix} seq_len")
+
+
 def load(path: str | Path) -> TrainConfig:
   """Reads and checks a TOML config with ``[train]``, ``[model]`` and ``[diloco]`` tables.
 
+  Every value is checked here, before any process starts or any file is written: types,
+  ranges, ``[model]`` sizes (and ``seq_len`` against what the model's attention can
+  hold), the ``[diloco]`` configuration. ``check_data`` checks the corpus.
+
   Raises:
     FileNotFoundError: no such file.
-    ValueError: an unknown key, a missing key or a value of the wrong type (named).
+    ValueError: an unknown key, a missing key, or a value of the wrong type or out of
+      range: one line naming the key, the value and the fix.
   """
   path = Path(path)
   if not path.is_file():
@@ -91,23 +206,27 @@ def load(path: str | Path) -> TrainConfig:
   missing = sorted(k for k in ("learners", "steps", "batch_size", "learning_rate") if k not in train)
   if missing:
     raise ValueError(f"config [train] lacks {missing}")
-  for key in ("learners", "steps", "batch_size"):
-    if train[key] < 1:
-      raise ValueError(f"config [train] {key} = {train[key]!r} must be >= 1")
-  model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  _check_train(train)
+  model_fields = _TABLES["model"]
   bad = sorted(set(raw.get("model", {})) - model_fields)
   if bad:
     raise ValueError(_unknown("model", bad[0], model_fields))
-  model = ModelConfig(**raw.get("model", {}))
+  model = _model(raw.get("model", {}))
+  _check_context(model, train)
   diloco_raw = dict(raw.get("diloco", {}))
-  diloco_fields = {f.name for f in dataclasses.fields(DiLoCo)}
+  diloco_fields = _TABLES["diloco"]
   bad = sorted(set(diloco_raw) - diloco_fields)
   if bad:
     raise ValueError(_unknown("diloco", bad[0], diloco_fields))
   if "sync_every" not in diloco_raw:
     raise ValueError("config [diloco] needs sync_every")
+  if diloco_raw.get("outer") == CUSTOM:
+    raise ValueError(
+        f"config [diloco] outer = {CUSTOM!r} means an outer optimizer given in code, but"
+        " gmjax train's learners build it from the config; name an optax optimizer, e.g."
+        " outer = 'sgd'")
   try:
     diloco = DiLoCo.from_json(diloco_raw)
-  except TypeError as error:
+  except (TypeError, ValueError) as error:
     raise ValueError(f"config [diloco]: {error}") from None
   return TrainConfig(**train, model=model, diloco=diloco, source=str(path))

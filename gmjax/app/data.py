@@ -36,7 +36,8 @@ def load_corpus(max_bytes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
       break
   if not valid:
     valid.append(train.pop())
-  return np.concatenate(train), np.concatenate(valid)
+  empty = np.zeros(0, np.uint8)
+  return np.concatenate([empty, *train]), np.concatenate([empty, *valid])
 
 
 class Batches:
@@ -59,6 +60,12 @@ class Batches:
       )
     self.seq_len, self.batch_size = seq_len, batch_size
     self.rng = np.random.default_rng([seed, shard])
+
+  def skip(self, count: int) -> None:
+    """Draws ``count`` batches' starts without reading them: ``next`` then returns what
+    its ``count + 1``-th call would have."""
+    for _ in range(count):
+      self.rng.integers(0, self.tokens.size - self.seq_len - 1, size=self.batch_size)
 
   def next(self, batch_size: int | None = None) -> np.ndarray:
     """A ``(batch, seq_len + 1)`` int32 array: inputs are ``[:, :-1]``, targets ``[:, 1:]``."""

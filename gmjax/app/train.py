@@ -1,15 +1,21 @@
 """``gmjax train``: M learners as separate processes over a local-directory run.
 
-The job creates a run, starts one ``gmjax.app.worker`` process per learner, shows their
-progress, trains the synchronous data-parallel baseline, and writes ``metrics.jsonl``
-and the plots into the output folder.
+The job checks the config and the corpus, creates a run (and ``config.json``, the
+config it was started with), starts one ``gmjax.app.worker`` process per learner, shows
+their progress, trains the synchronous data-parallel baseline, and writes
+``metrics.jsonl`` and the plots into the output folder.
+
+``resume`` continues a stopped run instead: the same config, learners that rejoin it
+under their names at the step of its newest committed round, metrics appended to.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -22,13 +28,23 @@ import gmjax
 from gmjax.app import config as config_lib
 from gmjax.app import model, plots
 from gmjax.app.baseline import train_baseline
+from gmjax.mail import heartbeats, layout
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+CONFIG = "config.json"
+"""The config a run was started with, in ``<out>``: ``--resume`` must match it."""
+_NOT_SETTINGS = ("name", "out", "source")  # where a config came from, not what it runs
+
+
+def _read_jsonl(path: Path, offset: int = 0) -> list[dict[str, Any]]:
+  """The JSON records of ``path`` from byte ``offset`` on (lines not yet whole skipped)."""
   if not path.exists():
     return []
   records = []
-  for line in path.read_text(encoding="utf-8").splitlines():
+  with path.open("rb") as f:
+    f.seek(offset)
+    text = f.read().decode("utf-8", errors="replace")
+  for line in text.splitlines():
     if line.strip():
       try:
         records.append(json.loads(line))
@@ -75,49 +91,135 @@ def bytes_by_learner(cfg: config_lib.TrainConfig, params: Any, rounds: list[dict
   return sent
 
 
-def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
-          force: bool = False) -> dict[str, Any]:
-  """Runs the demo job; returns a summary (also written to ``<out>/summary.json``).
+def _settings(record: dict[str, Any]) -> dict[str, Any]:
+  """``{"[table] key": value}`` of a ``TrainConfig.to_json()`` record."""
+  flat = {}
+  for key, value in record.items():
+    if key in ("model", "diloco") and isinstance(value, dict):
+      flat.update({f"[{key}] {k}": v for k, v in value.items() if k != "name"})
+    elif key not in _NOT_SETTINGS:
+      flat[f"[train] {key}"] = value
+  return flat
+
+
+def _differences(started: dict[str, Any], now: dict[str, Any]) -> list[str]:
+  """``[table] key: started -> now`` for each setting that differs between two records."""
+  before, after = _settings(started), _settings(now)
+  unset = "(unset)"
+  return [f"{key}: {before.get(key, unset)!r} -> {after.get(key, unset)!r}"
+          for key in sorted(set(before) | set(after)) if before.get(key) != after.get(key)]
+
+
+def _alive(pid: int) -> bool:
+  """Whether process ``pid`` of this host runs (an exited one not yet reaped does not)."""
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True  # another user's process
+  try:
+    state = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()[0]
+  except (OSError, IndexError):
+    return True  # no /proc to tell a zombie by
+  return state != "Z"
+
+
+def _running(run) -> list[str]:
+  """The run's learners whose heartbeat says live and whose process runs on this host."""
+  return [f"{name} (pid {record['pid']})" for name, record in sorted(run.learners().items())
+          if record.get("status") in (heartbeats.LIVE, heartbeats.CLOSING)
+          and isinstance(record.get("pid"), int) and record.get("host") == socket.gethostname()
+          and _alive(record["pid"])]
+
+
+def _resume_point(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
+                  schema: gmjax.Schema) -> int:
+  """The global step the run in ``run_dir`` reached (its newest committed round's), once
+  ``cfg`` is checked to be the config it was started with.
 
   Raises:
-    FileExistsError: ``<out>/run`` holds a run already and ``force`` is not set (a run
-      is never deleted unless asked).
+    FileNotFoundError: there is no run to continue.
+    ValueError: ``cfg`` differs from the config the run was started with (the settings
+      named), or the run's learners are still running.
   """
-  out = Path(cfg.out)
-  run_dir = out / "run"
-  if run_dir.exists():
-    if not force:
-      raise FileExistsError(
-          f"{run_dir} holds a run already; pass --out DIR to train elsewhere, or --force to"
-          " delete that run and train anew")
-    print(f"gmjax train: --force: deleting the previous run in {run_dir}")
-    shutil.rmtree(run_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  for old in out.glob("metrics*.jsonl"):
-    old.unlink()
+  if not (run_dir / layout.MANIFEST).is_file():
+    raise FileNotFoundError(
+        f"--resume: there is no run to continue in {run_dir}; drop --resume to start one"
+        " there")
+  run = gmjax.mail.open(str(run_dir))
+  saved = out / CONFIG
+  differences = []
+  if saved.is_file():
+    differences = _differences(json.loads(saved.read_text(encoding="utf-8")), cfg.to_json())
+  if run.config != cfg.diloco:
+    differences += [d for d in _differences({"diloco": run.config.to_json()},
+                                            {"diloco": cfg.diloco.to_json()})
+                    if d not in differences]
+  if run.schema != schema:
+    differences.append("[model]: the parameters' shapes differ from the run's")
+  if differences:
+    where = saved if saved.is_file() else run_dir / layout.MANIFEST
+    raise ValueError(
+        f"--resume: {cfg.source or 'the config'} differs from the config the run in"
+        f" {run_dir} was started with ({where}): {'; '.join(differences)}; resume with"
+        " that config, or train anew with --out DIR (or --force to delete the run)")
+  running = _running(run)
+  if running:
+    raise ValueError(
+        f"--resume: learners of the run in {run_dir} are still running:"
+        f" {', '.join(running)}; stop that gmjax train first")
+  newest = run.newest_versions()
+  return max((run.commit_step(f, v) for f, v in newest.items()), default=0)
 
-  _, params = model.build(cfg.model, seed=cfg.seed)
-  gmjax.mail.create(str(run_dir), params, cfg.diloco)
-  names = [f"learner-{i}" for i in range(cfg.learners)]
-  started = time.time()
+
+def _finished(path: Path, steps: int) -> bool:
+  """Whether the metrics at ``path`` reach step ``steps``."""
+  return any(r.get("event") == "step" and r.get("step") == steps for r in _read_jsonl(path))
+
+
+def _latest(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """Each learner's newest record of each event and step: what a resumed learner trained
+  again replaces what the stopped one had logged."""
+  latest = {(r.get("learner"), r.get("event"), r.get("step")): r for r in metrics}
+  return list(latest.values())
+
+
+def _train_learners(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
+                    names: list[str], start: int, resume: bool, show_progress: bool) -> None:
+  """Starts one worker process per learner, shows their progress, waits for them all.
+
+  With ``resume`` the learners' logs and metrics are appended to, from step ``start``.
+
+  Raises:
+    RuntimeError: a learner failed (its log's tail quoted).
+  """
+  # The workers wait for learners that joined after this moment, not for heartbeats a
+  # stopped attempt left behind.
+  since = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+  offsets = {}
   processes, logs = [], []
   env = dict(os.environ)
   env.setdefault("JAX_PLATFORMS", "cpu")
   for index, name in enumerate(names):
-    log = open(out / f"{name}.log", "w", encoding="utf-8")  # pylint: disable=consider-using-with
+    metrics = out / f"metrics-{name}.jsonl"
+    offsets[name] = metrics.stat().st_size if metrics.exists() else 0
+    log = open(out / f"{name}.log", "a" if resume else "w",  # pylint: disable=consider-using-with
+               encoding="utf-8")
     logs.append(log)
     processes.append(subprocess.Popen(  # pylint: disable=consider-using-with
         [sys.executable, "-m", "gmjax.app.worker", "--config", cfg.source, "--run",
-         str(run_dir), "--name", name, "--index", str(index),
-         "--metrics", str(out / f"metrics-{name}.jsonl")],
+         str(run_dir), "--name", name, "--index", str(index), "--metrics", str(metrics),
+         "--since", since, *(["--resume"] if resume else [])],
         stdout=log, stderr=subprocess.STDOUT, env=env))
-  bars = [tqdm(total=cfg.steps, desc=name, position=i, disable=not show_progress,
-               leave=True, dynamic_ncols=True) for i, name in enumerate(names)]
+  bars = [tqdm(total=cfg.steps, initial=start, desc=name, position=i,
+               disable=not show_progress, leave=True, dynamic_ncols=True)
+          for i, name in enumerate(names)]
   try:
     while True:
       for name, bar in zip(names, bars):
-        records = _read_jsonl(out / f"metrics-{name}.jsonl")
-        done = max((r["step"] for r in records if r.get("event") == "step"), default=0)
+        records = _read_jsonl(out / f"metrics-{name}.jsonl", offsets[name])
+        done = max((r["step"] for r in records if r.get("event") == "step"), default=start)
         last = next((r for r in reversed(records) if "loss" in r), None)
         bar.update(done - bar.n)
         if last is not None:
@@ -139,15 +241,82 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
         f"--- {n} (exit {code}) ---\n" + (out / f"{n}.log").read_text()[-3000:] for n, code in failed
     )
     raise RuntimeError(f"learners failed: {failed}\n{tails}")
+
+
+def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
+          force: bool = False, resume: bool = False) -> dict[str, Any]:
+  """Runs the demo job; returns a summary (also written to ``<out>/summary.json``).
+
+  Everything the config and the corpus say is checked before any process starts or any
+  file is written.
+
+  Args:
+    cfg: the job's config.
+    show_progress: progress bars.
+    force: delete a run already in ``<out>/run`` and train anew.
+    resume: continue the run in ``<out>/run``, started with this very config: its
+      learners rejoin it at the step of its newest committed round (steps trained past
+      it are lost with the stopped processes; the inner optimizer's moments start again,
+      its learning-rate schedule goes on from that step) and train until ``steps``;
+      their metrics are appended to. The baseline's metrics are kept if they reach
+      ``steps``, else the baseline trains again from the start.
+
+  Raises:
+    FileExistsError: ``<out>/run`` holds a run already and neither ``force`` nor
+      ``resume`` is set (a run is never deleted unless asked).
+    FileNotFoundError: ``resume`` without a run in ``<out>/run``; the corpus is missing.
+    ValueError: ``force`` with ``resume``; ``resume`` with a config other than the
+      run's (the differing settings named), or while its learners still run; a config
+      the corpus or the model cannot train with.
+  """
+  if force and resume:
+    raise ValueError("--force deletes the run and trains anew, --resume continues it;"
+                     " pass one of them")
+  out = Path(cfg.out)
+  run_dir = out / "run"
+  config_lib.check_data(cfg)
+  _, params = model.build(cfg.model, seed=cfg.seed)
+  schema = cfg.diloco.cut(gmjax.Schema.from_tree(params))
+  cfg.diloco.check_parameters(schema)
+  if resume:
+    start = _resume_point(cfg, out, run_dir, schema)
+  else:
+    start = 0
+    if run_dir.exists():
+      if not force:
+        raise FileExistsError(
+            f"{run_dir} holds a run already; pass --resume to continue it, --out DIR to"
+            " train elsewhere, or --force to delete that run and train anew")
+      print(f"gmjax train: --force: deleting the previous run in {run_dir}")
+      shutil.rmtree(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("metrics*.jsonl"):
+      old.unlink()
+    (out / CONFIG).write_text(json.dumps(cfg.to_json(), indent=2), encoding="utf-8")
+    gmjax.mail.create(str(run_dir), params, cfg.diloco)
+
+  names = [f"learner-{i}" for i in range(cfg.learners)]
+  started = time.time()
+  if start < cfg.steps:
+    if resume:
+      print(f"gmjax train: --resume: the learners rejoin {run_dir} at step {start} of"
+            f" {cfg.steps}")
+    _train_learners(cfg, out, run_dir, names, start, resume, show_progress)
+  else:
+    print(f"gmjax train: --resume: the newest round of {run_dir} is at step {start}: its"
+          f" learners have trained all {cfg.steps} steps")
   diloco_seconds = time.time() - started
 
-  if cfg.baseline:
+  baseline_path = out / "metrics-baseline.jsonl"
+  baseline_seconds = None
+  if cfg.baseline and resume and _finished(baseline_path, cfg.steps):
+    print(f"gmjax train: --resume: keeping the baseline's {cfg.steps} steps in {baseline_path}")
+  elif cfg.baseline:
+    baseline_path.unlink(missing_ok=True)  # a stopped baseline trains again from the start
     with tqdm(total=cfg.steps, desc="data-parallel baseline", disable=not show_progress) as bar:
       started = time.time()
-      train_baseline(cfg, str(out / "metrics-baseline.jsonl"), progress=bar)
+      train_baseline(cfg, str(baseline_path), progress=bar)
       baseline_seconds = time.time() - started
-  else:
-    baseline_seconds = None
 
   run = gmjax.mail.open(str(run_dir))
   rounds = run.rounds()
@@ -159,7 +328,7 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
       f.write(json.dumps(record) + "\n")
     for record in rounds:
       f.write(json.dumps({"event": "round", **record}) + "\n")
-  figures = plots.plot_all(metrics, rounds, _bytes_sent(cfg, params, rounds), str(out))
+  figures = plots.plot_all(_latest(metrics), rounds, _bytes_sent(cfg, params, rounds), str(out))
 
   def final(name):
     values = [r["val_loss"] for r in metrics if r["learner"] == name and "val_loss" in r]
@@ -169,6 +338,7 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
   summary = {
       "run": str(run_dir),
       "rounds": len(rounds),
+      "resumed_at_step": start if resume else None,
       "final_val_loss": {n: final(n) for n in [*names, *(["baseline"] if cfg.baseline else [])]},
       "bytes_sent": bytes_by_learner(cfg, params, rounds, names),
       "mean_cosine": sum(cosines) / len(cosines) if cosines else None,

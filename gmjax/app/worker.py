@@ -2,12 +2,16 @@
 
 It opens the run, joins, trains its shard with AdamW, hands its parameters to
 ``learner.step`` after every inner step, and writes one JSON line of metrics per step.
+A learner that rejoins a run (``gmjax train --resume``) starts at the step of the run's
+newest committed round, with the learning-rate schedule and its data from that step on.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import time
 
 import numpy as np
@@ -18,12 +22,49 @@ from gmjax.app import config as config_lib
 from gmjax.app import data, model
 
 
-def inner_optimizer(cfg: config_lib.TrainConfig) -> optax.GradientTransformation:
+def inner_optimizer(cfg: config_lib.TrainConfig, start: int = 0) -> optax.GradientTransformation:
+  """AdamW under a warmup-cosine schedule over ``cfg.steps``, clipped to global norm 1.
+
+  Args:
+    cfg: the job's config.
+    start: the step training begins at: the schedule goes on from there (a rejoining
+      learner's Adam moments start again from zero).
+  """
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, cfg.learning_rate, max(cfg.warmup_steps, 1), max(cfg.steps, cfg.warmup_steps + 1),
       end_value=cfg.learning_rate * 0.1,
   )
-  return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=cfg.weight_decay))
+
+  def learning_rate(count):
+    return schedule(count + start)
+
+  return optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(learning_rate, weight_decay=cfg.weight_decay))
+
+
+def _joined_since(run, since: str) -> int:
+  """How many of the run's learners joined at or after ``since`` (an ISO time)."""
+  start = datetime.datetime.fromisoformat(since)
+  count = 0
+  for record in run.learners().values():
+    try:
+      joined = datetime.datetime.fromisoformat(record["joined_at"])
+    except (KeyError, TypeError, ValueError):
+      continue  # a heartbeat without a readable join time is not this job's
+    count += joined >= start
+  return count
+
+
+def _open_metrics(path: str):
+  """``path`` opened to append lines; a last line that a stopped process left unfinished
+  is ended first, so that the next record starts on a line of its own."""
+  out = open(path, "a+", encoding="utf-8")  # pylint: disable=consider-using-with
+  if out.tell() > 0:
+    with open(path, "rb") as f:
+      f.seek(-1, os.SEEK_END)
+      if f.read(1) != b"\n":
+        out.write("\n")
+  return out
 
 
 def evaluate(evaluate_fn, params, batches: data.Batches, count: int) -> float:
@@ -36,7 +77,11 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--run", required=True, help="the run's URL")
   parser.add_argument("--name", required=True)
   parser.add_argument("--index", type=int, required=True)
-  parser.add_argument("--metrics", required=True, help="JSONL file to write")
+  parser.add_argument("--metrics", required=True, help="JSONL file to append to")
+  parser.add_argument("--since", help="wait for the job's learners that joined at or after"
+                      " this ISO time (default: for as many heartbeats as learners)")
+  parser.add_argument("--resume", action="store_true",
+                      help="the learner rejoins a run it trained in before")
   args = parser.parse_args(argv)
 
   cfg = config_lib.load(args.config)
@@ -46,27 +91,34 @@ def main(argv: list[str] | None = None) -> None:
   valid = data.Batches(valid_tokens, seq_len=cfg.model.seq_len, batch_size=cfg.batch_size,
                        seed=cfg.seed + 1)
   graphdef, params = model.build(cfg.model, seed=cfg.seed + 1 + args.index)
-  optimizer = inner_optimizer(cfg)
-  train_step, evaluate_fn = model.make_train_step(graphdef, optimizer)
 
   run = gmjax.mail.open(args.run)
   learner = run.join(args.name, poll_interval=cfg.poll_interval)
   params = learner.pull(params)
+  start = learner.step_count  # the newest committed round's step: 0 in a new run
+  batches.skip(start)
+  optimizer = inner_optimizer(cfg, start)
+  train_step, evaluate_fn = model.make_train_step(graphdef, optimizer)
   opt_state = optimizer.init(params)
   # The job's learners start together: a round closes with the learners live at the time,
   # so one that is still starting up would miss the first rounds.
   deadline = time.monotonic() + 300
-  while len(run.learners()) < cfg.learners:
+
+  def joined():
+    return len(run.learners()) if args.since is None else _joined_since(run, args.since)
+
+  while joined() < cfg.learners:
     if time.monotonic() > deadline:
-      raise TimeoutError(f"only {len(run.learners())} of {cfg.learners} learners joined in 300 s")
+      raise TimeoutError(f"only {joined()} of {cfg.learners} learners joined in 300 s")
     time.sleep(cfg.poll_interval)
-  with open(args.metrics, "a", encoding="utf-8") as out:
+  with _open_metrics(args.metrics) as out:
     def log(**record):
       out.write(json.dumps({"learner": args.name, "time": time.time(), **record}) + "\n")
       out.flush()
 
-    log(event="start", step=0, val_loss=evaluate(evaluate_fn, params, valid, cfg.eval_batches))
-    for step in range(1, cfg.steps + 1):
+    log(event="resume" if args.resume else "start", step=start,
+        val_loss=evaluate(evaluate_fn, params, valid, cfg.eval_batches))
+    for step in range(start + 1, cfg.steps + 1):
       batch = batches.next()
       started = time.perf_counter()
       params, opt_state, loss = train_step(params, opt_state, batch)

@@ -29,6 +29,11 @@ from gmjax.core.schema import Schema
 from gmjax.core.wire import Wire, check_precision
 
 
+CUSTOM = "custom"
+"""``DiLoCo.outer`` when the outer optimizer is given in code: ``gmjax.diloco(...,
+outer=tx)``."""
+
+
 def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
   if allow_none and value is None:
     return
@@ -69,6 +74,11 @@ class DiLoCo:
       ``"lion"``, ...), applied to the outer gradient ``g`` as a gradient:
       ``master ← master + outer.update(g, state, master)``. It must be elementwise to be
       sharded in-mesh (``gmjax.diloco(..., shard_outer=True)``, the default there).
+      ``"custom"``: the outer optimizer is given in code, ``gmjax.diloco(inner, config,
+      outer=tx)`` (in-mesh only: mail learners build the outer step from the config, and
+      ``eager`` needs the config's SGD); ``outer_learning_rate``, ``outer_momentum``,
+      ``nesterov`` and ``outer_options`` must then keep their defaults, since they would
+      not be used.
     outer_options: JSON keyword arguments of ``optax.<outer>``; a value
       ``{"schedule": NAME, ...}`` is ``optax.NAME(...)`` (e.g. a learning-rate
       schedule). With ``outer="sgd"`` the defaults are ``learning_rate=
@@ -203,7 +213,10 @@ class DiLoCo:
         ) from None
       object.__setattr__(self, "outer_options", types.MappingProxyType(frozen))
     self._check_layer_axis()
-    self.outer_transform()  # fails now, naming the argument, rather than at the first round
+    if self.outer == CUSTOM:
+      self._check_custom_outer()
+    else:
+      self.outer_transform()  # fails now, naming the argument, rather than at the first round
     eager_updates.check(self)
     if self.error_feedback is not None:
       # A float, so that equal configurations hash alike (their JSON is the same).
@@ -285,15 +298,62 @@ class DiLoCo:
   def __hash__(self):
     return hash(json.dumps(self.to_json(), sort_keys=True))
 
+  def _check_custom_outer(self) -> None:
+    defaults = {f.name: f.default for f in dataclasses.fields(self)}
+    ignored = [f"{name}={getattr(self, name)!r}"
+               for name in ("outer_learning_rate", "outer_momentum", "nesterov", "outer_options")
+               if getattr(self, name) != defaults[name]]
+    if ignored:
+      raise ValueError(
+          f"DiLoCo outer='custom' takes the outer optimizer given in code"
+          f" (gmjax.diloco(inner, config, outer=tx)), so {', '.join(ignored)} would not be"
+          f" used; leave them at their defaults, or name an optax optimizer in outer"
+          f" (e.g. outer='sgd') to use them.")
+
+  def _refuse_custom(self, what: str) -> None:
+    if self.outer == CUSTOM:
+      raise ValueError(
+          f"DiLoCo.{what}: outer='custom' means the outer optimizer is given in code,"
+          " gmjax.diloco(inner, config, outer=tx), so the configuration cannot build it;"
+          " name an optax optimizer in outer (e.g. outer='sgd') to build it from the"
+          " configuration.")
+
+  def outer_description(self) -> str:
+    """What the configuration says the outer optimizer is, for messages: e.g.
+    ``config.outer='sgd' (learning_rate 0.7, momentum 0.9, nesterov)``."""
+    if self.outer == CUSTOM:
+      return "config.outer='custom' (given in code)"
+    parts = []
+    for name, value in self.outer_arguments().items():
+      if value is True:
+        parts.append(name)
+      elif value is False:
+        parts.append(f"no {name}")
+      elif isinstance(value, Mapping):
+        parts.append(f"{name} {json.dumps(dict(value), sort_keys=True)}")
+      else:
+        parts.append(f"{name} {value!r}")
+    return f"config.outer={self.outer!r} ({', '.join(parts)})"
+
   def outer_arguments(self) -> dict[str, Any]:
-    """The keyword arguments ``optax.<outer>`` is built with (defaults filled in)."""
+    """The keyword arguments ``optax.<outer>`` is built with (defaults filled in).
+
+    Raises:
+      ValueError: ``outer='custom'`` (the optimizer is given in code).
+    """
+    self._refuse_custom("outer_arguments")
     defaults: dict[str, Any] = {"learning_rate": float(self.outer_learning_rate)}
     if self.outer == "sgd":
       defaults.update(momentum=float(self.outer_momentum), nesterov=self.nesterov)
     return {**defaults, **dict(self.outer_options or {})}
 
   def outer_transform(self) -> optax.GradientTransformation:
-    """The outer optimizer as an optax transformation (``optax.<outer>(**options)``)."""
+    """The outer optimizer as an optax transformation (``optax.<outer>(**options)``).
+
+    Raises:
+      ValueError: ``outer='custom'``: the optimizer is given in code, to ``gmjax.diloco``.
+    """
+    self._refuse_custom("outer_transform")
     return outer.transformation(self.outer, self.outer_arguments())
 
   # The ``gmjax.core.records.Algorithm`` protocol, which the mail runtime drives.

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from gmjax.core.aggregator import DiLoCoAggregator
-from gmjax.core.diloco import DiLoCo
+from gmjax.core.diloco import CUSTOM, DiLoCo
 from gmjax.core.schedule import Estimates
 from gmjax.core.schema import Schema
 from gmjax.mail import heartbeats
@@ -242,7 +242,8 @@ def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = N
   Raises:
     RunExists: a run with another schema, configuration, plan or key is at ``url``.
     TypeError: ``config`` is not a ``gmjax.DiLoCo``.
-    ValueError: ``config`` does not fit ``params`` (``DiLoCo.check_parameters``).
+    ValueError: ``config`` does not fit ``params`` (``DiLoCo.check_parameters``), or
+      its ``outer`` is ``"custom"`` (learners build the outer step from the config).
     ImportError: a ``gs://`` or ``s3://`` URL without gcsfs or s3fs installed (the
       message names the extra: ``pip install 'gmjax[gcs]'``, ``'gmjax[s3]'``).
 
@@ -261,6 +262,12 @@ def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = N
   """
   if not isinstance(config, DiLoCo):
     raise TypeError(f"config must be a gmjax.DiLoCo, got {type(config).__name__}.")
+  if config.outer == CUSTOM:
+    raise ValueError(
+        f"gmjax.mail.create: config.outer={CUSTOM!r} means the outer optimizer is given in"
+        " code, but every learner and closer of a mail run builds the outer step from the"
+        " configuration in the run's manifest; name an optax optimizer in config.outer"
+        " (e.g. dataclasses.replace(config, outer='sgd'), or 'adam' with outer_options).")
   key = _key(key)
   store = open_store(url, storage_options=storage_options)
   schema = config.cut(Schema.from_tree(params))

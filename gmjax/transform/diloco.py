@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gmjax.core.diloco import DiLoCo
+from gmjax.core.diloco import CUSTOM, DiLoCo
 from gmjax.transform import elementwise, explicit, rounds, structure
 from gmjax.transform import tokens as token_counts
 from gmjax.transform.state import DiLoCoState, RoundState, initial_statistics
@@ -59,6 +59,17 @@ def _check(inner: Any, config: Any, axis_name: Any, outer: Any, shard_outer: Any
     raise ValueError(
         "gmjax.diloco: config.eager=True runs each learner's own copy of the outer step,"
         " which it builds from the config (outer SGD); leave outer=None.")
+  if outer is not None and config.outer != CUSTOM:
+    raise ValueError(
+        f"gmjax.diloco: outer= was given, but {config.outer_description()} is what the"
+        f" config says would run (and what config.to_json() records); pass"
+        f" dataclasses.replace(config, outer={CUSTOM!r}) to run the outer= optimizer, or"
+        " drop outer= to run the config's.")
+  if outer is None and config.outer == CUSTOM:
+    raise ValueError(
+        f"gmjax.diloco: config.outer={CUSTOM!r} means the outer optimizer is given in code,"
+        " but outer= is None; pass gmjax.diloco(inner, config, outer=tx), or name an optax"
+        " optimizer in the config, e.g. dataclasses.replace(config, outer='sgd').")
   if shard_outer and axis_name is None:
     raise ValueError(
         "gmjax.diloco: shard_outer=True shards the outer state over the learners' axis,"
@@ -211,8 +222,10 @@ def diloco(
   Args:
     inner: the inner optimizer (any optax ``GradientTransformation``).
     config: a ``gmjax.DiLoCo``; ``overlap_steps`` must be an int.
-    outer: the outer optimizer, applied to ``g`` as a gradient; None builds it from the
-      config (``config.outer_transform()``).
+    outer: the outer optimizer, applied to ``g`` as a gradient, when ``config.outer`` is
+      ``"custom"`` (``dataclasses.replace(config, outer="custom")``), so that the config
+      records that the optimizer was given in code; None builds it from the config
+      (``config.outer_transform()``), which must then name an optax optimizer.
     axis_name: the learners' mapped axis name (or tuple of names); None is one learner.
     shard_outer: shard the master and outer state over ``axis_name`` (None: whenever
       ``axis_name`` is set). Sharded, ``init`` must run inside the mapped axis, e.g.
@@ -224,9 +237,11 @@ def diloco(
     ``inner``. Its state is a ``DiLoCoState``; log ``state.stats``.
 
   Raises:
-    ValueError: ``config.overlap_steps`` is None; a sharded outer step with an outer
-      optimizer that is not elementwise (pass ``shard_outer=False``), or with ``init``
-      outside the mapped axis; ``update`` without params, or with non-scalar tokens.
+    ValueError: ``config.overlap_steps`` is None; ``outer`` given with a
+      ``config.outer`` other than ``"custom"``, or ``"custom"`` without ``outer``; a
+      sharded outer step with an outer optimizer that is not elementwise (pass
+      ``shard_outer=False``), or with ``init`` outside the mapped axis; ``update``
+      without params, or with non-scalar tokens.
     TypeError: ``config`` is not a ``gmjax.DiLoCo``, or ``inner``/``outer`` not a
       transformation.
 
