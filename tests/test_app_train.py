@@ -57,6 +57,11 @@ def test_train_writes_metrics_plots_and_a_run(tmp_path):
   assert 0 < sent["learner-0"] < sent["baseline"] / 4
   table = result.stdout[result.stdout.index("| learner |"):]
   assert all(f"| {name} |" in table for name in sent)
+  # The table says which settings ran.
+  settings = next(line for line in table.splitlines() if line.startswith("settings: "))
+  for part in ("2 learners x 8 steps", "sync_every 4", "fragments 2", "deltas F8_E4M3",
+               "overlap 1", "outer sgd η 0.7 μ 0.9 Nesterov"):
+    assert part in settings, (part, settings)
   for name in ("loss.png", "bytes.png", "cosine.png"):
     assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -46,6 +46,27 @@ def _import_app():
   return config_lib, train
 
 
+def settings_line(cfg) -> str:
+  """The settings a ``gmjax train`` run used, in one line under its results table."""
+  d = cfg.diloco
+  outer = (f"outer {d.outer} η {d.outer_learning_rate:g}" + (
+      f" μ {d.outer_momentum:g}{' Nesterov' if d.nesterov else ''}" if d.outer == "sgd"
+      else "") + (f" {dict(d.outer_options)}" if d.outer_options else ""))
+  parts = [f"{cfg.learners} learners x {cfg.steps} steps of batch {cfg.batch_size}"
+           f" (lr {cfg.learning_rate:g})", f"sync_every {d.sync_every}",
+           f"fragments {d.fragments}", f"deltas {d.delta_precision or 'F32'}",
+           f"overlap {d.overlap_steps}", outer]
+  if d.commit_precision:
+    parts.append(f"commit {d.commit_precision}")
+  if d.error_feedback is not None:
+    parts.append(f"error feedback {d.error_feedback:g}")
+  if d.delta_topk:
+    parts.append(f"top-{d.delta_topk} of {d.delta_chunk}")
+  if d.outer_delay:
+    parts.append("eager" if d.eager else "delayed")
+  return "settings: " + ", ".join(parts)
+
+
 def _train(args: argparse.Namespace) -> int:
   config_lib, train = _import_app()
 
@@ -59,6 +80,7 @@ def _train(args: argparse.Namespace) -> int:
   print(f"\nrun: {summary['run']}  rounds committed: {summary['rounds']}"
         f"  mean cosine: {summary['mean_cosine'] if summary['mean_cosine'] is None else round(summary['mean_cosine'], 3)}")
   print(results_table(losses, summary["bytes_sent"]))
+  print(settings_line(cfg))
   print(f"figures: {', '.join(summary['figures'])}\nmetrics: {summary['metrics']}")
   print(f"see the rounds with: gmjax status {summary['run']}")
   return 0
