@@ -47,6 +47,10 @@ class FaultyStore(Store):
     self._maybe_fail("list", prefix)
     return self.inner._list(prefix)  # pylint: disable=protected-access
 
+  def _list_marked(self, prefix):
+    self._maybe_fail("list", prefix)
+    return self.inner._list_marked(prefix)  # pylint: disable=protected-access
+
   def _delete(self, path):
     self._maybe_fail("delete", path)
     self.inner._delete(path)  # pylint: disable=protected-access

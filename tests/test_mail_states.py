@@ -90,7 +90,7 @@ def test_follower_lists_and_validates_only_to_take_over(tmp_path):
   closer.scan(watch, roster.known, validate=False)
   assert watch.found == {} and watch.contributors == {"l0", "l1", "l2"}
   closer.scan(watch, roster.known)
-  assert watch.listed == set() and watch.contributors == {"l0", "l1", "l2"}
+  assert watch.listed == set() and watch.contributors == {"l0", "l1"}  # l2's is rejected
   assert sorted(c.learner for c in watch.valid) == ["l0", "l1"]
   assert [r.learner for r in watch.rejected] == ["l2"]
   record = closer.close(watch, roster)

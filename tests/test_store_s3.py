@@ -7,6 +7,7 @@ keeps the objects and enforces ``If-None-Match: *`` on ``PutObject``.
 
 import logging
 import threading
+import time
 import uuid
 
 import numpy as np
@@ -112,6 +113,18 @@ def test_store_operations(options):
   assert store.list("a") == ["two.bin"]
 
 
+def test_a_replaced_object_shows_a_new_marker(options):
+  # A closer reads a rejected contribution again once its ETag changes.
+  store = store_lib.open_store(_url(), storage_options=options)
+  store.put("rounds/0/a0.safetensors", b"junk")
+  first = store.list_marked("rounds/0")
+  store.put("rounds/0/a0.safetensors", b"real")  # the same size
+  second = store.list_marked("rounds/0")
+  assert list(first) == list(second) == ["a0.safetensors"]
+  assert first["a0.safetensors"] != second["a0.safetensors"]
+  assert store.list_marked("rounds/0") == second
+
+
 @pytest.mark.timeout(120)
 def test_exclusive_create_race(options):
   url = _url()
@@ -145,3 +158,31 @@ def test_mail_run_over_s3(options):
   for name in params:
     np.testing.assert_array_equal(params[name], out["s0"][name])
   assert mail.verify(url, key="s3-secret", storage_options=options) == []
+
+
+@pytest.mark.timeout(120)
+def test_junk_at_a_learners_next_contribution_path_never_stands_for_it(options):
+  url = _url()
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, quorum_size=2),
+                    storage_options=options)
+  for round_ in range(2):  # a1 is slow: a0 closes, and finds the junk before a1's delta
+    run.store.put(f"rounds/{round_}/a1.safetensors", b"junk")
+
+  def body(name, index):
+    learner = mail.open(url, storage_options=options).join(name, poll_interval=0.05,
+                                                           wait_timeout=30)
+    params = learner.pull(ms.params0())
+    for _ in range(4):
+      if name == "a1":
+        time.sleep(0.3)
+      params = learner.step(ms.inner(params, ms.target(index)))
+    learner.close(params)
+
+  threads = ms.Threads()
+  for index in range(2):
+    threads.start(body, f"a{index}", index)
+  threads.join(timeout=90)
+  rounds = run.rounds()
+  assert [r["round"] for r in rounds] == [0, 1]
+  assert all(sorted(p["learner"] for p in r["participants"]) == ["a0", "a1"]
+             and not r["rejected"] for r in rounds), rounds

@@ -7,9 +7,12 @@ lists, counting each as a contribution that may be valid, and reads and validate
 when it is about to take over (and then decides again on what it validated):
 
 * **closable** when every learner live for the round (``heartbeats.Roster``) has a
-  contribution there (valid or rejected), or when ``quorum()`` valid ones are in and the
-  grace period (``Estimates.timeout(poll_interval)``, counted from when this observer first
-  saw the quorum) has passed;
+  contribution there (valid, or listed and not validated yet), or when ``quorum()`` valid
+  ones are in and the grace period (``Estimates.timeout(poll_interval)``, counted from
+  when this observer first saw the quorum) has passed. A rejected file does not stand for
+  its learner: anyone may have planted it at the learner's path before the learner wrote
+  there, so the round waits for the learner as if it had none, and reads the file again
+  when it changes (``Store.list_marked``); a valid contribution, once read, is kept;
 * the **designated closer** is ``sorted(live)[fragment mod len(live)]``: deterministic
   from the round and the live set, and the same learner for every round of a fragment
   while the live set holds, so it keeps the fragment's state in memory;
@@ -67,6 +70,7 @@ class Watch:
   version: int
   found: dict[str, Contribution | ContributionRejected] = dataclasses.field(
       default_factory=dict)
+  markers: dict[str, str | None] = dataclasses.field(default_factory=dict)  # when found
   listed: set[str] = dataclasses.field(default_factory=set)  # seen, not yet validated
   norms: dict[str, float] = dataclasses.field(default_factory=dict)  # per step, by learner
   clamped: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -86,9 +90,21 @@ class Watch:
 
   @property
   def contributors(self) -> set[str]:
-    """Learners with a contribution here, valid, rejected or not yet validated."""
-    return {c.learner for c in self.found.values()} | {
+    """Learners with a contribution here, valid or not yet validated (a rejected file
+    does not stand for its learner)."""
+    return {c.learner for c in self.valid} | {
         contributions.learner_of(entry) for entry in self.listed}
+
+  def to_read(self, listing: dict[str, str | None]) -> list[str]:
+    """The entries of ``listing`` (name -> change marker) to read: new ones, and rejected
+    ones that changed since (or whose change the store cannot tell)."""
+    entries = []
+    for entry, marker in listing.items():
+      if entry.endswith(".tmp") or isinstance(self.found.get(entry), Contribution):
+        continue
+      if entry not in self.found or marker is None or self.markers.get(entry) != marker:
+        entries.append(entry)
+    return entries
 
 
 class Closer:
@@ -167,8 +183,10 @@ class Closer:
       validate: read and validate every contribution not validated yet; with False only
         list them (``watch.listed``), as a follower does.
     """
-    entries = [e for e in self.store.list(layout.round_dir(watch.round))
-               if e not in watch.found and not e.endswith(".tmp")]
+    # Listed before reading: a file replaced after this listing shows a new marker at
+    # the next scan, and is read again then.
+    listing = self.store.list_marked(layout.round_dir(watch.round))
+    entries = watch.to_read(listing)
     if entries and watch.opened is None:
       watch.opened, watch.opened_at = time.monotonic(), utc_now()
     if not validate:
@@ -181,9 +199,11 @@ class Closer:
       except FileNotFoundError:
         continue  # gone since the listing (or a prefix, not an object, on object stores)
       except ContributionRejected as rejected:
-        log.warning("round %d: %s", watch.round, rejected)
+        if str(watch.found.get(entry)) != str(rejected):  # once, not once per change
+          log.warning("round %d: %s", watch.round, rejected)
         found = rejected
       watch.found[entry] = found
+      watch.markers[entry] = listing[entry]
 
   def _validate(self, watch: Watch, entry: str, known: set[str]) -> Contribution:
     """Reads (within the size the layout implies) and checks one contribution."""
@@ -250,7 +270,7 @@ class Closer:
     timeout = self.timeout()
     live = roster.live_for(watch.round, self.liveness_timeout())
     contributors = watch.contributors
-    if not contributors:
+    if not watch.found and not watch.listed:
       return False
     # Listed contributions may turn out invalid once validated, taking the quorum back.
     possible = len(watch.valid) + len(watch.listed)

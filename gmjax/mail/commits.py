@@ -4,6 +4,9 @@ The record of version ``v`` of fragment ``f`` is ``fragments/<f>/<v>.commit.json
 (slot 0); a writer that finds every slot so far damaged creates the next one,
 ``<v>.commit-<k>.json``, exclusively, listing the slots it ``supersedes``. The last
 intact slot is the record in force (see ``recovery`` for when one is superseded).
+Anything at a slot that cannot be a record (a folder, a FIFO, a file larger than
+``MAX_RECORD_BYTES``, bytes that are not a valid record) damages that slot: readers go
+on to the next slot, and a writer takes it.
 """
 
 from __future__ import annotations
@@ -14,9 +17,14 @@ from typing import Any
 
 from gmjax.mail import layout
 from gmjax.mail import signing
-from gmjax.mail.store import Store
+from gmjax.mail.errors import CorruptRecord
+from gmjax.mail.store import BadObject, Store
 
 log = logging.getLogger(__name__)
+
+MAX_RECORD_BYTES = 64 << 20
+"""A commit record is a few KiB, plus about a hundred bytes per participant."""
+_UNREADABLE_TRIES = 3  # creates refused at a slot that then reads as no object
 
 
 class DamagedCommit(FileNotFoundError):
@@ -66,9 +74,12 @@ def commit_slots(store: Store, fragment: int, version: int, key: bytes | None
   while True:
     path = layout.commit_slot(fragment, version, len(slots))
     try:
-      data = store.get(path)
+      data = store.read(path, MAX_RECORD_BYTES)
     except FileNotFoundError:
       return slots
+    except BadObject as error:
+      slots.append((path, None, error.reason))
+      continue
     try:
       record = json.loads(data)
     except (ValueError, RecursionError) as error:
@@ -120,7 +131,7 @@ def write_commit(store: Store, record: dict[str, Any], key: bytes | None, *,
   """
   fragment, version = record["fragment"], record["version"]
   superseded: list[str] = []
-  slot = 0
+  slot = unreadable = 0
   while True:
     final = dict(record)
     if superseded:
@@ -140,16 +151,26 @@ def write_commit(store: Store, record: dict[str, Any], key: bytes | None, *,
           log.warning("sweep of orphaned states of fragment %d failed: %r", fragment, error)
       return True
     try:
-      data = store.get(path)
+      data = store.read(path, MAX_RECORD_BYTES)
       problem = record_problem(json.loads(data), fragment, version, key)
     except FileNotFoundError:
-      continue  # deleted by hand between create and read: try the slot again
+      unreadable += 1
+      if unreadable < _UNREADABLE_TRIES:
+        continue  # deleted by hand between create and read: try the slot again
+      # Readers would stop at this slot too: taking the next one would hide the commit.
+      raise CorruptRecord(f"{path} refuses an exclusive create yet reads as no object"
+                          f" ({unreadable} times); check the storage") from None
+    except BadObject as error:
+      problem = error.reason
     except (ValueError, RecursionError) as error:
       problem = f"is not JSON ({type(error).__name__})"
     if problem is None and slot >= supersede:
       return False
+    if problem is not None:
+      log.warning("%s is damaged (%s): taking the next slot", path, problem)
     superseded.append(path)
     slot += 1
+    unreadable = 0
 
 
 def committed_versions(store: Store, fragment: int) -> list[int]:

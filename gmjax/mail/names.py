@@ -14,18 +14,25 @@ checks the newest claim's holder, through the name's heartbeat:
 * no heartbeat of the newest claim yet: its holder is joining, and gets the same watch.
 
 Observers never compare clocks across machines, only changes they see themselves.
+Entries of ``learners/<name>.claims/`` that are not claim numbers as joins write them
+(``1``, ``2``, ... below ``2**53``: ASCII digits, no leading zero) are ignored.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import re
 import socket
 import time
 
 from gmjax.mail import heartbeats
 from gmjax.mail import layout
 from gmjax.mail.errors import NameTaken
+from gmjax.mail.store import BadObject
+
+_CLAIM = re.compile(r"[1-9][0-9]{0,15}")  # as claim() writes them; others were planted
+MAX_CLAIM = 2**53
+MAX_CLAIM_BYTES = 256  # a claim holds its incarnation, 32 hex digits
 
 
 def _claims(name: str) -> str:
@@ -33,14 +40,15 @@ def _claims(name: str) -> str:
 
 
 def _newest_claim(store, name: str) -> tuple[int, str | None]:
-  numbers = [int(e) for e in store.list(_claims(name)) if e.isdigit()]
+  numbers = [int(e) for e in store.list(_claims(name)) if _CLAIM.fullmatch(e)]
+  numbers = [n for n in numbers if n < MAX_CLAIM]
   if not numbers:
     return 0, None
   newest = max(numbers)
   try:
-    return newest, store.get(f"{_claims(name)}/{newest}").decode()
-  except FileNotFoundError:
-    return newest, None
+    return newest, store.read(f"{_claims(name)}/{newest}", MAX_CLAIM_BYTES).decode("ascii")
+  except (FileNotFoundError, BadObject, UnicodeDecodeError):
+    return newest, None  # gone, or planted: no incarnation holds it
 
 
 def _heartbeat(store, name: str, key: bytes | None) -> dict | None:

@@ -4,13 +4,15 @@ A ``Store`` offers the few operations the mail protocol needs, each atomic: ``pu
 (the object appears complete or not at all), ``create`` (exclusive: exactly one of any
 number of racing writers succeeds), ``get``, ``list`` and ``delete``; and for objects
 anyone may have planted, ``read(path, max_bytes)``, which reads at most ``max_bytes``
-(and locally only a regular file) or raises ``BadObject``. Transient errors
-(connection resets, timeouts, HTTP 429/5xx) are retried with exponential backoff and
-jitter for at most the store's retry budget, then ``StorageUnavailable`` is raised. A
-learner's store takes its budget from the run's current timeout
-(``Estimates.timeout(poll_interval)``, see ``with_retry_budget``): past it the run has
-moved on (the round closed without this call, or another learner took over), so longer
-retries buy nothing. A store used outside a learner keeps ``retry_seconds``.
+(and locally only a regular file) or raises ``BadObject``, and ``list_marked``, the
+names under a prefix each with a marker that changes whenever its object is replaced.
+Transient errors (connection resets, timeouts, HTTP 429/5xx) are retried with
+exponential backoff and jitter for at most the store's retry budget, then
+``StorageUnavailable`` is raised. A learner's store takes its budget from the run's
+current timeout (``Estimates.timeout(poll_interval)``, see ``with_retry_budget``): past
+it the run has moved on (the round closed without this call, or another learner took
+over), so longer retries buy nothing. A store used outside a learner keeps
+``retry_seconds``.
 
 Exclusive create, by backend:
 
@@ -21,6 +23,12 @@ Exclusive create, by backend:
 * ``s3://`` (s3fs, ``gmjax.mail.store_s3``): one ``PutObject`` with ``If-None-Match: *``.
 * ``memory://``: a lock around check-and-write (the memory filesystem lives in one
   process).
+
+A local directory and ``memory://`` are filesystems: a file where a write needs a
+folder, or a folder where a ``put`` writes its object, would stop the write. Neither is
+ever the run's own (the run's layout never puts an object where it keeps a folder), so
+the write removes it, logs a warning, and goes on; on object stores a key and a prefix of
+one name never collide.
 
 Other fsspec URLs are refused (``UnsupportedStorage``): fsspec's generic
 ``mode="create"`` is an ``exists()`` followed by a write, so two closers could both
@@ -163,6 +171,11 @@ class Store(abc.ABC):
   def _list(self, prefix: str) -> list[str]:
     """The names directly under ``prefix``, sorted."""
 
+  def _list_marked(self, prefix: str) -> dict[str, str | None]:
+    """The names directly under ``prefix``, each with its change marker; backends override
+    this (this default knows no markers: None, read the object again)."""
+    return {name: None for name in self._list(prefix)}
+
   @abc.abstractmethod
   def _delete(self, path: str) -> None:
     """Removes ``path`` (a file or a folder); nothing if it is already gone."""
@@ -224,9 +237,10 @@ class Store(abc.ABC):
       return True
     except FileExistsError:
       try:
-        return self.get(path) == data
-      except FileNotFoundError:
-        # Exists, then vanished: only a delete by hand does that; report the loss.
+        return self.read(path, len(data)) == data
+      except (FileNotFoundError, BadObject):
+        # Exists, then vanished (a delete by hand): report the loss. Or it is no object
+        # these bytes could be (a folder, a larger file): another writer's.
         return False
 
   def get(self, path: str) -> bytes:
@@ -276,6 +290,17 @@ class Store(abc.ABC):
   def list(self, prefix: str) -> list[str]:
     """Names (not paths) of the entries directly under ``prefix``, sorted; [] if none."""
     return self._retry("list", prefix, lambda: sorted(self._list(prefix.strip("/"))))
+
+  def list_marked(self, prefix: str) -> dict[str, str | None]:
+    """Names directly under ``prefix``, sorted, each with a change marker.
+
+    The marker of an object differs whenever it is replaced (locally its size, times and
+    inode; on object stores its size with its ETag or generation), so a reader that
+    judged an object can tell when to read it again. None where the backend cannot tell:
+    read it again.
+    """
+    marked = self._retry("list", prefix, lambda: self._list_marked(prefix.strip("/")))
+    return dict(sorted(marked.items()))
 
   def delete(self, path: str) -> None:
     """Removes the object at ``path`` (or the tree under it); no error if absent."""

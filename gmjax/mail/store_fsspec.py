@@ -1,13 +1,17 @@
 """A run's store on an fsspec filesystem: ``memory://`` and ``gs://`` (gcsfs).
 
 ``gmjax.mail.store.open_store`` admits only protocols whose exclusive create is atomic;
-S3 has its own store (``gmjax.mail.store_s3``).
+S3 has its own store (``gmjax.mail.store_s3``). In ``memory://``, as on a disk, a file
+stands in the way of a folder of its name and a folder reads as no object: a write
+removes a file planted where its folders belong (logging a warning), and ``read`` of a
+folder raises ``BadObject``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import os
 import threading
 
@@ -17,7 +21,11 @@ import fsspec
 
 from gmjax.mail.store import BadObject, Store
 
+log = logging.getLogger(__name__)
 _MEMORY_LOCK = threading.Lock()
+# What changes when an object is replaced: s3fs reports ETag, gcsfs generation, memory://
+# created (and every backend size).
+_MARKERS = ("type", "size", "ETag", "generation", "created")
 # The fsspec filesystem package each cloud protocol needs, and the gmjax extra that
 # installs it.
 _EXTRAS = {"gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"),
@@ -75,7 +83,26 @@ class FsspecStore(Store):
 
   def _put(self, path: str, data: bytes, durable: bool = True) -> None:
     """Writes ``data`` at ``path``, replacing what is there, all at once."""
-    self.fs.pipe_file(self._path(path), data)
+    target = self._path(path)
+    try:
+      self.fs.pipe_file(target, data)
+    except (FileExistsError, NotADirectoryError):
+      if not self._memory:
+        raise
+      with _MEMORY_LOCK:  # a file stands where a folder above the target belongs
+        self._clear_folders(path)
+        self.fs.pipe_file(target, data)
+
+  def _clear_folders(self, path: str) -> None:
+    """Removes files planted where the folders above ``path`` belong (memory://, under
+    its lock)."""
+    parts = path.strip("/").split("/")[:-1]
+    for depth in range(1, len(parts) + 1):
+      folder = self._path("/".join(parts[:depth]))
+      if self.fs.isfile(folder):
+        log.warning("removing a file planted at %s, where the run's layout keeps a folder",
+                    folder)
+        self.fs.rm_file(folder)
 
   def _create(self, path: str, data: bytes) -> None:
     target = self._path(path)
@@ -83,6 +110,7 @@ class FsspecStore(Store):
       with _MEMORY_LOCK:
         if self.fs.exists(target):
           raise FileExistsError(target)
+        self._clear_folders(path)
         self.fs.pipe_file(target, data)
       return
     # gcsfs sends one upload with ifGenerationMatch=0 (open_store admits no other
@@ -95,7 +123,14 @@ class FsspecStore(Store):
   def _read(self, path: str, max_bytes: int) -> bytes:
     # A ranged read (an HTTP Range request on object stores) that asks for one byte past
     # the bound: a larger object shows itself without being downloaded.
-    data = self.fs.cat_file(self._path(path), start=0, end=max_bytes + 1)
+    try:
+      data = self.fs.cat_file(self._path(path), start=0, end=max_bytes + 1)
+    except FileNotFoundError:
+      # In memory:// a folder takes the name from objects, as on a disk; on object stores
+      # a prefix and a key of one name are independent (and asking costs a request).
+      if self._memory and self.fs.isdir(self._path(path)):
+        raise BadObject(path, "is not a regular file (a folder)") from None
+      raise
     if len(data) > max_bytes:
       raise BadObject(path, f"holds more than {max_bytes} bytes")
     return data
@@ -116,6 +151,21 @@ class FsspecStore(Store):
       if name and str(entry).rstrip("/") != target.rstrip("/"):
         names.append(name)
     return sorted(set(names))
+
+  def _list_marked(self, prefix: str) -> dict[str, str]:
+    target = self._path(prefix)
+    self.fs.invalidate_cache(target)
+    try:
+      entries = self.fs.ls(target, detail=True)
+    except (FileNotFoundError, NotADirectoryError):
+      return {}
+    marked = {}
+    for info in entries:
+      entry = str(info["name"]).rstrip("/")
+      name = entry.rsplit("/", 1)[-1]
+      if name and entry != target.rstrip("/"):
+        marked[name] = ":".join(str(info.get(field)) for field in _MARKERS)
+    return marked
 
   def _delete(self, path: str) -> None:
     target = self._path(path)

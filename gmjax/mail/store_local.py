@@ -2,7 +2,9 @@
 
 Exclusive create writes a temporary file beside the target, ``fsync``s it and
 ``os.link``s it to the final name, which fails if the name exists (see
-``gmjax.mail.store``).
+``gmjax.mail.store``). A file where a write needs a folder, and a folder where ``put``
+writes its file, were planted (the run's layout never puts one there): the write removes
+them and logs a warning.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import stat
 import uuid
 from typing import Any
@@ -34,8 +37,30 @@ class LocalStore(Store):
   def _path(self, path: str) -> str:
     return os.path.join(self.root, *path.strip("/").split("/"))
 
+  def _folder(self, folder: str) -> None:
+    """Makes ``folder``, removing files planted where it or a folder above it (under the
+    root) belongs; a link to a folder is a folder."""
+    try:
+      os.makedirs(folder, exist_ok=True)
+      return
+    except (FileExistsError, NotADirectoryError):
+      relative = os.path.relpath(folder, self.root)
+      if relative.split(os.sep)[0] in (os.curdir, os.pardir):
+        raise
+    current = self.root
+    for part in relative.split(os.sep):
+      current = os.path.join(current, part)
+      if os.path.lexists(current) and not os.path.isdir(current):
+        log.warning("removing a file planted at %s, where the run's layout keeps a folder",
+                    current)
+        try:
+          os.unlink(current)
+        except (FileNotFoundError, IsADirectoryError, PermissionError):
+          pass  # another writer removed it, and may have made the folder: keep that
+    os.makedirs(folder, exist_ok=True)
+
   def _temporary(self, target: str, data: bytes, durable: bool = True) -> str:
-    os.makedirs(os.path.dirname(target), exist_ok=True)
+    self._folder(os.path.dirname(target))
     temporary = f"{target}.{uuid.uuid4().hex}.tmp"
     with open(temporary, "wb") as f:
       f.write(data)
@@ -49,7 +74,13 @@ class LocalStore(Store):
     target = self._path(path)
     temporary = self._temporary(target, data, durable)
     try:
-      os.replace(temporary, target)
+      try:
+        os.replace(temporary, target)
+      except IsADirectoryError:
+        log.warning("removing a folder planted at %s, where the run's layout keeps a file",
+                    target)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(temporary, target)
     except BaseException:
       _unlink_quietly(temporary)
       raise
@@ -119,9 +150,25 @@ class LocalStore(Store):
       return []
     return [n for n in names if not n.endswith(".tmp")]
 
-  def _delete(self, path: str) -> None:
-    import shutil  # pylint: disable=g-import-not-at-top
+  def _list_marked(self, prefix: str) -> dict[str, str]:
+    marked = {}
+    try:
+      with os.scandir(self._path(prefix)) as entries:
+        for entry in entries:
+          if entry.name.endswith(".tmp"):
+            continue
+          try:
+            info = entry.stat(follow_symlinks=False)
+          except FileNotFoundError:
+            continue  # removed since the listing
+          # A put replaces the file by another (a new inode), whatever the clock says.
+          marked[entry.name] = (f"{info.st_size}:{info.st_ino}:{info.st_mtime_ns}"
+                                f":{info.st_ctime_ns}")
+    except (FileNotFoundError, NotADirectoryError):
+      return {}
+    return marked
 
+  def _delete(self, path: str) -> None:
     target = self._path(path)
     if os.path.isdir(target):
       shutil.rmtree(target, ignore_errors=True)

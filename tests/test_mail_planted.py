@@ -1,0 +1,142 @@
+"""Objects planted where the run's layout puts its own (a folder at a commit path, a file
+where a round's folder belongs, odd claim names, junk at a learner's next contribution
+path) never stop a learner, never stand for a learner, and the run goes on."""
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+import gmjax
+from gmjax import mail
+from gmjax.mail import layout
+
+import mail_support as ms
+
+KINDS = ["local", "memory"]
+
+
+def _url(tmp_path, kind):
+  if kind == "local":
+    return str(tmp_path / "run")
+  return f"memory://planted-{os.getpid()}-{tmp_path.name}"
+
+
+def _plant(run, path, data=b"x"):
+  """A file holding ``data`` at ``path``, written as anyone could (not by the store)."""
+  if run.store.local_root is None:
+    run.store.put(path, data)
+    return
+  path = os.path.join(run.store.local_root, path)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "wb") as f:
+    f.write(data)
+
+
+def _plant_folder(run, path):
+  """A folder (holding one file) at ``path``."""
+  _plant(run, f"{path}/planted")
+
+
+def _train(url, steps, *, slow=(), wait_timeout=20.0):
+  """Two learners ``a0``, ``a1`` train ``steps`` steps; those in ``slow`` sleep a little
+  before each step. Returns their final parameters by name."""
+  out = {}
+
+  def body(name, index):
+    learner = mail.open(url).join(name, poll_interval=ms.POLL, wait_timeout=wait_timeout)
+    params = learner.pull(ms.params0())
+    for _ in range(steps):
+      if name in slow:
+        time.sleep(0.15)
+      params = learner.step(ms.inner(params, ms.target(index)))
+    out[name] = learner.close(params)
+
+  threads = ms.Threads()
+  for index in range(2):
+    threads.start(body, f"a{index}", index)
+  threads.join(timeout=3 * wait_timeout)
+  return out
+
+
+def _learners(record):
+  return sorted(p["learner"] for p in record["participants"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", KINDS)
+def test_folder_at_a_future_commit_path_is_a_damaged_slot(tmp_path, kind):
+  url = _url(tmp_path, kind)
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, quorum_size=2))
+  _plant_folder(run, layout.commit(0, 2))
+  assert any(layout.commit(0, 2) in p and "not a regular file" in p
+             for p in mail.verify(url)), mail.verify(url)
+  out = _train(url, 6)
+  rounds = run.rounds()
+  assert [r["round"] for r in rounds] == [0, 1, 2]
+  assert all(_learners(r) == ["a0", "a1"] for r in rounds)
+  assert rounds[1]["supersedes"] == [layout.commit(0, 2)]
+  assert run.store.exists(layout.commit_slot(0, 2, 1))
+  for name in out["a0"]:
+    np.testing.assert_array_equal(out["a0"][name], out["a1"][name])
+  assert mail.verify(url) == []  # the damaged slot is superseded, not in force
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", KINDS)
+def test_objects_where_the_runs_own_belong_do_not_stop_learners(tmp_path, kind):
+  url = _url(tmp_path, kind)
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, quorum_size=2))
+  _plant(run, layout.round_dir(1))  # a file where round 1's folder belongs
+  _plant_folder(run, layout.contribution(2, "a0"))  # a folder at a contribution's path
+  _plant(run, "learners/a1.claims")  # a file where a1's claims folder belongs
+  _plant_folder(run, layout.heartbeat("a0"))  # a folder at a heartbeat's path
+  _train(url, 6)
+  rounds = run.rounds()
+  assert [r["round"] for r in rounds] == [0, 1, 2]
+  assert all(_learners(r) == ["a0", "a1"] and not r["rejected"] for r in rounds)
+  assert sorted(run.learners()) == ["a0", "a1"]
+  assert mail.verify(url) == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", KINDS)
+def test_odd_claim_names_are_ignored(tmp_path, kind):
+  url = _url(tmp_path, kind)
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  for odd in ("\u00b2", "9" * 240, "07", "-3", "1e3", "\u0663", str(2**53)):
+    _plant(run, f"learners/w0.claims/{odd}")
+  _plant(run, "learners/w0.claims/50", b"\xff\xfe not an incarnation")
+  for _ in range(2):  # a second join claims the name after the first
+    learner = mail.open(url).join("w0", poll_interval=ms.POLL)
+    learner.close(learner.pull(ms.params0()))
+  claims = run.store.list("learners/w0.claims")
+  assert "51" in claims and "52" in claims, claims
+  assert run.learners()["w0"]["status"] == "closed"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", KINDS)
+def test_junk_at_a_learners_next_contribution_path_never_stands_for_it(tmp_path, kind):
+  url = _url(tmp_path, kind)
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, quorum_size=2))
+  for round_ in range(4):  # a1 is slow: a0 closes, and finds the junk before a1's delta
+    _plant(run, layout.contribution(round_, "a1"), b"junk")
+  _train(url, 8, slow=("a1",))
+  rounds = run.rounds()
+  assert [r["round"] for r in rounds] == [0, 1, 2, 3]
+  assert all(_learners(r) == ["a0", "a1"] and not r["rejected"] for r in rounds), rounds
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_replaced_object_shows_a_new_marker(tmp_path, kind):
+  store = mail.open_store(_url(tmp_path, kind))
+  store.put("rounds/0/a0.safetensors", b"junk")
+  first = store.list_marked("rounds/0")
+  store.put("rounds/0/a0.safetensors", b"real")  # the same size, at once
+  second = store.list_marked("rounds/0")
+  assert list(first) == list(second) == ["a0.safetensors"]
+  assert first["a0.safetensors"] != second["a0.safetensors"]
+  assert store.list_marked("rounds/0") == second
+  assert store.list_marked("rounds/9") == {}
