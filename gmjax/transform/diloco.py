@@ -23,7 +23,7 @@ import optax
 from jax import lax
 
 from gmjax.core.diloco import CUSTOM, DiLoCo
-from gmjax.transform import elementwise, explicit, rounds, structure
+from gmjax.transform import elementwise, explicit, finite, rounds, structure
 from gmjax.transform import tokens as token_counts
 from gmjax.transform.state import DiLoCoState, RoundState, initial_statistics
 
@@ -132,19 +132,23 @@ def _check_params(params: Any, anchor: Any) -> None:
           " state with optimizer.init on the parameters as they are now.")
 
 
-def _unbatched(count: jax.Array, axis_name: Any) -> jax.Array:
-  """The step count, as a value ``lax.cond`` can branch on without a select.
+def _unbatched(count: jax.Array, dropped: jax.Array,
+               axis_name: Any) -> tuple[jax.Array, jax.Array]:
+  """The step count, and whether a learner's step is dropped, as values ``lax.cond``
+  can branch on without a select.
 
   Under ``shard_map`` and ``pmap`` the learners' axis is a manual mesh axis and each
   learner's count is a plain scalar. Under ``vmap`` it is batched, and a batched
   predicate turns every ``lax.cond`` into a select that computes the rare steps on every
   step (and, on an explicit mesh, cannot select between FSDP-sharded values). Every
-  learner holds the same count, so its maximum over the axis is the count, unbatched:
-  one scalar all-reduce a step keeps the rare work rare.
+  learner holds the same count, so its maximum over the axis is the count, unbatched,
+  and the maximum of the learners' ``dropped`` says whether any step is dropped: one
+  all-reduce of two scalars a step keeps the rare work rare.
   """
   if axis_name is None or explicit.manual(axis_name):
-    return count
-  return explicit.pmax(count, axis_name)
+    return count, dropped
+  both = explicit.pmax(jnp.stack([count, dropped.astype(jnp.int32)]), axis_name)
+  return both[0], both[1] > 0
 
 
 def diloco(
@@ -164,8 +168,11 @@ def diloco(
   1. First update: the inner step runs on each learner's own parameters (where its
      gradients were taken) and is then applied to learner 0's parameters, which every
      learner adopts (one broadcast) and which become the anchor Θ and the F32 master.
-  2. Each update: ``θ ← θ + inner_update``; tokens (1 per step when not given; integer
-     counts, exact past 2^24) are counted per fragment.
+  2. Each update: ``θ ← θ + inner_update``; tokens (1 per step when not given; exact
+     past 2^24) are counted per fragment. A count must be a non-negative whole number,
+     as the mail runtime's ``Learner.step`` requires: a static one that is not raises a
+     ``ValueError``; a traced one is clamped (negative or non-finite to 0, fractional
+     down) and the step counted in ``stats.bad_tokens``.
   3. At ``t = step_of(r)``, for fragment ``f = r mod P``: ``Δ_m = anchor_f − θ_m,f`` at
      ``delta_precision``; ``g = Σ_m w_m · decode(Δ_m)`` in F32, in learner order, with
      ``w_m = tokens_m / Σ tokens``; the outer step ``master ← master +
@@ -211,13 +218,23 @@ def diloco(
   given the fragment's leaves in their own shapes instead.
 
   The outer work sits under ``lax.cond``/``lax.switch``, and the other steps skip it:
-  under ``vmap`` the (batched) count is replaced by its maximum over the axis, one scalar
-  all-reduce a step, so that the predicate is not batched.
+  under ``vmap`` the (batched) count and the learners' verdicts on their steps (below)
+  are replaced by their maxima over the axis, one all-reduce of two scalars a step, so
+  that the predicate is not batched.
   Between merges the returned updates are exactly the inner optimizer's; on a merge
   they are ``θ_new − params`` at the updates' dtype, so with 16-bit parameters
   ``params + updates`` matches Θ up to one rounding, which the next delta absorbs.
-  Updates are additive, so the reset after a skipped round repairs finite parameters
-  only: a learner whose parameters already hold NaN/Inf should take ``state.anchor``.
+
+  **Non-finite steps** (``gmjax.transform.finite``). A step never makes finite
+  parameters non-finite: where a learner's gradients, or ``params + updates`` at the
+  parameters' dtype (as ``optax.apply_updates`` forms it), hold a NaN or Inf anywhere,
+  its update is dropped (zero, or the merge alone on a merge step) and counted in
+  ``stats.dropped``; its inner optimizer runs on the gradients with their NaN/Inf
+  zeroed, so that its state stays finite; and its next delta of every fragment is
+  withheld, which the round rejects as it rejects a non-finite delta, so that the
+  learner rejoins Θ at the merge. Updates are additive, so parameters that already
+  hold a NaN or Inf cannot be repaired through ``optax.apply_updates`` (every later
+  step is dropped too): give such a learner ``state.anchor``.
 
   Args:
     inner: the inner optimizer (any optax ``GradientTransformation``).
@@ -241,7 +258,8 @@ def diloco(
       ``config.outer`` other than ``"custom"``, or ``"custom"`` without ``outer``; a
       sharded outer step with an outer optimizer that is not elementwise (pass
       ``shard_outer=False``), or with ``init`` outside the mapped axis; ``update``
-      without params, or with non-scalar tokens.
+      without params, or with ``tokens`` that is not one number, or, when static, not
+      a non-negative whole number below 2^31.
     TypeError: ``config`` is not a ``gmjax.DiLoCo``, or ``inner``/``outer`` not a
       transformation.
 
@@ -314,22 +332,28 @@ def diloco(
     if axis_name is not None and not sharded:
       _axis_size(axis_name, "update", sharded)  # the learners' axis must be bound
     layout = layout_of(params, "update")
-    step_tokens = token_counts.step_tokens(tokens)
+    step_tokens, bad_tokens = token_counts.step_tokens(tokens)
     learner = lax.axis_index(axis_name) if sharded else None
-    count = _unbatched(state.count, axis_name)
-    first = count == 0
     # The inner step takes each learner's own parameters, where its gradients were
     # taken; on the first step the result is moved onto learner 0's start (in ``rare``),
-    # so the common step carries no alignment at all.
+    # so the common step carries no alignment at all. A step that would make the
+    # parameters non-finite is dropped (``gmjax.transform.finite``).
     inner_updates, inner_state = inner.update(
-        updates, state.inner_state, params, **extra_args
+        finite.finite_gradients(updates), state.inner_state, params, **extra_args
     )
+    inner_updates = finite.marked(inner_updates, updates)
+    dropped = finite.non_finite(params, inner_updates)
+    count, anyone_dropped = _unbatched(state.count, dropped, axis_name)
+    first = count == 0
     t = optax.safe_int32_increment(count)
     sync_index = structure.lookup(layout.table, t % sync_every)
     merge_index = jnp.where(t > tau, structure.lookup(layout.table, (t - tau) % sync_every), 0)
+    counts = token_counts.withhold(token_counts.add(state.tokens, step_tokens), dropped)
+    stats = state.stats._replace(
+        dropped=state.stats.dropped + dropped.astype(jnp.int32),
+        bad_tokens=state.stats.bad_tokens + bad_tokens.astype(jnp.int32))
     round_state = RoundState(state.anchor, state.master, state.outer_state, state.pending,
-                             token_counts.add(state.tokens, step_tokens), state.stats,
-                             state.residual, state.delay)
+                             counts, stats, state.residual, state.delay)
 
     def common(inner_updates, params, round_state):
       del params
@@ -340,11 +364,11 @@ def diloco(
       start, begun = lax.cond(first, begin, lambda p, s: (p, s), params, round_state)
       new_updates, new_state = rounds.run_round(
           layout, config, tx, axis_name, learner, (start, params, inner_updates), begun,
-          first, sync_index, merge_index,
+          first, sync_index, merge_index, dropped,
       )
       return rounds.vary_like((new_updates, new_state), (inner_updates, round_state))
 
-    rare_step = first | (sync_index > 0) | (merge_index > 0)
+    rare_step = first | (sync_index > 0) | (merge_index > 0) | anyone_dropped
     new_updates, round_state = lax.cond(
         rare_step, rare, common, inner_updates, params, round_state
     )

@@ -18,9 +18,9 @@ from gmjax.core import round as round_ops
 from gmjax.core.codec import BLOCK
 from gmjax.core.schema import ParameterSpec
 from gmjax.transform import exchange, explicit, replicated, shards
+from gmjax.transform import tokens as token_counts
 from gmjax.transform.structure import Layout
-from gmjax.transform.state import (MERGE, NOTHING, RESET, DelayState, DiLoCoStatistics,
-                                   RoundState)
+from gmjax.transform.state import MERGE, NOTHING, RESET, DelayState, RoundState
 
 
 def vary_like(new: Any, old: Any) -> Any:
@@ -87,9 +87,11 @@ def start(layout: Layout, tx, axis_name: Any, learner: Any):
   return run
 
 
-def _kept_residual(new: dict[str, jax.Array], old: dict[str, jax.Array]) -> dict:
-  """The new residuals of a fragment, or zeros if any is not finite (nothing was sent)."""
-  ok = round_ops.count_non_finite(new.values(), explicit.total) == 0
+def _kept_residual(new: dict[str, jax.Array], old: dict[str, jax.Array],
+                   withheld: jax.Array) -> dict:
+  """The new residuals of a fragment, or zeros if any is not finite (nothing was sent)
+  or the delta was ``withheld`` (as if it were not finite: ``gmjax.transform.finite``)."""
+  ok = (round_ops.count_non_finite(new.values(), explicit.total) == 0) & ~withheld
   return {n: explicit.where(ok, v, jnp.zeros_like(old[n])) for n, v in new.items()}
 
 
@@ -155,7 +157,8 @@ def _sync(layout, config, tx, axis_name, learner, names, anchor, master, outer_s
                                               delta, rows, buckets, counts)
   if layout.beta is not None:
     residual = _kept_residual(
-        {n: explicit.like(delta[n] - sent[n], residual[n]) for n in names}, residual)
+        {n: explicit.like(delta[n] - sent[n], residual[n]) for n in names}, residual,
+        token_counts.withheld(counts))
   # Buckets whose pieces keep no master (F32 Θ published as itself) start from Θ.
   keeps = layout.keeps(buckets)
   if not all(keeps):
@@ -185,13 +188,14 @@ def _sync(layout, config, tx, axis_name, learner, names, anchor, master, outer_s
 
 
 def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState, first,
-              sync_index, merge_index):
+              sync_index, merge_index, dropped=False):
   """The sync of the fragment ``sync_index − 1`` and the merge of ``merge_index − 1``.
 
   ``inputs`` is ``(start, params, inner_updates)``; the learner's ``θ = start +
   inner_updates`` is formed leaf by leaf inside each branch, from buffers that exist
-  already, so no branch operand is a new parameter-sized array. Returns the updates and
-  the new ``RoundState``.
+  already, so no branch operand is a new parameter-sized array. Where ``dropped`` (a
+  bool scalar: ``gmjax.transform.finite``), the inner updates count as zeros, selected
+  where they are read. Returns the updates and the new ``RoundState``.
   """
   flat_start, flat_params, flat_updates = (layout.flatten(x) for x in inputs)
   # Without error feedback there is no residual ({}: nothing crosses the branches).
@@ -205,16 +209,21 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
   rest = (state.master, state.outer_state, state.pending, state.tokens, state.stats,
           delay.weight if layout.eager else (), delay.outer if layout.eager else ())
 
+  def update_of(n):
+    """The inner update of leaf ``n``, zeros where the step is dropped."""
+    u = flat_updates[n]
+    return explicit.where(dropped, jnp.zeros_like(u), u)
+
   def theta_of(n):
     """``θ`` of leaf ``n``, at the parameter dtype, as ``optax.apply_updates`` forms it."""
     s = flat_start[n]
-    return (s + flat_updates[n]).astype(s.dtype)
+    return (s + update_of(n)).astype(s.dtype)
 
   def piece_theta(n):
     """``θ`` of piece ``n``, formed from the pieces of start and updates."""
     piece = layout.pieces[n]
     s = piece.take(flat_start[piece.leaf])
-    return (s + piece.take(flat_updates[piece.leaf])).astype(s.dtype)
+    return (s + piece.take(update_of(piece.leaf))).astype(s.dtype)
 
   def no_sync(flat, rest):
     return flat, rest
@@ -241,10 +250,11 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
       if layout.eager:
         # ... plus this learner's correction for its fresh delta.
         sent, weight = own
-        ok = eager.finite(sent)
+        ok = eager.finite(sent) & ~token_counts.withheld(counts[fragment])
         first_weight = 1.0 / (1 if axis_name is None else int(lax.psum(1, axis_name)))
         old_weight = jnp.where(weights[fragment] < 0, first_weight, weights[fragment])
-        # A delta that could not travel counts as none (its learner's weight is 0).
+        # A delta that could not travel, or was withheld, counts as none (its learner's
+        # weight is 0).
         mine = {n: explicit.where(ok, explicit.like(sent[n], previous[n]),
                                   jnp.zeros_like(previous[n])) for n in names}
         d = eager.proxy(mine, previous, old_weight)
@@ -264,7 +274,7 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
       anchor.update(chosen_anchor)
       masters = tuple(chosen_master if f == fragment else m for f, m in enumerate(masters))
       outer_states = tuple(kept if f == fragment else s for f, s in enumerate(outer_states))
-      stats = DiLoCoStatistics(
+      stats = stats._replace(
           rounds=stats.rounds + 1,
           skipped=stats.skipped + (~finite).astype(jnp.int32),
           fragment=jnp.int32(fragment),
@@ -296,11 +306,11 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
 
   def no_merge(flat_anchor, pending):
     if axis_name is None:
-      return dict(flat_updates), pending
+      return {n: update_of(n) for n in flat_updates}, pending
     # The first update moves every learner onto learner 0's start.
     updates = {
-        n: explicit.where(first, difference(n, theta_of(n)), u)
-        for n, u in flat_updates.items()
+        n: explicit.where(first, difference(n, theta_of(n)), update_of(n))
+        for n in flat_updates
     }
     return vary_like((updates, pending), (flat_updates, pending))
 

@@ -4,7 +4,9 @@ Before the weighted sum, each learner's decoded delta is judged from numbers eve
 learner holds alike (its squared norm over the fragment and its count of non-finite
 values, both summed over the shards first when the outer step is sharded):
 
-* a delta with a NaN or Inf value is rejected;
+* a delta with a NaN or Inf value is rejected, and so is a withheld one (its learner
+  dropped a step since its last delta, which would have made it non-finite:
+  ``gmjax.transform.finite``; its token count is marked ``WITHHELD``);
 * a delta whose norm is an outlier (``gmjax.core.guards.outliers``: more than
   ``OUTLIER_FACTOR`` times the lower median of the *other* learners' norms) is rejected;
 * a kept learner's token count above that factor times the lower median of the other
@@ -51,9 +53,10 @@ def judge(squared: jax.Array, non_finite: jax.Array, counts: jax.Array) -> Verdi
   Args:
     squared: F32 ``(M,)``, each learner's ``‖decode(Δ_m)‖²`` over the fragment.
     non_finite: ``(M,)``, how many of each learner's decoded values are NaN or Inf.
-    counts: int32 ``(M, 2)``, each learner's token count (``gmjax.transform.tokens``).
+    counts: int32 ``(M, 2)``, each learner's token count (``gmjax.transform.tokens``),
+      marked where the learner withholds its delta.
   """
-  finite = non_finite == 0
+  finite = (non_finite == 0) & ~token_counts.withheld(counts)
   norms = jnp.sqrt(jnp.where(finite, squared, jnp.nan))
   keep = finite & ~guards.outliers(norms, guards.OUTLIER_FACTOR, xp=jnp)
   values = token_counts.as_float(counts)

@@ -15,7 +15,8 @@ RESET = 2  # the round was skipped: reset the fragment to its anchor, no mixing
 
 
 class DiLoCoStatistics(NamedTuple):
-  """Health statistics of the latest round, replicated on every learner.
+  """Health statistics of the latest round, replicated on every learner, and counts of
+  this learner's dropped steps and bad token counts.
 
   Attributes:
     rounds: rounds done so far (skipped ones included), int32.
@@ -27,9 +28,16 @@ class DiLoCoStatistics(NamedTuple):
     cosine: the mean pairwise cosine similarity of the kept learners' decoded deltas in
       the latest round, F32; NaN with fewer than two nonzero ones (one learner).
     rejected: how many learners' deltas the latest round rejected (NaN or Inf values,
-      or a norm more than ``OUTLIER_FACTOR`` times the lower median of the others'; see
-      ``gmjax.transform.screen``), int32.
+      withheld after a dropped step, or a norm more than ``OUTLIER_FACTOR`` times the
+      lower median of the others'; see ``gmjax.transform.screen``), int32.
     clamped: how many kept learners' token counts the latest round clamped, int32.
+    dropped: this learner's steps so far whose update was dropped because its
+      gradients, or ``params + updates``, were not finite (its next delta of every
+      fragment withheld; ``gmjax.transform.finite``), int32; not replicated.
+      Parameters that already hold NaN or Inf count on every step.
+    bad_tokens: this learner's steps so far whose traced ``tokens`` was not a
+      non-negative whole number and was clamped (negative or non-finite to 0,
+      fractional down), int32; not replicated.
   """
 
   rounds: jax.Array
@@ -39,6 +47,8 @@ class DiLoCoStatistics(NamedTuple):
   cosine: jax.Array
   rejected: jax.Array
   clamped: jax.Array
+  dropped: jax.Array
+  bad_tokens: jax.Array
 
 
 def initial_statistics() -> DiLoCoStatistics:
@@ -50,6 +60,8 @@ def initial_statistics() -> DiLoCoStatistics:
       cosine=jnp.full([], jnp.nan, jnp.float32),
       rejected=jnp.zeros([], jnp.int32),
       clamped=jnp.zeros([], jnp.int32),
+      dropped=jnp.zeros([], jnp.int32),
+      bad_tokens=jnp.zeros([], jnp.int32),
   )
 
 
@@ -77,7 +89,8 @@ class DiLoCoState(NamedTuple):
     pending: per fragment, what its next merge does (0 nothing, 1 align with mixing,
       2 reset to the anchor after a skipped round), int32 of shape ``(P,)``.
     tokens: per fragment, tokens trained since the learner's last delta of it, exact
-      int32 pairs ``(high, low)`` = ``high·2^24 + low``, shape ``(P, 2)``.
+      int32 pairs ``(high, low)`` = ``high·2^24 + low``, shape ``(P, 2)``; ``(−1, −1)``
+      (``gmjax.transform.tokens.WITHHELD``) after a dropped step: the delta is withheld.
     stats: ``DiLoCoStatistics`` of the latest round.
     residual: with ``error_feedback``, this learner's F32 residual ``e`` of every leaf
       (``gmjax.core.feedback``), shaped and laid out like the parameters (each learner
