@@ -118,18 +118,18 @@ def _axis_size(axis_name: Any, where: str, sharded: bool) -> int:
 
 def _check_params(params: Any, anchor: Any) -> None:
   """Raises unless ``params`` has the structure and shapes the state was built for."""
-  got, want = jax.tree.structure(params), jax.tree.structure(anchor)
-  if got != want:
+  found = structure.mismatch(params, anchor)
+  if found is None:
+    return
+  kind, path, got, want = found
+  if kind == "structure":
     raise ValueError(
         f"gmjax.diloco: update got params structured as {got}, but the state was built"
         f" for {want}; build the state with optimizer.init on these params.")
-  for (path, p), a in zip(jax.tree_util.tree_flatten_with_path(params)[0],
-                          jax.tree.leaves(anchor)):
-    if jnp.shape(p) != jnp.shape(a):
-      raise ValueError(
-          f"gmjax.diloco: update got params{jax.tree_util.keystr(path)} of shape"
-          f" {jnp.shape(p)}, but the state was built for shape {jnp.shape(a)}; build the"
-          " state with optimizer.init on the parameters as they are now.")
+  raise ValueError(
+      f"gmjax.diloco: update got params{path} of shape {got}, but the state was built"
+      f" for shape {want}; build the state with optimizer.init on the parameters as"
+      " they are now.")
 
 
 def _unbatched(count: jax.Array, dropped: jax.Array,

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from gmjax.transform import explicit
+from gmjax.transform import explicit, structure
 from gmjax.transform.state import DiLoCoState
 
 
@@ -75,19 +75,17 @@ def finish(state: DiLoCoState, params: Any, *, learner_axis: int | None = None) 
         f" {type(state).__name__}; for a chained optimizer pass the DiLoCoState inside"
         " the chain's state (e.g. state[1] of optax.chain(clip, gmjax.diloco(...))).")
   anchor = state.anchor
-  if jax.tree.structure(params) != jax.tree.structure(anchor):
+  found = structure.mismatch(params, anchor)
+  if found is not None and found[0] == "structure":
     raise ValueError(
-        f"gmjax.finish: params are structured as {jax.tree.structure(params)}, but the"
-        f" state's anchor as {jax.tree.structure(anchor)}; pass the parameters the"
-        " optimizer was updating.")
-  for (path, p), a in zip(jax.tree_util.tree_flatten_with_path(params)[0],
-                          jax.tree.leaves(anchor)):
-    if jnp.shape(p) != jnp.shape(a):
-      raise ValueError(
-          f"gmjax.finish: params{jax.tree_util.keystr(path)} has shape {jnp.shape(p)}"
-          f" but the state's anchor {jnp.shape(a)}; pass the parameters the optimizer"
-          " was updating" + (", stacked like the state" if learner_axis is not None
-                             else "") + ".")
+        f"gmjax.finish: params are structured as {found[2]}, but the state's anchor as"
+        f" {found[3]}; pass the parameters the optimizer was updating.")
+  if found is not None:
+    _, path, got, want = found
+    raise ValueError(
+        f"gmjax.finish: params{path} has shape {got} but the state's anchor {want}; pass"
+        " the parameters the optimizer was updating"
+        + (", stacked like the state" if learner_axis is not None else "") + ".")
   if learner_axis is not None and not isinstance(learner_axis, int):
     raise ValueError(
         f"gmjax.finish: learner_axis must be None or an int (the dimension the learners"

@@ -26,6 +26,23 @@ from gmjax.transform.buckets import Buckets
 from gmjax.transform.state import DelayState
 
 
+def mismatch(params: Any, anchor: Any) -> tuple[str, str, tuple, tuple] | None:
+  """How ``params`` differs from the state's ``anchor``, or None if it does not.
+
+  Returns ``("structure", "", got, want)`` for another tree structure, else
+  ``("shape", path, got, want)`` for the first leaf of another shape (``path`` as
+  ``jax.tree_util.keystr`` writes it), for the callers' messages.
+  """
+  got, want = jax.tree.structure(params), jax.tree.structure(anchor)
+  if got != want:
+    return "structure", "", got, want
+  for (path, p), a in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                          jax.tree.leaves(anchor)):
+    if jnp.shape(p) != jnp.shape(a):
+      return "shape", jax.tree_util.keystr(path), jnp.shape(p), jnp.shape(a)
+  return None
+
+
 def sync_table(schedule: RoundSchedule) -> np.ndarray:
   """``table[t mod H]``: 1 + the fragment that syncs at global step ``t``, or 0."""
   table = np.zeros(schedule.sync_every, np.int32)
