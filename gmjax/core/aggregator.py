@@ -16,10 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gmjax.core import outer_records
+from gmjax.core import outer_records, robust
 from gmjax.core import round as round_ops
 from gmjax.core.diloco import DiLoCo
-from gmjax.core.records import Contribution, FragmentState, Participant, RoundResult
+from gmjax.core.records import (Aggregation, Contribution, FragmentState, Participant,
+                                RoundResult)
 from gmjax.core.schema import NUMPY_DTYPES, ParameterSpec, Schema, master_name
 from gmjax.core.stats import cosine_from_gram
 
@@ -38,14 +39,22 @@ def _outer_transform(config: DiLoCo) -> optax.GradientTransformation:
 @functools.partial(
     jax.jit,
     static_argnames=("specs", "delta_wire", "commit_wire", "transform", "aliases",
-                     "keep_master"),
+                     "keep_master", "rule"),
 )
-def _close(theta, outer_state, contributions, weights, *, specs, delta_wire, commit_wire,
-           transform, aliases, keep_master):
+def _close(theta, outer_state, contributions, weights, keep, *, specs, delta_wire,
+           commit_wire, transform, aliases, keep_master, rule):
   # ``contributions``: each payload entry stacked over the slots (the learners in sorted
   # order, then zero padding), so every step is one program whatever their count.
   deltas = jax.vmap(lambda c: delta_wire.decode_values(c, specs))(contributions)
-  gradient = {s.name: round_ops.weighted_sum(deltas[s.name], weights) for s in specs}
+  dots = round_ops.gram_rows(list(deltas.values()))
+  if rule.is_mean:
+    applied = rule.apply(weights, keep, None)
+    gradient = {s.name: round_ops.weighted_sum(deltas[s.name], weights) for s in specs}
+  else:
+    # The padding slots are not kept: they take part in no median and no trimming.
+    squared = jnp.sum(jnp.where(jnp.eye(keep.shape[0], dtype=bool), dots, 0.0), axis=1)
+    applied = rule.apply(weights, keep, squared)
+    gradient = {s.name: rule.combine(deltas[s.name], applied, keep) for s in specs}
   master = {
       s.name: (outer_state[master_name(s.name)] if keep_master[i]
                else theta[s.name].astype(jnp.float32))
@@ -61,8 +70,7 @@ def _close(theta, outer_state, contributions, weights, *, specs, delta_wire, com
   for i, s in enumerate(specs):
     if keep_master[i]:
       new_outer[master_name(s.name)] = result.master[s.name]
-  return (result.theta, new_outer, result.update,
-          round_ops.gram_rows(list(deltas.values())), result.bad)
+  return result.theta, new_outer, result.update, dots, result.bad, applied
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,18 +116,23 @@ class DiLoCoAggregator:
       weights = [1.0 / len(ordered)] * len(ordered)
     slots = padded_count(max(capacity, len(ordered)))
     padding = [self.zero_contribution()] * (slots - len(ordered))
-    theta, outer_state, update, dots, bad = _close(
+    theta, outer_state, update, dots, bad, applied = _close(
         {s.name: state.theta[s.name] for s in specs},
         dict(state.outer),
         _stacked([dict(c.tensors) for c in ordered] + padding),
         np.asarray(weights + [0.0] * len(padding), np.float32),
+        np.arange(slots) < len(ordered),
         specs=specs,
         delta_wire=self.config.delta_wire,
         commit_wire=self.config.commit_wire,
         transform=_outer_transform(self.config),
         aliases=outer_records.seed_aliases(self.config.outer),
         keep_master=tuple(self.config.keeps_master(s.dtype) for s in specs),
+        rule=self.config.rule,
     )
+    aggregation = None
+    if not self.config.rule.is_mean:
+      aggregation, weights = _described(self.config.rule, applied, learners)
     participants = tuple(
         Participant(c.learner, c.local_step, c.steps, c.tokens, float(w))
         for c, w in zip(ordered, weights)
@@ -127,16 +140,18 @@ class DiLoCoAggregator:
     if float(bad) > 0:
       # The skip rule (``round.outer_round``): finite deltas can still overflow the outer
       # step; the version commits with the fragment unchanged, so the run goes on.
-      return self._unchanged(state, participants, skipped=True)
+      return self._unchanged(state, participants, skipped=True, aggregation=aggregation)
     return RoundResult(
         state=FragmentState(state.version + 1, _host(theta), _host(outer_state)),
         participants=participants,
         cosine=cosine_from_gram(np.asarray(dots)[: len(ordered), : len(ordered)]),
         update=None if update is None else _host(update),
+        aggregation=aggregation,
     )
 
   def _unchanged(self, state: FragmentState, participants: tuple[Participant, ...], *,
-                 skipped: bool = False) -> RoundResult:
+                 skipped: bool = False, aggregation: Aggregation | None = None
+                 ) -> RoundResult:
     """The next version with Θ and the outer state of ``state`` (a zero update)."""
     update = None
     if self.config.commit_precision is not None:
@@ -144,7 +159,7 @@ class DiLoCoAggregator:
       update = _host(self.config.commit_wire.encode(zeros, self.schema))
     return RoundResult(
         FragmentState(state.version + 1, dict(state.theta), dict(state.outer)),
-        participants, None, update, skipped)
+        participants, None, update, skipped, aggregation)
 
   def initial_state(self, theta: Mapping[str, Any]) -> FragmentState:
     """Version 0 of the fragment: the creator's parameters ``theta`` (by name), the
@@ -176,6 +191,20 @@ class DiLoCoAggregator:
     state = self.initial_state(zeros)
     self.close_round(state, [Contribution("warm", 0, 0, 0, 0.0, False,
                                           self.zero_contribution())], capacity=capacity)
+
+
+def _described(rule: robust.Rule, applied: robust.Applied, learners: Sequence[str]
+               ) -> tuple[Aggregation, list[float]]:
+  """What a robust rule did, as the round record lists it, and each participant's
+  weight: the token share the rule gave it (``"clipped_mean"``: capped and
+  renormalized, its clip scale listed apart; ``"trimmed_mean"``: ``1/K``, as each
+  coordinate averages the values it keeps with equal weights)."""
+  shares = [float(w) for w in np.asarray(applied.shares, np.float64)[: len(learners)]]
+  scales = np.asarray(applied.scales, np.float64)[: len(learners)]
+  clipped = tuple((name, float(scale)) for name, scale in zip(learners, scales)
+                  if scale < 1)
+  return Aggregation(rule.name, rule.trim, clipped=clipped, capped=int(applied.capped),
+                     trimmed=int(applied.trimmed)), shares
 
 
 def _stacked(payloads: Sequence[Mapping[str, Any]]) -> dict[str, np.ndarray]:

@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 from gmjax.core import eager as eager_updates
-from gmjax.core import feedback, layers, outer
+from gmjax.core import feedback, layers, outer, robust
 from gmjax.core.records import Precision
 from gmjax.core.schedule import RoundSchedule
 from gmjax.core.schema import Schema
@@ -111,6 +111,16 @@ class DiLoCo:
       ``<leaf>[start:stop]`` (on the wire, in mail payloads and in the state), fragment
       ``b`` holds block ``b`` of every stacked leaf, and the other leaves join the
       lightest fragments (``plan``). Every stacked leaf must hold the same ``L``.
+    aggregation: how a round combines the kept deltas (``gmjax.core.robust``):
+      ``"mean"``, the token-weighted mean (every learner with a valid key is trusted);
+      ``"clipped_mean"``, each delta's norm clipped to the round's median norm and each
+      token weight capped at the median weight, then renormalized; ``"trimmed_mean"``,
+      per coordinate the ``trim`` largest and ``trim`` smallest values dropped and the
+      rest averaged with equal weights (the coordinate-wise median when fewer than
+      ``2·trim + 1`` deltas are kept). Not with ``eager``, whose correction assumes the
+      mean.
+    trim: values ``"trimmed_mean"`` drops from each side of every coordinate: at least
+      the number of colluding attackers it must withstand.
 
   Example:
     >>> import numpy as np
@@ -150,6 +160,8 @@ class DiLoCo:
   outer_delay: int = 0
   eager: bool = False
   layer_axis: Mapping[str, int] | None = None
+  aggregation: str = robust.MEAN
+  trim: int = 1
 
   def __post_init__(self):
     _positive_int("sync_every", self.sync_every)
@@ -218,6 +230,12 @@ class DiLoCo:
     else:
       self.outer_transform()  # fails now, naming the argument, rather than at the first round
     eager_updates.check(self)
+    robust.check(self.aggregation, self.trim)
+    if self.eager and self.aggregation != robust.MEAN:
+      raise ValueError(
+          f"DiLoCo eager=True needs aggregation='mean', got"
+          f" aggregation={self.aggregation!r}: an eager learner swaps its own weighted"
+          " delta in the mean, which a robust rule does not form; set eager=False.")
     if self.error_feedback is not None:
       # A float, so that equal configurations hash alike (their JSON is the same).
       object.__setattr__(self, "error_feedback",
@@ -285,6 +303,11 @@ class DiLoCo:
   def delta_wire(self) -> Wire:
     """How deltas travel: ``delta_precision``, dense or top-``delta_topk``."""
     return Wire(self.delta_precision, self.delta_topk, self.delta_chunk)
+
+  @property
+  def rule(self) -> robust.Rule:
+    """How a round combines its kept deltas: ``aggregation`` with ``trim``."""
+    return robust.Rule(self.aggregation, self.trim)
 
   @property
   def commit_wire(self) -> Wire:
@@ -461,6 +484,10 @@ class DiLoCo:
     for name in ("outer_delay", "eager"):
       if not record[name]:
         del record[name]  # likewise
+    if record["aggregation"] == robust.MEAN:
+      del record["aggregation"]  # likewise
+    if record["trim"] == 1:
+      del record["trim"]
     return {"name": "DiLoCo", **record}
 
   @classmethod

@@ -77,6 +77,32 @@ class Participant:
 
 
 @dataclasses.dataclass(frozen=True)
+class Aggregation:
+  """What a robust aggregation rule (``gmjax.core.robust``) did in a round, as the round
+  record lists it under ``"aggregation"`` (rounds aggregated by ``"mean"`` have none).
+
+  Attributes:
+    rule: ``"clipped_mean"`` or ``"trimmed_mean"``.
+    trim: the configured ``trim``.
+    clipped: ``(learner, scale)`` of each delta whose norm was clipped to the median,
+      ``scale = median / norm``.
+    capped: how many token weights were capped at the median weight.
+    trimmed: values dropped from each side of every coordinate.
+  """
+
+  rule: str
+  trim: int
+  clipped: tuple[tuple[str, float], ...] = ()
+  capped: int = 0
+  trimmed: int = 0
+
+  def to_json(self) -> dict[str, Any]:
+    return {"rule": self.rule, "trim": self.trim,
+            "clipped": [{"learner": n, "scale": s} for n, s in self.clipped],
+            "capped": self.capped, "trimmed": self.trimmed}
+
+
+@dataclasses.dataclass(frozen=True)
 class RoundResult:
   """What closing a round produced.
 
@@ -89,6 +115,7 @@ class RoundResult:
       old Θ to rebuild the new one from; None when commits carry Θ alone.
     skipped: the outer step's result was not finite, so ``state`` keeps Θ and the
       outer state (``gmjax.core.round.outer_round``'s skip rule).
+    aggregation: what a robust rule did, or None (``"mean"``).
   """
 
   state: FragmentState
@@ -96,6 +123,7 @@ class RoundResult:
   cosine: float | None
   update: Mapping[str, Tensor] | None
   skipped: bool = False
+  aggregation: Aggregation | None = None
 
 
 @runtime_checkable

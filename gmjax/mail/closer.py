@@ -361,6 +361,8 @@ class Closer:
       extra["skipped"] = skipped
     if clamped:
       extra["clamped"] = clamped
+    if result.aggregation is not None:
+      extra["aggregation"] = result.aggregation.to_json()
     record = RoundRecord(
         round=watch.round,
         fragment=watch.fragment,

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from gmjax.core import robust
 from gmjax.core import round as round_ops
 from gmjax.core.codec import JNP_DTYPES
 from gmjax.core.schema import ParameterSpec
@@ -123,15 +124,21 @@ def receive_sparse(
           {s.name: mine[s.name].reshape(s.shape) for s in specs})
 
 
-def judge_and_sum(deltas: Sequence[jax.Array], counts: jax.Array, axis_name: Any
+def judge_and_sum(deltas: Sequence[jax.Array], counts: jax.Array, axis_name: Any,
+                  rule: robust.Rule = robust.Rule()
                   ) -> tuple[list[jax.Array], screen.Verdict, jax.Array]:
-  """Screens the received deltas and sums the kept ones, bucket by bucket.
+  """Screens the received deltas and combines the kept ones by ``rule``, bucket by bucket.
+
+  Each learner holds every learner's value of each coordinate of its shard, so a rule
+  that needs them all (``"trimmed_mean"``) sorts them where they are: the exchange
+  moves the same bytes whatever the rule.
 
   Args:
     deltas: every learner's decoded delta of this learner's shard, ``(F, S, M, 32)``
       each (``receive``).
     counts: this learner's token count pair.
     axis_name: the learners' axis.
+    rule: how the kept deltas are combined (``DiLoCo.rule``).
 
   Returns:
     ``(gradient, verdict, matrix)``: ``g`` of this learner's shard ``(F, S, 32)`` per
@@ -148,9 +155,8 @@ def judge_and_sum(deltas: Sequence[jax.Array], counts: jax.Array, axis_name: Any
   size = learners * learners
   matrix = summed[:size].reshape(learners, learners)
   squares = _diagonal(matrix)
-  verdict = screen.judge(squares, summed[size:], every)
-  gradient = [round_ops.weighted_sum(d, verdict.weights, LEARNER_DIM, keep=verdict.keep)
-              for d in deltas]
+  verdict = screen.ruled(screen.judge(squares, summed[size:], every), rule, squares)
+  gradient = [rule.combine(d, verdict.applied, verdict.keep, LEARNER_DIM) for d in deltas]
   return gradient, verdict, matrix
 
 

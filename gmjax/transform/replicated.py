@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gmjax.core import robust
 from gmjax.core import round as round_ops
 from gmjax.core.schema import ParameterSpec
 from gmjax.core.wire import Wire
@@ -94,10 +95,15 @@ def aggregate(
     packed: Sequence[jax.Array],
     tokens: jax.Array,
     axis_name: AxisName,
+    rule: robust.Rule = robust.Rule(),
 ) -> tuple[list[jax.Array], jax.Array, screen.Verdict, list[jax.Array]]:
   """The outer gradient ``g = Σ_m w_m · decode(Δ_m)`` across ``axis_name`` of a fragment's
-  dense buckets, and the cosine. The deltas are screened first
-  (``gmjax.transform.screen``), as in the sharded exchange.
+  dense buckets (or ``rule``'s robust aggregate), and the cosine. The deltas are screened
+  first (``gmjax.transform.screen``), as in the sharded exchange.
+
+  F32 deltas are summed by one ``psum`` unless the rule needs every learner's value of
+  each coordinate (``"trimmed_mean"``): they are then all-gathered as the other
+  precisions are.
 
   Args:
     buckets: how the fragment's pieces lie in ``packed`` (``gmjax.transform.buckets``),
@@ -106,6 +112,7 @@ def aggregate(
     tokens: tokens this learner trained since its last delta of the fragment, an int32
       pair (see ``gmjax.transform.tokens``).
     axis_name: the learners' mapped axis, or None for a single learner.
+    rule: how the kept deltas are combined (``DiLoCo.rule``).
 
   Returns:
     ``(g, cosine, verdict, sent)``: ``g`` in F32 ``(F, S, 32)`` per bucket (identical on
@@ -120,21 +127,23 @@ def aggregate(
   sent = [d[:, :, None] for d in decoded]
   if axis_name is None:
     squared, bad = screen.squares_and_non_finite(decoded)
-    verdict = screen.judge(squared[None], bad[None], tokens[None])
-    # Unmasked: a lone learner's delta is rejected only when it is not finite, and then
+    verdict = screen.ruled(screen.judge(squared[None], bad[None], tokens[None]), rule,
+                           squared[None])
+    # Unmasked (any rule's aggregate of one delta is the delta): a lone learner's delta is rejected only when it is not finite, and then
     # so is ``g``, and the round is skipped (``round.outer_round``); masking would copy
     # the delta.
     return decoded, jnp.float32(jnp.nan), verdict, sent
-  if all(code == "F32" for code in buckets.codes):
+  if all(code == "F32" for code in buckets.codes) and not rule.needs_values:
     every = lax.all_gather(jnp.stack(screen.squares_and_non_finite(decoded)), axis_name)
     every = explicit.pin(every, (None,) * every.ndim)
     all_tokens = lax.all_gather(tokens, axis_name)
     all_tokens = explicit.pin(all_tokens, (None,) * all_tokens.ndim)
-    verdict = screen.judge(every[:, 0], every[:, 1], all_tokens)
+    verdict = screen.ruled(screen.judge(every[:, 0], every[:, 1], all_tokens), rule,
+                           every[:, 0])
     me = lax.axis_index(axis_name)
     kept = screen.masked(decoded, verdict.keep[me])
     unit, nonzero = _unit(kept)
-    weighted = [verdict.weights[me] * v for v in kept]
+    weighted = [verdict.applied.weights[me] * v for v in kept]
     gradient, unit_sum, count = explicit.psum((weighted, unit, nonzero), axis_name)
     return gradient, mean_cosine(unit_sum, count), verdict, sent
   learners = lax.axis_size(axis_name)
@@ -149,12 +158,13 @@ def aggregate(
   others = (0, 1, 3)
   squares = explicit.total(jnp.sum(jnp.square(d), axis=others) for d in deltas)
   bad = explicit.total(round_ops.non_finite_flag(d, others) for d in deltas)
-  verdict = screen.judge(squares, bad, all_tokens)
+  verdict = screen.ruled(screen.judge(squares, bad, all_tokens), rule, squares)
   norms = jnp.sqrt(jnp.where(verdict.keep, squares, 0.0))
   nonzero = norms > 0
   scales = jnp.where(nonzero, 1.0 / jnp.where(nonzero, norms, 1.0), 0.0)
-  gradient, unit_sum = ([round_ops.weighted_sum(d, w, LEARNER_DIM, keep=verdict.keep)
-                         for d in deltas] for w in (verdict.weights, scales))
+  gradient = [rule.combine(d, verdict.applied, verdict.keep, LEARNER_DIM) for d in deltas]
+  unit_sum = [round_ops.weighted_sum(d, scales, LEARNER_DIM, keep=verdict.keep)
+              for d in deltas]
   count = jnp.sum(nonzero).astype(jnp.float32)
   return gradient, mean_cosine(unit_sum, count), verdict, sent
 
@@ -165,6 +175,7 @@ def aggregate_sparse(
     specs: Sequence[ParameterSpec],
     wire: Wire,
     axis_name: AxisName,
+    rule: robust.Rule = robust.Rule(),
 ) -> tuple[dict[str, jax.Array], jax.Array, screen.Verdict, dict[str, jax.Array]]:
   """``aggregate`` for sparse (top-k) deltas, whose entries are chosen leaf by leaf.
 
@@ -175,6 +186,7 @@ def aggregate_sparse(
     specs: the fragment's parameter specs, sorted by name, with the flat shapes.
     wire: how deltas travel (``DiLoCo.delta_wire``, sparse).
     axis_name: the learners' mapped axis, or None for a single learner.
+    rule: how the kept deltas are combined (``DiLoCo.rule``).
 
   Returns:
     ``(g, cosine, verdict, sent)`` as ``aggregate``'s, by leaf name and flat.
@@ -186,7 +198,8 @@ def aggregate_sparse(
   decoded = decode_values(entries)
   if axis_name is None:
     squared, bad = screen.squares_and_non_finite(decoded)
-    verdict = screen.judge(squared[None], bad[None], tokens[None])
+    verdict = screen.ruled(screen.judge(squared[None], bad[None], tokens[None]), rule,
+                           squared[None])
     return decoded, jnp.float32(jnp.nan), verdict, decoded
   # Flat entries gather along a new last dimension: an FSDP split of their only
   # dimension stays where it lies (gathered in front, JAX's type would move it to the
@@ -204,11 +217,12 @@ def aggregate_sparse(
   deltas = jax.vmap(decode_values, in_axes=-1)(gathered)
   squares = explicit.total(jnp.sum(jnp.square(d), axis=1) for d in deltas.values())
   bad = explicit.total(round_ops.non_finite_flag(d, 1) for d in deltas.values())
-  verdict = screen.judge(squares, bad, all_tokens)
+  verdict = screen.ruled(screen.judge(squares, bad, all_tokens), rule, squares)
   norms = jnp.sqrt(jnp.where(verdict.keep, squares, 0.0))
   nonzero = norms > 0
   scales = jnp.where(nonzero, 1.0 / jnp.where(nonzero, norms, 1.0), 0.0)
-  gradient, unit_sum = ({n: round_ops.weighted_sum(d, w, keep=verdict.keep)
-                         for n, d in deltas.items()} for w in (verdict.weights, scales))
+  gradient = {n: rule.combine(d, verdict.applied, verdict.keep) for n, d in deltas.items()}
+  unit_sum = {n: round_ops.weighted_sum(d, scales, keep=verdict.keep)
+              for n, d in deltas.items()}
   count = jnp.sum(nonzero).astype(jnp.float32)
   return gradient, mean_cosine(unit_sum, count), verdict, decoded

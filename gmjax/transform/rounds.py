@@ -120,14 +120,14 @@ def _exchange(layout, config, axis_name, learner, names, delta, rows, buckets, c
   if layout.learners is None:
     if not wire.sparse:
       gradient, cosine, verdict, sent = replicated.aggregate(
-          buckets, buckets.pack(rows), counts, axis_name)
+          buckets, buckets.pack(rows), counts, axis_name, config.rule)
       return gradient, verdict, cosine, unrows(sent)
     # The sparse codec chooses its entries on flat leaves, whose row-major pieces stay
     # where an FSDP split of the leading dimension put them.
     flat = {s.name: dataclasses.replace(s, shape=(s.size,)) for s in specs}
     gradient, cosine, verdict, sent = replicated.aggregate_sparse(
         {n: explicit.flatten(delta[n], BLOCK) for n in names}, counts, list(flat.values()),
-        wire, axis_name)
+        wire, axis_name, config.rule)
     gradient = layout.rows({n: explicit.unflatten(g, delta[n]) for n, g in gradient.items()})
     return ([layout.own(b, None) for b in buckets.pack(gradient)], verdict, cosine,
             {n: explicit.unflatten(v, delta[n]) for n, v in sent.items()})
@@ -138,7 +138,8 @@ def _exchange(layout, config, axis_name, learner, names, delta, rows, buckets, c
     received, sent = exchange.receive_sparse(delta, specs, wire, axis_name, layout.learners,
                                              learner)
     deltas = buckets.pack(received)
-  gradient, verdict, matrix = exchange.judge_and_sum(deltas, counts, axis_name)
+  gradient, verdict, matrix = exchange.judge_and_sum(deltas, counts, axis_name,
+                                                     config.rule)
   both = verdict.keep[:, None] & verdict.keep[None, :]
   return gradient, verdict, exchange.mean_cosine(jnp.where(both, matrix, 0.0)), sent
 
@@ -282,6 +283,9 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
           cosine=cosine,
           rejected=verdict.rejected,
           clamped=verdict.clamped,
+          clipped=verdict.applied.clipped,
+          capped=verdict.applied.capped,
+          trimmed=verdict.applied.trimmed,
       )
       pending = pending.at[fragment].set(jnp.where(finite, MERGE, RESET))
       counts = counts.at[fragment].set(jnp.zeros([2], jnp.int32))

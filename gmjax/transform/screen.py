@@ -25,7 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gmjax.core import guards
+from gmjax.core import guards, robust
 from gmjax.core import round as round_ops
 from gmjax.transform import explicit
 from gmjax.transform import tokens as token_counts
@@ -39,12 +39,15 @@ class Verdict(NamedTuple):
     weights: F32 ``(M,)``: the token weights of the kept learners (zero for the others).
     rejected: int32: how many deltas were rejected.
     clamped: int32: how many kept learners' token counts were clamped.
+    applied: what the aggregation rule makes of the kept deltas
+      (``gmjax.core.robust.Applied``: ``ruled``), None before.
   """
 
   keep: jax.Array
   weights: jax.Array
   rejected: jax.Array
   clamped: jax.Array
+  applied: robust.Applied | None = None
 
 
 def judge(squared: jax.Array, non_finite: jax.Array, counts: jax.Array) -> Verdict:
@@ -68,6 +71,12 @@ def judge(squared: jax.Array, non_finite: jax.Array, counts: jax.Array) -> Verdi
   weights = jnp.where(keep, token_counts.weights(used), 0.0)
   return Verdict(keep, weights, jnp.sum(~keep).astype(jnp.int32),
                  jnp.sum(clamp).astype(jnp.int32))
+
+
+def ruled(verdict: Verdict, rule: robust.Rule, squared: jax.Array) -> Verdict:
+  """``verdict`` with the aggregation rule applied to its kept deltas, whose squared
+  norms ``squared`` F32 ``(M,)`` are (a rejected one's value is not read)."""
+  return verdict._replace(applied=rule.apply(verdict.weights, verdict.keep, squared))
 
 
 def _pair(value: jax.Array) -> jax.Array:

@@ -31,6 +31,13 @@ class DiLoCoStatistics(NamedTuple):
       withheld after a dropped step, or a norm more than ``OUTLIER_FACTOR`` times the
       lower median of the others'; see ``gmjax.transform.screen``), int32.
     clamped: how many kept learners' token counts the latest round clamped, int32.
+    clipped: with ``aggregation="clipped_mean"``, how many kept deltas the latest round
+      clipped to the median norm, int32 (0 otherwise; ``gmjax.core.robust``).
+    capped: with ``aggregation="clipped_mean"``, how many kept token weights the latest
+      round capped at the median weight, int32.
+    trimmed: with ``aggregation="trimmed_mean"``, how many values the latest round
+      dropped from each side of every coordinate, int32 (``min(trim, ⌊(K−1)/2⌋)`` of
+      ``K`` kept deltas).
     dropped: this learner's steps so far whose update was dropped because its
       gradients, or ``params + updates``, were not finite (its next delta of every
       fragment withheld; ``gmjax.transform.finite``), int32; not replicated.
@@ -47,6 +54,9 @@ class DiLoCoStatistics(NamedTuple):
   cosine: jax.Array
   rejected: jax.Array
   clamped: jax.Array
+  clipped: jax.Array
+  capped: jax.Array
+  trimmed: jax.Array
   dropped: jax.Array
   bad_tokens: jax.Array
 
@@ -60,6 +70,9 @@ def initial_statistics() -> DiLoCoStatistics:
       cosine=jnp.full([], jnp.nan, jnp.float32),
       rejected=jnp.zeros([], jnp.int32),
       clamped=jnp.zeros([], jnp.int32),
+      clipped=jnp.zeros([], jnp.int32),
+      capped=jnp.zeros([], jnp.int32),
+      trimmed=jnp.zeros([], jnp.int32),
       dropped=jnp.zeros([], jnp.int32),
       bad_tokens=jnp.zeros([], jnp.int32),
   )
