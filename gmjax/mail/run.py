@@ -304,15 +304,25 @@ def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = N
 
 
 def open(url: str, *, key: bytes | str | None = None,  # pylint: disable=redefined-builtin
-         storage_options: dict[str, Any] | None = None) -> Run:
+         storage_options: dict[str, Any] | None = None,
+         retry_seconds: float = 30.0) -> Run:
   """Opens the run at ``url``.
+
+  Args:
+    url: the run's URL.
+    key: the run's signing key, if it has one.
+    storage_options: passed to the fsspec filesystem.
+    retry_seconds: how long the run's reads (``rounds()``, ``status()``, ...) retry
+      transient storage errors and hung requests before ``StorageUnavailable``; a
+      learner's calls retry for the run's timeout instead.
 
   Raises:
     RunNotFound: there is no ``manifest.json`` at ``url``.
     AuthenticationError: ``key`` is missing, wrong, or given for an unsigned run.
+    StorageUnavailable: the storage did not answer within ``retry_seconds``.
   """
   key = _key(key)
-  store = open_store(url, storage_options=storage_options)
+  store = open_store(url, retry_seconds=retry_seconds, storage_options=storage_options)
   manifest = _read_manifest(store, url)
   manifest.check_key(key, url)
   return Run(url, store, manifest, key)

@@ -14,6 +14,16 @@ it the run has moved on (the round closed without this call, or another learner 
 over), so longer retries buy nothing. A store used outside a learner keeps
 ``retry_seconds``.
 
+Every attempt on object storage has a deadline (``attempt_seconds``): half the retry
+budget, at least ``MIN_ATTEMPT_SECONDS``, plus the time to move its bytes at
+``MIN_BYTES_PER_SECOND``. An attempt past its deadline is abandoned (on ``gs://`` and
+``s3://`` the request is cancelled) and counts as a transient error, so a server that
+accepts a connection and never answers costs an attempt, not the process: the call is
+retried, and raises ``StorageUnavailable`` once the budget is spent. A read whose size is
+not known first asks for it (one more small request) so that its deadline covers the
+download. A local directory and ``memory://`` have no deadline: their calls are the
+kernel's or this process's, and cannot be abandoned.
+
 Exclusive create, by backend:
 
 * local directory: write a temporary file beside the target, ``fsync`` it, then
@@ -44,6 +54,7 @@ import hashlib
 import logging
 import os
 import random
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -64,6 +75,18 @@ _TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
 _CHUNK = 4 << 20  # read and hash in 4 MiB pieces: each is hashed while still in cache
 # URL schemes whose exclusive create is atomic and tested against a real server.
 SUPPORTED_PROTOCOLS = ("file", "memory", "gs", "gcs", "s3", "s3a")
+# An attempt's deadline: never under MIN_ATTEMPT_SECONDS (a healthy request takes well
+# under a second), and its bytes at MIN_BYTES_PER_SECOND on top (a slow uplink still
+# publishes a large delta; a hung one is found within that).
+MIN_ATTEMPT_SECONDS = 2.0
+MIN_BYTES_PER_SECOND = 1 << 20
+# The deadline of the attempt running on this thread, for backends that can enforce it.
+_ATTEMPT = threading.local()
+
+
+def attempt_deadline() -> float | None:
+  """Seconds the storage attempt running on this thread may take, or None (no deadline)."""
+  return getattr(_ATTEMPT, "seconds", None)
 
 
 class BadObject(ValueError):
@@ -111,6 +134,9 @@ class Store(abc.ABC):
       (``with_retry_budget``).
   """
 
+  # Backends whose calls can hang on a server and can be abandoned set this.
+  has_deadlines = False
+
   def __init__(self, url: str, *, retry_seconds: float = 30.0):
     self.url = url
     self.retry_seconds = float(retry_seconds)
@@ -133,6 +159,12 @@ class Store(abc.ABC):
     if self._retry_budget is None:
       return self.retry_seconds
     return float(self._retry_budget())
+
+  def attempt_seconds(self, nbytes: int = 0, budget: float | None = None) -> float:
+    """The deadline of one attempt that moves ``nbytes``: half the retry budget (at least
+    ``MIN_ATTEMPT_SECONDS``) plus ``nbytes`` at ``MIN_BYTES_PER_SECOND``."""
+    budget = self.retry_budget() if budget is None else budget
+    return max(MIN_ATTEMPT_SECONDS, budget / 2) + max(0, nbytes) / MIN_BYTES_PER_SECOND
 
   # Implemented per backend.
 
@@ -187,13 +219,18 @@ class Store(abc.ABC):
 
   # The retried public operations.
 
-  def _retry(self, what: str, path: str, call: Callable[[], T]) -> T:
+  def _retry(self, what: str, path: str, call: Callable[[], T], nbytes: int = 0) -> T:
     budget = self.retry_budget()
     started = time.monotonic()
     delay, attempts = 0.02, 0
+    deadline = self.attempt_seconds(nbytes, budget) if self.has_deadlines else None
     while True:
       try:
-        return call()
+        _ATTEMPT.seconds = deadline
+        try:
+          return call()
+        finally:
+          _ATTEMPT.seconds = None
       except Exception as error:  # pylint: disable=broad-except
         attempts += 1
         if not is_transient(error):
@@ -220,7 +257,8 @@ class Store(abc.ABC):
         verify it), though no reader ever sees it partly written. Object stores are
         durable either way.
     """
-    self._retry("put", path, lambda: self._put(path, bytes(data), durable))
+    data = bytes(data)
+    self._retry("put", path, lambda: self._put(path, data, durable), len(data))
 
   def create(self, path: str, data: bytes) -> bool:
     """Writes ``data`` at ``path`` only if nothing is there.
@@ -233,7 +271,7 @@ class Store(abc.ABC):
     """
     data = bytes(data)
     try:
-      self._retry("create", path, lambda: self._create(path, data))
+      self._retry("create", path, lambda: self._create(path, data), len(data))
       return True
     except FileExistsError:
       try:
@@ -245,7 +283,7 @@ class Store(abc.ABC):
 
   def get(self, path: str) -> bytes:
     """The bytes at ``path``; FileNotFoundError if there are none."""
-    return self._retry("get", path, lambda: self._get(path))
+    return self._retry("get", path, lambda: self._get(path), self._size_for_deadline(path))
 
   def read(self, path: str, max_bytes: int) -> bytes:
     """The bytes at ``path`` if they are at most ``max_bytes``, read with that bound.
@@ -257,7 +295,7 @@ class Store(abc.ABC):
       FileNotFoundError: nothing is at ``path``.
       BadObject: ``path`` is not a regular file, or holds more than ``max_bytes``.
     """
-    return self._retry("read", path, lambda: self._read(path, int(max_bytes)))
+    return self._retry("read", path, lambda: self._read(path, int(max_bytes)), int(max_bytes))
 
   def size(self, path: str) -> int:
     """The size in bytes of the object at ``path``; FileNotFoundError if there is none."""
@@ -275,10 +313,20 @@ class Store(abc.ABC):
       data = self._get_hashed(path, digest)
       return data, digest.hexdigest()
 
-    data, actual = self._retry("get", path, read)
+    data, actual = self._retry("get", path, read, self._size_for_deadline(path))
     if actual != sha256:
       raise CorruptRecord(f"{path} does not match the sha256 its commit records")
     return data
+
+  def _size_for_deadline(self, path: str) -> int:
+    """The size of what a read of ``path`` will move, where attempts have deadlines (0
+    where they do not, or where nothing is there: the read itself then says so)."""
+    if not self.has_deadlines:
+      return 0
+    try:
+      return self.size(path)
+    except FileNotFoundError:
+      return 0
 
   def exists(self, path: str) -> bool:
     try:

@@ -5,6 +5,10 @@ S3 has its own store (``gmjax.mail.store_s3``). In ``memory://``, as on a disk, 
 stands in the way of a folder of its name and a folder reads as no object: a write
 removes a file planted where its folders belong (logging a warning), and ``read`` of a
 folder raises ``BadObject``.
+
+On an asynchronous filesystem (gcsfs, s3fs) each request runs under the deadline of its
+attempt (``gmjax.mail.store.attempt_deadline``): fsspec cancels the request when it
+passes, and the store retries it.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any
 
 import fsspec
 
-from gmjax.mail.store import BadObject, Store
+from gmjax.mail.store import BadObject, Store, attempt_deadline
 
 log = logging.getLogger(__name__)
 _MEMORY_LOCK = threading.Lock()
@@ -76,6 +80,14 @@ class FsspecStore(Store):
     self.root = root.rstrip("/")
     self.protocol = protocol
     self._memory = protocol == "memory"
+    self.has_deadlines = bool(getattr(self.fs, "async_impl", False))
+
+  def _limit(self) -> dict[str, float]:
+    """The keyword that bounds one request of an asynchronous filesystem by the current
+    attempt's deadline: fsspec's blocking wrappers take ``timeout=`` themselves, wait
+    for that long, and cancel the request."""
+    seconds = attempt_deadline() if self.has_deadlines else None
+    return {"timeout": seconds} if seconds else {}
 
   def _path(self, path: str) -> str:
     path = path.strip("/")
@@ -85,7 +97,7 @@ class FsspecStore(Store):
     """Writes ``data`` at ``path``, replacing what is there, all at once."""
     target = self._path(path)
     try:
-      self.fs.pipe_file(target, data)
+      self.fs.pipe_file(target, data, **self._limit())
     except (FileExistsError, NotADirectoryError):
       if not self._memory:
         raise
@@ -115,16 +127,16 @@ class FsspecStore(Store):
       return
     # gcsfs sends one upload with ifGenerationMatch=0 (open_store admits no other
     # protocol here; S3 has its own store).
-    self.fs.pipe_file(target, data, mode="create")
+    self.fs.pipe_file(target, data, mode="create", **self._limit())
 
   def _get(self, path: str) -> bytes:
-    return self.fs.cat_file(self._path(path))
+    return self.fs.cat_file(self._path(path), **self._limit())
 
   def _read(self, path: str, max_bytes: int) -> bytes:
     # A ranged read (an HTTP Range request on object stores) that asks for one byte past
     # the bound: a larger object shows itself without being downloaded.
     try:
-      data = self.fs.cat_file(self._path(path), start=0, end=max_bytes + 1)
+      data = self.fs.cat_file(self._path(path), start=0, end=max_bytes + 1, **self._limit())
     except FileNotFoundError:
       # In memory:// a folder takes the name from objects, as on a disk; on object stores
       # a prefix and a key of one name are independent (and asking costs a request).
@@ -136,13 +148,13 @@ class FsspecStore(Store):
     return data
 
   def _size(self, path: str) -> int:
-    return int(self.fs.size(self._path(path)))
+    return int(self.fs.size(self._path(path), **self._limit()))
 
   def _list(self, prefix: str) -> list[str]:
     target = self._path(prefix)
     self.fs.invalidate_cache(target)
     try:
-      entries = self.fs.ls(target, detail=False)
+      entries = self.fs.ls(target, detail=False, **self._limit())
     except (FileNotFoundError, NotADirectoryError):
       return []
     names = []
@@ -156,7 +168,7 @@ class FsspecStore(Store):
     target = self._path(prefix)
     self.fs.invalidate_cache(target)
     try:
-      entries = self.fs.ls(target, detail=True)
+      entries = self.fs.ls(target, detail=True, **self._limit())
     except (FileNotFoundError, NotADirectoryError):
       return {}
     marked = {}
@@ -170,5 +182,5 @@ class FsspecStore(Store):
   def _delete(self, path: str) -> None:
     target = self._path(path)
     with contextlib.suppress(FileNotFoundError):  # deleting what is gone is done
-      self.fs.rm(target, recursive=True)
+      self.fs.rm(target, recursive=True, **self._limit())
     self.fs.invalidate_cache(target)

@@ -47,7 +47,8 @@ class S3Store(FsspecStore):
   def _put_if_absent(self, target: str, data: bytes) -> None:
     bucket, key, _ = self.fs.split_path(target)
     try:
-      self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+      self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*",
+                      **self._limit())
     finally:
       self.fs.invalidate_cache(target)
 
@@ -72,7 +73,7 @@ class S3Store(FsspecStore):
             " conditional writes, gs://, or a local directory.")
       finally:
         try:
-          self.fs.rm_file(probe)
+          self.fs.rm_file(probe, **self._limit())
         except FileNotFoundError:
           pass  # nothing was stored: nothing to remove
 

@@ -1,0 +1,153 @@
+"""Every storage call has a deadline: a server that accepts and never answers costs an
+attempt, and the call raises ``StorageUnavailable`` instead of blocking.
+
+The servers are real sockets on 127.0.0.1: a black hole that accepts connections and
+never sends a byte, and a proxy in front of the moto S3 server that turns into one.
+"""
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+
+import pytest
+
+import gmjax
+from gmjax import mail
+from gmjax.mail import store as store_lib
+
+import mail_support as ms
+
+moto_server = pytest.importorskip("moto.server")
+s3fs = pytest.importorskip("s3fs")
+gcsfs = pytest.importorskip("gcsfs")
+
+BUCKET = "gmjax-deadlines"
+# Far above what a bounded call takes (an attempt of MIN_ATTEMPT_SECONDS), far below the
+# minutes a call without a deadline blocked for.
+DOES_NOT_HANG = 30.0
+
+
+class Proxy:
+  """A TCP server on 127.0.0.1 that forwards to ``upstream`` until ``stall()``; from then
+  on (and always, without an upstream) it accepts and reads, and never answers."""
+
+  def __init__(self, upstream: tuple[str, int] | None = None):
+    self.upstream = upstream
+    self.stalled = threading.Event()
+    if upstream is None:
+      self.stalled.set()
+    self.listener = socket.create_server(("127.0.0.1", 0))
+    self.port = self.listener.getsockname()[1]
+    self.sockets = [self.listener]
+    threading.Thread(target=self._accept, daemon=True).start()
+
+  def stall(self):
+    self.stalled.set()
+
+  def _accept(self):
+    with contextlib.suppress(OSError):
+      while True:
+        client, _ = self.listener.accept()
+        self.sockets.append(client)
+        if self.stalled.is_set():
+          threading.Thread(target=self._pump, args=(client, None), daemon=True).start()
+          continue
+        server = socket.create_connection(self.upstream)
+        self.sockets.append(server)
+        threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
+        threading.Thread(target=self._pump, args=(server, client), daemon=True).start()
+
+  def _pump(self, source, sink):
+    with contextlib.suppress(OSError):
+      while data := source.recv(1 << 16):
+        if sink is not None and not self.stalled.is_set():
+          sink.sendall(data)
+
+  def close(self):
+    for sock in self.sockets:
+      with contextlib.suppress(OSError):
+        sock.close()
+
+
+@pytest.fixture
+def black_hole():
+  proxy = Proxy()
+  yield proxy
+  proxy.close()
+
+
+@pytest.fixture(scope="module")
+def moto():
+  logging.getLogger("werkzeug").setLevel(logging.ERROR)
+  with pytest.MonkeyPatch.context() as env:
+    for name, value in (("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "x"),
+                        ("AWS_DEFAULT_REGION", "us-east-1")):
+      env.setenv(name, value)
+    env.delenv("AWS_PROFILE", raising=False)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+      yield server.get_host_and_port()
+    finally:
+      server.stop()
+
+
+def _s3_options(port):
+  return {"endpoint_url": f"http://127.0.0.1:{port}", "key": "x", "secret": "x"}
+
+
+def _bounded(call):
+  """Runs ``call``, which must raise StorageUnavailable; returns the seconds it took."""
+  started = time.monotonic()
+  with pytest.raises(mail.StorageUnavailable, match="retry budget"):
+    call()
+  elapsed = time.monotonic() - started
+  assert elapsed < DOES_NOT_HANG, elapsed
+  return elapsed
+
+
+@pytest.mark.timeout(120)
+def test_s3_calls_to_a_server_that_never_answers_raise(moto, black_hole):
+  del moto  # only for its credentials in the environment
+  store = store_lib.open_store(f"s3://{BUCKET}/x", retry_seconds=1.0,
+                               storage_options=_s3_options(black_hole.port))
+  assert store.has_deadlines
+  _bounded(lambda: store.create("fragments/0/1.commit.json", b"{}"))
+
+
+@pytest.mark.timeout(120)
+def test_gcs_calls_to_a_server_that_never_answers_raise(black_hole, monkeypatch):
+  monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{black_hole.port}")
+  store = store_lib.open_store(f"gs://{BUCKET}/x", retry_seconds=1.0)
+  assert store.has_deadlines
+  _bounded(lambda: store.create("fragments/0/1.commit.json", b"{}"))
+  _bounded(lambda: store.read("learners/a.json", 4096))
+
+
+def test_an_attempts_deadline_follows_the_budget_and_the_bytes():
+  store = store_lib.open_store("memory://deadline").with_retry_budget(lambda: 10.0)
+  assert store.attempt_seconds() == 5.0
+  assert store.attempt_seconds(3 * store_lib.MIN_BYTES_PER_SECOND) == 8.0
+  assert store.attempt_seconds(budget=0.1) == store_lib.MIN_ATTEMPT_SECONDS
+  assert not store.has_deadlines  # memory:// calls cannot hang on a server
+
+
+@pytest.mark.timeout(120)
+def test_a_run_whose_server_stops_answering_raises_instead_of_blocking(moto):
+  proxy = Proxy(moto)
+  try:
+    options = _s3_options(proxy.port)
+    s3fs.S3FileSystem(skip_instance_cache=True, **options).mkdir(BUCKET)
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}"
+    mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2), storage_options=options)
+    run = mail.open(url, storage_options=options, retry_seconds=1.0)
+    assert run.rounds() == []  # answered: nothing closed yet
+    proxy.stall()
+    _bounded(run.rounds)
+    _bounded(lambda: run.store.put("rounds/0/a.safetensors", os.urandom(1000)))
+  finally:
+    proxy.close()
