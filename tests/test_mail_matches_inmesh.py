@@ -173,3 +173,39 @@ def test_both_modes_reject_and_clamp_alike(shard_outer, delay, tmp_path):
       np.testing.assert_allclose(mailed[m][name], mesh[m][name], rtol=2e-5, atol=2e-6,
                                  err_msg=f"learner {m}, leaf {name}")
 
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("aggregation,poisoned,shard_outer", [
+    ("clipped_mean", True, True), ("trimmed_mean", True, False),
+    ("trimmed_mean", False, True)],
+    ids=["clipped-rejected-sharded", "trimmed-rejected-replicated", "trimmed-median-sharded"])
+def test_robust_aggregation_is_the_same_by_mail_and_in_mesh(aggregation, poisoned,
+                                                             shard_outer, tmp_path):
+  # Poisoned, learner 1 is rejected and takes no part in the medians or the trimming: of
+  # the two kept, clipped_mean clips the longer delta and caps learner 2's clamped tokens
+  # at their median; trimmed_mean has too few to trim and averages them. Clean, trim=1
+  # of three learners is the coordinate-wise median.
+  config = gmjax.DiLoCo(sync_every=4, fragments=2, delta_precision="F8_E4M3",
+                        aggregation=aggregation, flush_on_close=False)
+  mesh, stats = in_mesh(config, poisoned=poisoned, shard_outer=shard_outer)
+  mailed, rounds = by_mail(config, tmp_path, poisoned=poisoned)
+  assert int(stats.rejected) == int(poisoned) and int(stats.skipped) == 0
+  clipped = 1 if aggregation == "clipped_mean" else 0
+  trimmed = 1 if aggregation == "trimmed_mean" and not poisoned else 0
+  assert (int(stats.clipped), int(stats.capped), int(stats.trimmed)) == (
+      clipped, clipped, trimmed)
+  for record in rounds:
+    summary = record["aggregation"]
+    assert summary["rule"] == aggregation and summary["trimmed"] == trimmed
+    assert (len(summary["clipped"]), summary["capped"]) == (clipped, clipped)
+    kept = [p["learner"] for p in record["participants"]]
+    assert "learner-1" not in kept if poisoned else len(kept) == LEARNERS
+    assert sum(p["weight"] for p in record["participants"]) == pytest.approx(1.0)
+  for m in range(LEARNERS):
+    # The rejected learner steps toward a goal a thousand times away: its own steps
+    # round at the ulp of hundreds, numpy's and XLA's alike.
+    atol = 1e-4 if poisoned and m == 1 else 2e-6
+    for name in ms.params0():
+      np.testing.assert_allclose(mailed[m][name], mesh[m][name], rtol=2e-5, atol=atol,
+                                 err_msg=f"learner {m}, leaf {name}")
