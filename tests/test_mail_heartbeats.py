@@ -78,7 +78,7 @@ def test_keyed_run_signs_heartbeats_and_ignores_unsigned_and_forged(tmp_path):
     run.store.put(f"rounds/0/{name}.safetensors", gmjax.mail.contributions.dumps(
         {n: ms.params0()[n] * 0 for n in run.plan[0]}, learner=name, round_=0, fragment=0,
         base_version=0, local_step=2, steps=2, tokens=2, step_seconds=0.01, final=False,
-        precision=None, key=b"k"))
+        precision=None, key=run.signing_key))
   threads = ms.Threads()
   for m in range(2):
     threads.start(ms.train, mail.open(url, key="k"), f"a{m}", m, 4)
@@ -90,4 +90,4 @@ def test_keyed_run_signs_heartbeats_and_ignores_unsigned_and_forged(tmp_path):
   assert "signature" in bad["ghost"] and "signature" in bad["forger"]
   for name in ("a0", "a1"):
     record = json.loads(run.store.get(f"learners/{name}.json"))
-    assert signing.record_signature_ok(b"k", record)
+    assert signing.record_signature_ok(run.signing_key, record)

@@ -40,6 +40,9 @@ class DamagedCommit(FileNotFoundError):
     self.problems = problems
 
 
+# A record whose signature fails: forged, unsigned, or signed for another run.
+NOT_SIGNED = "is not signed for this run with its key (unsigned, forged, or another run's)"
+
 REQUIRED_FIELDS = {
     "fragment": int, "version": int, "step": int, "participants": list, "rejected": list,
     "state": str, "state_files": dict, "state_names": dict, "sha256": dict,
@@ -59,7 +62,7 @@ def record_problem(record: Any, fragment: int, version: int, key: bytes | None) 
   if version > 0 and not isinstance(record.get("round"), int):
     return "field 'round' is missing or not an int"
   if key is not None and not signing.record_signature_ok(key, record):
-    return "is not signed with the run's key"
+    return NOT_SIGNED
   return None
 
 

@@ -96,7 +96,7 @@ class Learner:
     if self.process_count > 1 and self.schedule.overlap_steps is None:
       raise ValueError("a learner of several processes needs an integer overlap_steps: with"
                        " None each process would merge commits whenever they land.")
-    self.key = run.key
+    self.key = run.signing_key
     self.poll_interval = float(poll_interval)
     self.wait_timeout = wait_timeout
     self.startup_timeout = float(startup_timeout)

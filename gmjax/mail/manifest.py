@@ -29,7 +29,8 @@ class Manifest:
     schema: the parameters' names, dtypes and shapes.
     config: the algorithm (``gmjax.DiLoCo``).
     plan: the leaf names of each fragment.
-    auth: None, or ``{scheme, salt, check}`` for a run keyed with HMAC-SHA256.
+    auth: None, or ``{scheme, salt, check, run_bound}`` for a run keyed with
+      HMAC-SHA256 (``run_bound``: its objects are signed with ``signing.run_key``).
     created_at: UTC ISO time of creation (not part of the comparison).
   """
 

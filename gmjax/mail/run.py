@@ -24,6 +24,7 @@ from gmjax.mail import heartbeats
 from gmjax.mail import layout
 from gmjax.mail import signing
 from gmjax.mail import states
+from gmjax.mail.commits import NOT_SIGNED, commit_slots
 from gmjax.mail.errors import AuthenticationError, CorruptRecord, RunExists, RunNotFound
 from gmjax.mail.manifest import Manifest, utc_now
 from gmjax.mail.records import RoundRecord, read_round
@@ -38,6 +39,8 @@ class Run:
     store: its storage.
     manifest: schema, configuration, plan and auth.
     key: the HMAC key (bytes) or None.
+    signing_key: the key this run's objects are signed with (``signing.run_key``: the
+      key bound to the run's salt), or None.
   """
 
   def __init__(self, url: str, store: Store, manifest: Manifest, key: bytes | None):
@@ -45,6 +48,7 @@ class Run:
     self.store = store
     self.manifest = manifest
     self.key = key
+    self.signing_key = signing.run_key(key, manifest.auth)
 
   @property
   def config(self) -> DiLoCo:
@@ -125,7 +129,7 @@ class Run:
       # damaged counts as not committed (its round is closed again, see recovery).
       for version in reversed(versions):
         try:
-          states.read_commit(self.store, fragment, version, self.key)
+          states.read_commit(self.store, fragment, version, self.signing_key)
         except FileNotFoundError:
           continue
         newest[fragment] = version
@@ -143,7 +147,7 @@ class Run:
 
   def commit(self, fragment: int, version: int) -> dict[str, Any]:
     """The verified commit record of ``version`` of ``fragment``."""
-    return states.read_commit(self.store, fragment, version, self.key)
+    return states.read_commit(self.store, fragment, version, self.signing_key)
 
   def round_records(self) -> list[RoundRecord]:
     """The committed rounds' typed records, ordered by round (version 0 is not a round).
@@ -156,7 +160,7 @@ class Run:
       for version in states.committed_versions(self.store, fragment):
         if version > 0:
           try:
-            records.append(read_round(self.store, fragment, version, self.key))
+            records.append(read_round(self.store, fragment, version, self.signing_key))
           except FileNotFoundError:
             continue  # damaged (logged): not a committed round until superseded
     return sorted(records, key=lambda r: r.round)
@@ -173,7 +177,7 @@ class Run:
 
   def learners(self) -> dict[str, dict[str, Any]]:
     """Every learner's latest heartbeat, by name."""
-    return heartbeats.read_all(self.store, self.key)
+    return heartbeats.read_all(self.store, self.signing_key)
 
   def status(self) -> dict[str, Any]:
     """A summary: fragments and their versions, rounds, estimates and learners."""
@@ -183,7 +187,7 @@ class Run:
 
     now = datetime.datetime.now(datetime.timezone.utc)
     learners = []
-    found = heartbeats.scan(self.store, self.key)
+    found = heartbeats.scan(self.store, self.signing_key)
     for name, record in sorted(found.records.items()):
       age = None
       try:
@@ -298,7 +302,7 @@ def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = N
         state_sha256=files["state_sha256"], update_sha256=None,
         state_files=files["state_files"], state_names=files["state_names"],
         theta_sha256=states.theta_digest(state.theta), committed_at=utc_now())
-    if not states.write_commit(store, record.to_json(), key):
+    if not states.write_commit(store, record.to_json(), signing.run_key(key, manifest.auth)):
       states.remove_state(store, files)
   return Run(url, store, manifest, key)
 
@@ -325,7 +329,22 @@ def open(url: str, *, key: bytes | str | None = None,  # pylint: disable=redefin
   store = open_store(url, retry_seconds=retry_seconds, storage_options=storage_options)
   manifest = _read_manifest(store, url)
   manifest.check_key(key, url)
+  _check_manifest_signs_records(store, url, signing.run_key(key, manifest.auth))
   return Run(url, store, manifest, key)
+
+
+def _check_manifest_signs_records(store: Store, url: str, signer: bytes | None) -> None:
+  """Raises AuthenticationError if the run's first record is signed with the key but not
+  for this manifest's run: the manifest was copied from another run with the same key."""
+  if signer is None:
+    return
+  slots = commit_slots(store, 0, 0, signer)
+  problems = [problem for _, _, problem in slots]
+  if slots and all(problem == NOT_SIGNED for problem in problems):
+    raise AuthenticationError(
+        f"the manifest of run {url!r} does not sign the run's records (version 0 of"
+        " fragment 0 is not signed for it): manifest.json was replaced, e.g. copied from"
+        " another run with the same key; restore the run's own manifest.")
 
 
 def _read_manifest(store: Store, url: str) -> Manifest:

@@ -5,6 +5,15 @@ A run created with ``key=`` stores in its manifest a random salt and
 ever being stored. Learners sign each contribution over its metadata (canonical JSON,
 without the signature) and every entry's name, dtype, shape and bytes; closers sign
 commit records over their canonical JSON. Comparison is constant-time.
+
+Signatures cover the run: a manifest created by this gmjax marks its auth ``run_bound``,
+and every object of that run (contributions, commit records, heartbeats) is signed with
+``run_key(key, auth)``, ``HMAC(key, "gmjax/run:" + salt)``, a key no other run shares
+even when it was created with the same key. An object copied from another run fails its
+signature check like a forged one. The manifest itself is signed with the key; a manifest
+copied from another run is found by ``open`` (its salt signs none of the run's records).
+Runs whose manifest has no ``run_bound`` (created before signatures covered the run) are
+signed and checked with the key itself, as they always were.
 """
 
 from __future__ import annotations
@@ -39,7 +48,25 @@ def as_key(key: bytes | str | None) -> bytes | None:
 def new_auth(key: bytes) -> dict[str, str]:
   """The manifest's ``auth`` record for a run keyed with ``key``."""
   salt = secrets.token_hex(16)
-  return {"scheme": SCHEME, "salt": salt, "check": _hmac(key, salt.encode())}
+  return {"scheme": SCHEME, "salt": salt, "check": _hmac(key, salt.encode()),
+          "run_bound": True}
+
+
+def run_key(key: bytes | None, auth: Mapping[str, Any] | None) -> bytes | None:
+  """The key the objects of the run with manifest ``auth`` are signed with.
+
+  Args:
+    key: the run's key, or None for an unkeyed run (None is returned).
+    auth: the manifest's ``auth`` record.
+
+  Returns:
+    ``HMAC-SHA256(key, "gmjax/run:" + salt)`` for a run whose auth is ``run_bound``, else
+    ``key`` (a run created before signatures covered the run).
+  """
+  if key is None or not isinstance(auth, Mapping) or auth.get("run_bound") is not True:
+    return key
+  return hmac.new(key, b"gmjax/run:" + str(auth.get("salt", "")).encode(),
+                  hashlib.sha256).digest()
 
 
 def key_matches(auth: Mapping[str, Any], key: bytes) -> bool:

@@ -1,6 +1,7 @@
 """``gmjax status RUN --verify``: re-read a whole run and list everything wrong with it.
 
-``verify`` checks the manifest (and its signature with a key), every heartbeat, and for
+``verify`` checks the manifest (and its signature with a key), every heartbeat (and its
+signature with a key: one copied from another run fails), and for
 each fragment: that versions run from 0 without a gap, that each version has exactly
 one record in force (damaged records superseded by a later slot are fine, see
 ``recovery``), each record's fields against the schedule, and the sha256 of every file
@@ -14,6 +15,7 @@ import math
 from typing import Any
 
 from gmjax.core import payload
+from gmjax.mail import heartbeats
 from gmjax.mail import layout
 from gmjax.mail import states
 from gmjax.mail.errors import AuthenticationError, CorruptRecord, RunNotFound
@@ -61,6 +63,11 @@ def _heartbeats(run) -> list[str]:
       continue
     if not isinstance(record, dict) or not isinstance(record.get("status"), str):
       problems.append(f"{path}: not a heartbeat (no status)")
+    elif run.signing_key is not None and entry.endswith(".json"):
+      try:
+        heartbeats.parse(entry[:-len(".json")], json.dumps(record).encode(), run.signing_key)
+      except heartbeats.BadHeartbeat as error:
+        problems.append(f"{path}: {error.reason}")
   return problems
 
 
@@ -84,7 +91,7 @@ def _fragment(run, fragment: int, deep: bool) -> list[str]:
 
 
 def _record_in_force(run, fragment: int, version: int) -> tuple[dict | None, list[str]]:
-  slots = states.commit_slots(run.store, fragment, version, run.key)
+  slots = states.commit_slots(run.store, fragment, version, run.signing_key)
   intact = [(path, record) for path, record, _ in slots if record is not None]
   if not intact:
     return None, [f"{path}: {problem}" for path, _, problem in slots]
