@@ -22,7 +22,8 @@ def test_learner_killed_mid_run(tmp_path):
   url = str(tmp_path / "run")
   # quorum_size=3: a round waits for every live learner; the dead one drops out of the
   # live set once its heartbeat is older than the run's timeout.
-  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, quorum_size=3))
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, quorum_size=3),
+                    keep_versions=None)  # every round's record is checked
   victim = ms.spawn(url, "victim", 2, 10_000, step_sleep=0.03)
   try:
     ms.wait_for(lambda: run.store.exists(layout.heartbeat("victim")), 60, "victim to join")
@@ -51,7 +52,8 @@ def test_learner_killed_mid_run(tmp_path):
 @pytest.mark.timeout(180)
 def test_designated_closer_killed_before_commit(tmp_path):
   url = str(tmp_path / "run")
-  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, quorum_size=3))
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, quorum_size=3),
+                    keep_versions=None)  # every version's commit is checked
   # "a-closer" sorts first among the live learners, so it is fragment 0's designated
   # closer; it kills itself after aggregating and saving the state, before the commit.
   victim = ms.spawn(url, "a-closer", 2, 10_000, mode="die_before_commit", step_sleep=0.01)

@@ -66,7 +66,8 @@ def test_exit_flushes_and_always_cleans_up(tmp_path):
 @pytest.mark.timeout(180)
 def test_quorum_time_excludes_the_grace_period(tmp_path):
   url = str(tmp_path / "run")
-  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2),
+                    keep_versions=None)  # every round's record is checked
   # A live learner that never trains: every round closes on the quorum of one, after
   # the grace period (at least 30 polls).
   idle = mail.open(url).join("idle", poll_interval=ms.POLL)

@@ -28,7 +28,8 @@ def _slow_train(run, name, index, steps, out, sleep=0.01):
 def test_join_mid_run_and_leave(tmp_path):
   url = str(tmp_path / "run")
   # quorum_size=2: while both are live a round waits for both, so membership is exact.
-  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, quorum_size=2))
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, quorum_size=2),
+                    keep_versions=None)  # every round's record is checked
   out = {}
   threads = ms.Threads()
   threads.start(_slow_train, mail.open(url), "early", 0, 30, out)

@@ -293,7 +293,8 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
     for old in out.glob("metrics*.jsonl"):
       old.unlink()
     (out / CONFIG).write_text(json.dumps(cfg.to_json(), indent=2), encoding="utf-8")
-    gmjax.mail.create(str(run_dir), params, cfg.diloco)
+    # Every version kept: the metrics and plots read every round's record at the end.
+    gmjax.mail.create(str(run_dir), params, cfg.diloco, keep_versions=None)
 
   names = [f"learner-{i}" for i in range(cfg.learners)]
   started = time.time()

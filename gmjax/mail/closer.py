@@ -48,6 +48,7 @@ from gmjax.core.schedule import Estimates
 from gmjax.mail import contributions
 from gmjax.mail import layout
 from gmjax.mail import recovery
+from gmjax.mail import retention
 from gmjax.mail import states
 from gmjax.mail.errors import ContributionRejected, CorruptRecord
 from gmjax.mail.heartbeats import Roster
@@ -127,6 +128,7 @@ class Closer:
     self.estimates = Estimates()
     self._estimates_round = -1
     self.capacity = 0  # contributions the close is compiled for (see grow)
+    self._compactor = retention.Compactor(store)
     self._aggregators = {}
     self._schemas = {}
     self._max_bytes = {}
@@ -304,8 +306,11 @@ class Closer:
       record = read_round(self.store, fragment, version, self.key)
       state = states.load_state(self.store, record.to_json())
     except (states.DamagedCommit, CorruptRecord) as error:
-      _, state = recovery.repair(self.store, self.manifest, fragment, version, self.key,
-                                 repr(error))
+      try:
+        _, state = recovery.repair(self.store, self.manifest, fragment, version, self.key,
+                                   repr(error))
+      except retention.Pruned:
+        return None  # committed on since and pruned: the round is closed
     except FileNotFoundError:
       return None
     self.states[fragment] = state
@@ -357,6 +362,9 @@ class Closer:
         step=step_seconds[(len(step_seconds) - 1) // 2] if step_seconds else None,
         quorum=quorum_seconds, sync=sync_seconds)
     extra = {}
+    listed, unlisted = retention.listed_rejections(rejected, roster.known)
+    if unlisted:
+      extra["unlisted_rejections"] = unlisted
     if skipped is not None:
       extra["skipped"] = skipped
     if clamped:
@@ -369,7 +377,7 @@ class Closer:
         version=result.state.version,
         step=self.schedule.step_of(watch.round),
         participants=tuple(participants),
-        rejected=tuple(Rejection(r.learner, r.reason) for r in rejected),
+        rejected=tuple(Rejection(r.learner, r.reason) for r in listed),
         final=tuple(sorted(c.learner for c in valid if c.final)),
         outer_step=bool(valid) and skipped is None,
         cosine=result.cosine,
@@ -398,4 +406,20 @@ class Closer:
                record.version, watch.fragment, self.name)
       return record
     states.remove_state(self.store, files)
-    return read_round(self.store, watch.fragment, watch.version, self.key)
+    try:
+      return read_round(self.store, watch.fragment, watch.version, self.key)
+    except FileNotFoundError:
+      return None  # committed, and pruned since: the worker finds the newest
+
+  def tidy(self, record: RoundRecord, roster: Roster) -> None:
+    """After this closer's commit of ``record``: deletes the versions, rounds and dead
+    learners' files the run no longer keeps (``gmjax.mail.retention``). A failure is
+    logged and left to the next commit, which deletes everything below its own floor."""
+    try:
+      retention.prune(self.store, self.manifest, record.fragment, record.version)
+      if self.manifest.keep_versions is not None:
+        dead_after = retention.DEAD_TIMEOUTS * self.liveness_timeout()
+        self._compactor.compact(roster, dead_after, interval=dead_after / 4)
+    except Exception as error:  # pylint: disable=broad-except
+      log.warning("pruning after version %d of fragment %d failed (the next commit"
+                  " tries again): %r", record.version, record.fragment, error)

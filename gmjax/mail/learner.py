@@ -53,7 +53,7 @@ from gmjax.mail import heartbeats
 from gmjax.mail import layout
 from gmjax.mail import names
 from gmjax.mail import placement
-from gmjax.mail import states
+from gmjax.mail import retention
 from gmjax.mail.beats import Beat, HeartbeatWriter
 from gmjax.mail.closer import HEARTBEAT_POLLS
 from gmjax.mail.errors import LearnerClosed, RoundTimeout
@@ -202,8 +202,9 @@ class Learner:
     """Aligns ``fragment`` with ``version`` (waiting for its commit) if it is older."""
     if self._versions[fragment] >= version:
       return
-    theta = self._wait(fragment, version, deadline or self._deadline()).theta
-    self._align(flat, fragment, version, theta)
+    commit = self._wait(fragment, version, deadline or self._deadline())
+    # A version pruned since is stood in for by the newest (gmjax.mail.retention).
+    self._align(flat, fragment, commit.record.version, commit.theta)
 
   def _merge_due(self, flat: dict[str, Any], *, force: int = 0) -> None:
     """Merges outstanding commits that are due, and the oldest ``force`` ones anyway."""
@@ -218,7 +219,9 @@ class Learner:
         future = self._future(fragment, version)
         if not future.done():
           break
-        self._align(flat, fragment, version, future.result().theta)
+        commit = future.result()
+        if commit.record.version > self._versions[fragment]:
+          self._align(flat, fragment, commit.record.version, commit.theta)
       else:
         break
       self._outstanding.pop(0)
@@ -270,12 +273,13 @@ class Learner:
     deadline = time.monotonic() + max(self.startup_timeout, self._deadline() - time.monotonic())
     for fragment, version in newest.items():
       self._futures[(fragment, version)] = futures[fragment]
-      theta = self._wait(fragment, version, deadline).theta
+      commit = self._wait(fragment, version, deadline)
+      theta = commit.theta
       del self._futures[(fragment, version)]
       for n in self.manifest.plan[fragment]:
         flat[n] = placement.like(theta[n], flat[n])
       self._anchors[fragment] = theta
-      self._versions[fragment] = version
+      self._versions[fragment] = commit.record.version
       if self._delay is not None:
         self._delay.begin(fragment, theta)
     self._beat(step=self.step_count, first_round=self.first_round)
@@ -336,6 +340,11 @@ class Learner:
     base = self._versions[fragment] if delayed_ else version - 1
     steps, count = self._steps_since[fragment], self._tokens_since[fragment]
     self._steps_since[fragment] = self._tokens_since[fragment] = 0
+    if not delayed_ and version <= self._versions[fragment]:
+      # Committed and pruned, and the newer version that stood in for it is merged
+      # already (gmjax.mail.retention): that Θ is where this round puts the learner.
+      self._align(flat, fragment, self._versions[fragment], self._anchors[fragment])
+      return
     if final or self.schedule.overlap_steps is None:
       due = None
     else:
@@ -346,7 +355,8 @@ class Learner:
     reference = self._delay.starts[fragment] if delayed_ else self._anchors[fragment]
     sent = None
     eager_ = delayed_ and self._delay.eager
-    late = self.primary and states.is_committed(self.store, fragment, version, self.key)
+    late = self.primary and (self._versions[fragment] >= version or retention.is_committed(
+        self.store, fragment, version, self.key, self.manifest.keep_versions))
     if eager_:
       late = delayed.agreed(late, self.process_count)  # every process follows process 0
     if late:
@@ -385,6 +395,7 @@ class Learner:
     if version > self._versions[fragment]:
       commit = self._wait(fragment, version, deadline or self._deadline())
       theta, record = commit.theta, commit.record
+      version = record.version  # newer when the version asked for was pruned
     else:  # held already: the version this learner joined at
       theta, record = self._anchors[fragment], None
     weight = 0.0
@@ -476,12 +487,13 @@ class Learner:
     for r, version, _ in list(self._outstanding):
       fragment = self.schedule.fragment_of(r)
       try:
-        theta = self._wait(fragment, version, deadline).theta
+        commit = self._wait(fragment, version, deadline)
       except RoundTimeout:
         log.info("learner %r: final round %d not committed within the timeout; leaving",
                  self.name, r)
         continue
-      self._align(flat, fragment, version, theta)
+      if commit.record.version > self._versions[fragment]:
+        self._align(flat, fragment, commit.record.version, commit.theta)
     self._outstanding.clear()
 
   def __enter__(self) -> Learner:

@@ -32,6 +32,9 @@ class Manifest:
     auth: None, or ``{scheme, salt, check, run_bound}`` for a run keyed with
       HMAC-SHA256 (``run_bound``: its objects are signed with ``signing.run_key``).
     created_at: UTC ISO time of creation (not part of the comparison).
+    keep_versions: how many of each fragment's newest versions the run keeps on
+      storage (``gmjax.mail.retention``); None keeps every version, as manifests
+      written before the field existed do.
   """
 
   schema: Schema
@@ -39,17 +42,20 @@ class Manifest:
   plan: tuple[tuple[str, ...], ...]
   auth: dict[str, str] | None = None
   created_at: str = ""
+  keep_versions: int | None = None
   # The fields as stored (with the signature), which the signature is checked over.
   stored: dict[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
 
   @classmethod
-  def new(cls, schema: Schema, config: DiLoCo, key: bytes | None) -> Self:
+  def new(cls, schema: Schema, config: DiLoCo, key: bytes | None,
+          keep_versions: int | None = None) -> Self:
     manifest = cls(
         schema=Schema(schema.parameters),
         config=config,
         plan=tuple(tuple(names) for names in config.plan(schema)),
         auth=None if key is None else signing.new_auth(key),
         created_at=utc_now(),
+        keep_versions=keep_versions,
     )
     record = manifest.to_json()
     if key is not None:
@@ -68,6 +74,7 @@ class Manifest:
         "plan": [list(names) for names in self.plan],
         "auth": self.auth,
         "created_at": self.created_at,
+        "keep_versions": self.keep_versions,
     }
 
   def dumps(self) -> bytes:
@@ -90,6 +97,7 @@ class Manifest:
           plan=tuple(tuple(str(n) for n in names) for names in record["plan"]),
           auth=record.get("auth"),
           created_at=str(record.get("created_at", "")),
+          keep_versions=_keep_versions(record),
           stored=record,
       )
     except CorruptRecord:
@@ -106,6 +114,8 @@ class Manifest:
       differences.append("algorithm")
     if self.plan != other.plan:
       differences.append("plan")
+    if self.keep_versions != other.keep_versions:
+      differences.append("keep_versions")
     if (self.auth is None) != (key is None) or (
         key is not None and not self.key_matches(key)):
       differences.append("key")
@@ -151,6 +161,16 @@ class Manifest:
   @property
   def schedule(self):
     return self.config.schedule(len(self.plan))
+
+
+def _keep_versions(record: dict[str, Any]) -> int | None:
+  """The stored ``keep_versions``: absent (an older manifest) keeps every version."""
+  from gmjax.mail import retention  # pylint: disable=g-import-not-at-top
+
+  try:
+    return retention.check_keep_versions(record.get("keep_versions"))
+  except (TypeError, ValueError) as error:
+    raise CorruptRecord(f"manifest keep_versions: {error}") from error
 
 
 def utc_now() -> str:

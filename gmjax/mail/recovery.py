@@ -18,6 +18,10 @@ missing, or not matching its sha256). Readers never stop on one:
 
 Version 0 (the creator's parameters) has nothing older to fall back to; its damage is
 reported (``CorruptRecord``) and the run must be created again.
+
+In a run that keeps only its newest versions (``gmjax.mail.retention``) a repair falls
+back only to a version that is kept, and says so when none is intact; a version that
+was pruned is not damaged, and is never committed again (``retention.Pruned``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import uuid
 from typing import Any
 
 from gmjax.core.records import FragmentState
+from gmjax.mail import retention
 from gmjax.mail import states
 from gmjax.mail.errors import CorruptRecord
 from gmjax.mail.manifest import Manifest, utc_now
@@ -39,16 +44,25 @@ def newest_intact_state(store: Store, fragment: int, below: int, key: bytes | No
                         ) -> tuple[dict[str, Any], FragmentState]:
   """The record and verified state of the newest version ``< below`` that loads.
 
+  Only versions with a commit record are tried: in a run that prunes, the kept ones.
+
   Raises:
     CorruptRecord: no version below ``below`` is intact.
   """
-  for version in range(below - 1, -1, -1):
+  versions = states.committed_versions(store, fragment)
+  kept = [v for v in versions if v < below]
+  for version in reversed(kept):
     try:
       record = states.read_commit(store, fragment, version, key)
       return record, states.load_state(store, record)
     except (FileNotFoundError, CorruptRecord) as error:
       log.warning("version %d of fragment %d is damaged (%s); trying the one before",
                   version, fragment, error)
+  if versions and versions[0] > 0:
+    raise CorruptRecord(
+        f"no intact version of fragment {fragment} below {below} among those kept"
+        f" (from {versions[0]}; older ones were pruned, see keep_versions): nothing to"
+        " repair from; create the run again.")
   raise CorruptRecord(f"no intact version of fragment {fragment} below {below}: version 0"
                       " is damaged too; create the run again.")
 
@@ -70,8 +84,11 @@ def repair(store: Store, manifest: Manifest, fragment: int, version: int,
     its state.
 
   Raises:
-    CorruptRecord: ``version`` is 0, or nothing older is intact.
+    CorruptRecord: ``version`` is 0, or nothing older is intact (among the versions
+      kept).
+    retention.Pruned: ``version`` is older than the versions the run keeps.
   """
+  retention.check_kept(store, fragment, version, key, manifest.keep_versions)
   if version <= 0:
     raise CorruptRecord(f"version 0 of fragment {fragment} is damaged ({reason}); it holds"
                         " the creator's parameters: create the run again.")

@@ -22,6 +22,7 @@ from gmjax.core.schedule import Estimates
 from gmjax.core.schema import Schema
 from gmjax.mail import heartbeats
 from gmjax.mail import layout
+from gmjax.mail import retention
 from gmjax.mail import signing
 from gmjax.mail import states
 from gmjax.mail.commits import NOT_SIGNED, commit_slots
@@ -229,6 +230,7 @@ def _key(key):
 
 
 def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = None,
+           keep_versions: int | None = 4,
            storage_options: dict[str, Any] | None = None) -> Run:
   """Creates a run at ``url`` whose version 0 is ``params``.
 
@@ -238,6 +240,10 @@ def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = N
     config: a ``gmjax.DiLoCo``.
     key: an HMAC-SHA256 key (bytes or str): contributions and commits are signed with it
       and unsigned ones are rejected. Every learner opens the run with the same key.
+    keep_versions: how many of each fragment's newest versions stay on storage (at
+      least 2); older states, Θ, updates, records and the rounds that closed them are
+      deleted after each commit (``gmjax.mail.retention``). None keeps every version.
+      Stored in the manifest.
     storage_options: options for the fsspec filesystem.
 
   Returns:
@@ -245,9 +251,11 @@ def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = N
 
   Raises:
     RunExists: a run with another schema, configuration, plan or key is at ``url``.
-    TypeError: ``config`` is not a ``gmjax.DiLoCo``.
-    ValueError: ``config`` does not fit ``params`` (``DiLoCo.check_parameters``), or
-      its ``outer`` is ``"custom"`` (learners build the outer step from the config).
+    TypeError: ``config`` is not a ``gmjax.DiLoCo``, or ``keep_versions`` is not an
+      int or None.
+    ValueError: ``config`` does not fit ``params`` (``DiLoCo.check_parameters``), its
+      ``outer`` is ``"custom"`` (learners build the outer step from the config), or
+      ``keep_versions`` is below 2.
     ImportError: a ``gs://`` or ``s3://`` URL without gcsfs or s3fs installed (the
       message names the extra: ``pip install 'gmjax[gcs]'``, ``'gmjax[s3]'``).
 
@@ -272,11 +280,12 @@ def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = N
         " code, but every learner and closer of a mail run builds the outer step from the"
         " configuration in the run's manifest; name an optax optimizer in config.outer"
         " (e.g. dataclasses.replace(config, outer='sgd'), or 'adam' with outer_options).")
+  keep_versions = retention.check_keep_versions(keep_versions)
   key = _key(key)
   store = open_store(url, storage_options=storage_options)
   schema = config.cut(Schema.from_tree(params))
   config.check_parameters(schema)
-  manifest = Manifest.new(schema, config, key)
+  manifest = Manifest.new(schema, config, key, keep_versions)
   if not store.create(layout.MANIFEST, manifest.dumps()):
     existing = _read_manifest(store, url)
     if key is not None and existing.key_matches(key):

@@ -6,6 +6,11 @@ each fragment: that versions run from 0 without a gap, that each version has exa
 one record in force (damaged records superseded by a later slot are fine, see
 ``recovery``), each record's fields against the schedule, and the sha256 of every file
 it names: the checkpoint's files, the update, and Θ (its copy and the checkpoint's).
+
+In a run that keeps only its newest ``keep_versions`` (``gmjax.mail.retention``) the
+versions run without a gap from the oldest kept one instead of 0; versions older than
+the newest ``keep_versions`` are pruned, not missing, and a record of one that a prune
+has not reached yet is checked but not its files (they may be deleted first).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 from gmjax.core import payload
 from gmjax.mail import heartbeats
 from gmjax.mail import layout
+from gmjax.mail import retention
 from gmjax.mail import states
 from gmjax.mail.errors import AuthenticationError, CorruptRecord, RunNotFound
 
@@ -76,18 +82,35 @@ def _fragment(run, fragment: int, deep: bool) -> list[str]:
   versions = states.committed_versions(run.store, fragment)
   if not versions:
     return [f"fragments/{fragment}: no version 0"]
-  missing = sorted(set(range(versions[-1] + 1)) - set(versions))
+  keep = run.manifest.keep_versions
+  oldest = 0 if keep is None else versions[0]
+  pruned_below = retention.floor(versions[-1], keep)
+  if oldest > pruned_below:
+    problems.append(f"fragments/{fragment}: versions below {oldest} are gone, but the run"
+                    f" keeps its newest {keep} (from {pruned_below})")
+  missing = sorted(set(range(oldest, versions[-1] + 1)) - set(versions))
   if missing:
-    problems.append(f"fragments/{fragment}: versions {missing} have no commit record")
+    problems.append(f"fragments/{fragment}: versions [{_spans(missing)}] have no commit"
+                    " record")
   for version in versions:
     record, found = _record_in_force(run, fragment, version)
     problems += found
     if record is None:
       continue
     problems += _fields(run, fragment, version, record)
-    if deep or version == versions[-1]:
+    if (deep or version == versions[-1]) and version >= pruned_below:
       problems += _files(run, record, layout.commit(fragment, version))
   return problems
+
+
+def _spans(numbers: list[int]) -> str:
+  """``[1, 2, 3, 7]`` as ``1-3, 7``: a gap of a million versions stays one line."""
+  spans, start = [], numbers[0]
+  for previous, number in zip(numbers, numbers[1:] + [None]):
+    if number != previous + 1:
+      spans.append(str(start) if start == previous else f"{start}-{previous}")
+      start = number
+  return ", ".join(spans)
 
 
 def _record_in_force(run, fragment: int, version: int) -> tuple[dict | None, list[str]]:

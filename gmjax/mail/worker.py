@@ -38,6 +38,7 @@ from gmjax.core.schedule import Estimates
 from gmjax.mail import contributions
 from gmjax.mail import layout
 from gmjax.mail import recovery
+from gmjax.mail import retention
 from gmjax.mail import states
 from gmjax.mail.closer import Closer, Watch
 from gmjax.mail.errors import CorruptRecord, LearnerClosed, RoundTimeout
@@ -94,6 +95,7 @@ class Worker:
     self._watches: dict[int, Watch] = {}
     self._requests: dict[Key, list[concurrent.futures.Future]] = {}
     self._thetas: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
+    self._newest: dict[int, int] = {}  # the newest version read, by fragment
     self._stopping = False
     self.live_count = 1
     self.failure: BaseException | None = None
@@ -265,24 +267,59 @@ class Worker:
         if record is not None:
           del self._watches[round_]
           self._deliver(record)
+          if record.closer == self.name:
+            self.closer.tidy(record, self._roster)
     for fragment, version in sorted(self._requests):
       self._committed(fragment, version)
 
   def _committed(self, fragment: int, version: int) -> bool:
-    """Whether ``version`` is committed; resolves the requests for its Θ if so."""
+    """Whether ``version`` is committed; resolves the requests for its Θ if so (with
+    the newest commit's, when ``version`` was pruned: ``retention.resolve``)."""
     try:
       record = read_round(self.store, fragment, version, self.key)
-    except FileNotFoundError:
+    except states.DamagedCommit:
       return False
-    self._deliver(record)
+    except FileNotFoundError:
+      if not self._maybe_pruned(fragment, version):
+        return False
+      try:
+        record = RoundRecord.from_json(retention.resolve(
+            self.store, fragment, version, self.key, self.manifest.keep_versions))
+      except FileNotFoundError:
+        return False
+    self._deliver(record, (fragment, version))
     return True
 
-  def _deliver(self, record: RoundRecord) -> None:
+  def _maybe_pruned(self, fragment: int, version: int) -> bool:
+    """Whether a newer version of ``fragment`` is known (from commits this worker read,
+    or the learners' heartbeats): only then is a missing record worth a listing."""
+    if self.manifest.keep_versions is None:
+      return False
+    newest = self._newest.get(fragment, -1)
+    for record in self._roster.records.values():
+      held = (record.get("versions") or {}).get(str(fragment))
+      if isinstance(held, int):
+        newest = max(newest, held)
+    return newest > version
+
+  def _deliver(self, record: RoundRecord, key: Key | None = None) -> None:
     self.closer.observe(record)
-    futures = self._requests.pop((record.fragment, record.version), None)
+    self._newest[record.fragment] = max(self._newest.get(record.fragment, -1), record.version)
+    futures = self._requests.pop(key or (record.fragment, record.version), None)
     if not futures:
       return
-    commit = Commit(self._fetch(record), record)
+    try:
+      theta = self._fetch(record)
+    except FileNotFoundError as error:  # pruned between reading its record and its Θ
+      newest = error.newest if isinstance(error, retention.Pruned) else (
+          retention.newest_record(self.store, record.fragment, self.key,
+                                  above=record.version)
+          if self.manifest.keep_versions is not None else None)
+      if newest is None:
+        raise
+      record = RoundRecord.from_json(newest)
+      theta = self._fetch(record)
+    commit = Commit(theta, record)
     for future in futures:
       if not future.done():
         future.set_result(commit)

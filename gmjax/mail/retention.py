@@ -1,0 +1,321 @@
+"""Bounded storage: a run keeps the newest ``keep_versions`` versions of each fragment.
+
+A run created with ``gmjax.mail.create(..., keep_versions=K)`` (stored in its manifest)
+keeps, of each fragment, the newest ``K`` committed versions. After each commit of
+version ``v`` the closer deletes (``prune``), for every version ``u ≤ v − K``: its
+states (the committed one and any a dead closer left), Θ, update and commit records, in
+that order, and the round directory of every round that closed such a version
+(contributions, and whatever was planted there). A run created with
+``keep_versions=None``, and one whose manifest predates the field, keeps everything.
+
+Pruning never loses a commit and never strands a reader: every record kept is intact
+and names only files that are kept, and a reader asking for a version that was pruned
+gets the newest committed one instead (``resolve``): a learner that fell ``K`` versions
+behind, or whose round was closed and pruned before it got there, merges the newest Θ
+and goes on, as a learner joining then would. Recovery repairs a damaged version only
+from the versions kept (``recovery.newest_intact_state``), and ``verify`` checks the
+versions kept and reports the pruned ones as pruned, not missing.
+
+The closer also keeps ``learners/`` short (``Compactor``): a heartbeat unchanged for
+``DEAD_TIMEOUTS`` liveness timeouts (by the observer's clock; on first sight, by its
+``last_seen``) belongs to a dead incarnation and is deleted with its claims; so are
+heartbeats that stayed malformed or forged that long, claims without a heartbeat, and
+anything else planted there. A live name's claims of earlier incarnations go too. A
+round record lists every rejected contribution of a learner with a heartbeat, and at
+most ``MAX_LISTED_STRANGERS`` of the others (files planted under names that never
+joined), counting the rest: planted files cannot grow the records.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from gmjax.mail import layout
+from gmjax.mail import commits
+from gmjax.mail.store import Store
+
+log = logging.getLogger(__name__)
+
+MIN_KEEP_VERSIONS = 2
+"""The newest version and the one before, which a learner mid-round still holds."""
+DEAD_TIMEOUTS = 10
+"""Liveness timeouts a heartbeat (or planted file) stays unchanged before it is compacted."""
+MAX_LISTED_STRANGERS = 8
+"""Rejections a round record lists of files whose names never joined the run."""
+_CLAIM = re.compile(r"[1-9][0-9]{0,15}")
+_LEADING_VERSION = re.compile(r"(0|[1-9][0-9]*)[.-]")
+
+
+class Pruned(FileNotFoundError):
+  """A version that was committed and then pruned: older than the newest ``keep_versions``.
+
+  Attributes:
+    fragment: the fragment.
+    version: the version asked for.
+    newest: the record of the fragment's newest committed version, which stands in.
+  """
+
+  def __init__(self, fragment: int, version: int, newest: dict[str, Any]):
+    super().__init__(f"version {version} of fragment {fragment} was pruned (the run"
+                     f" keeps its newest versions); version {newest['version']} is newer")
+    self.fragment = fragment
+    self.version = version
+    self.newest = newest
+
+
+def check_keep_versions(value: Any) -> int | None:
+  """Returns ``value`` if it is None or an int ``>= MIN_KEEP_VERSIONS``.
+
+  Raises:
+    TypeError: not None and not an int.
+    ValueError: an int below ``MIN_KEEP_VERSIONS``.
+  """
+  if value is None:
+    return None
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise TypeError(f"keep_versions must be None (keep every version) or an int >="
+                    f" {MIN_KEEP_VERSIONS}, got {type(value).__name__}: {value!r}.")
+  if value < MIN_KEEP_VERSIONS:
+    raise ValueError(
+        f"keep_versions={value!r}: a run keeps at least the newest {MIN_KEEP_VERSIONS}"
+        " versions of each fragment (the newest, and the one a learner mid-round still"
+        f" holds); pass keep_versions >= {MIN_KEEP_VERSIONS}, or None to keep every"
+        " version.")
+  return value
+
+
+def floor(newest: int, keep_versions: int | None) -> int:
+  """The oldest version of a fragment kept once ``newest`` is committed."""
+  if keep_versions is None:
+    return 0
+  return max(0, newest - keep_versions + 1)
+
+
+def newest_record(store: Store, fragment: int, key: bytes | None, *, above: int = -1
+                  ) -> dict[str, Any] | None:
+  """The intact record of the newest committed version above ``above``, or None."""
+  for version in reversed(commits.committed_versions(store, fragment)):
+    if version <= above:
+      return None
+    try:
+      return commits.read_commit(store, fragment, version, key)
+    except FileNotFoundError:
+      continue  # damaged (or pruned since the listing): the one before
+  return None
+
+
+def resolve(store: Store, fragment: int, version: int, key: bytes | None,
+            keep_versions: int | None) -> dict[str, Any]:
+  """The record of ``version``, or when it was pruned the newest committed record.
+
+  Raises:
+    FileNotFoundError: ``version`` is not committed (``commits.DamagedCommit`` when its
+      records are all damaged).
+  """
+  try:
+    return commits.read_commit(store, fragment, version, key)
+  except commits.DamagedCommit:
+    raise
+  except FileNotFoundError:
+    if keep_versions is None:
+      raise
+    # A newer intact version means this one was committed: versions commit in order.
+    newest = newest_record(store, fragment, key, above=version)
+    if newest is None:
+      raise
+    log.info("version %d of fragment %d was pruned; version %d stands in", version,
+             fragment, newest["version"])
+    return newest
+
+
+def is_committed(store: Store, fragment: int, version: int, key: bytes | None,
+                 keep_versions: int | None) -> bool:
+  """Whether ``version`` was committed (its record kept, or pruned since)."""
+  try:
+    resolve(store, fragment, version, key, keep_versions)
+  except FileNotFoundError:
+    return False
+  return True
+
+
+def check_kept(store: Store, fragment: int, version: int, key: bytes | None,
+               keep_versions: int | None) -> None:
+  """Raises ``Pruned`` if ``version`` is older than what the run keeps.
+
+  For repairs: a version whose files were pruned is not damaged, and must not be
+  committed again.
+  """
+  if keep_versions is None:
+    return
+  newest = newest_record(store, fragment, key, above=version)
+  if newest is not None and version < floor(newest["version"], keep_versions):
+    raise Pruned(fragment, version, newest)
+
+
+def prune(store: Store, manifest, fragment: int, newest: int) -> list[str]:
+  """Deletes what the run no longer keeps once ``newest`` of ``fragment`` is committed.
+
+  Every version below ``floor(newest, keep_versions)``: its states, Θ and updates
+  (orphans and leftover temporary files too), then its commit records; then the round
+  directories of the rounds that closed those versions.
+
+  Returns:
+    The paths deleted.
+  """
+  below = floor(newest, manifest.keep_versions)
+  if below == 0:
+    return []
+  files, records = [], []
+  for entry in store.list(layout.fragment_dir(fragment)):
+    match = _LEADING_VERSION.match(entry)
+    if match is None or int(match.group(1)) >= below:
+      continue
+    path = f"{layout.fragment_dir(fragment)}/{entry}"
+    # Records go last: a record kept always names files that are kept.
+    (records if layout.slot_version(entry) is not None else files).append(path)
+  schedule = manifest.schedule
+  rounds = []
+  for entry in store.list("rounds"):
+    if entry.isdigit() and len(entry) < 16:
+      round_ = int(entry)
+      if (schedule.fragment_of(round_) == fragment
+          and schedule.version_after(round_) < below):
+        rounds.append(layout.round_dir(round_))
+  removed = []
+  for path in files + records + rounds:
+    store.delete(path)
+    removed.append(path)
+  if removed:
+    log.info("pruned fragment %d below version %d: %d paths", fragment, below, len(removed))
+  return removed
+
+
+def listed_rejections(rejected: Iterable[Any], known: set[str]) -> tuple[list[Any], int]:
+  """The rejections a round record lists, and how many it leaves out.
+
+  Every rejection of a learner with a heartbeat is listed; of the others (files planted
+  under names that never joined) the first ``MAX_LISTED_STRANGERS`` by name.
+  """
+  rejected = list(rejected)
+  strangers = sorted((r for r in rejected if r.learner not in known), key=lambda r: r.learner)
+  listed = [r for r in rejected if r.learner in known] + strangers[:MAX_LISTED_STRANGERS]
+  return listed, max(0, len(strangers) - MAX_LISTED_STRANGERS)
+
+
+class Compactor:
+  """Keeps ``learners/`` short: deletes what dead incarnations and planters left there.
+
+  One per closer; ``compact`` is called after this closer's commits, at most once per
+  ``interval`` seconds.
+  """
+
+  def __init__(self, store: Store):
+    self._store = store
+    self._since: dict[str, tuple[Any, float]] = {}  # entry -> (what it was, first seen)
+    self._trimmed: dict[str, str] = {}  # name -> incarnation whose older claims went
+    self._last = float("-inf")
+
+  def _stale(self, entry: str, what: Any, now: float, dead_after: float) -> bool:
+    seen = self._since.get(entry)
+    if seen is None or seen[0] != what:
+      self._since[entry] = (what, now)
+      return False
+    return now - seen[1] > dead_after
+
+  def compact(self, roster, dead_after: float, *, interval: float) -> list[str]:
+    """Deletes dead heartbeats, their claims and planted entries under ``learners/``.
+
+    Args:
+      roster: the closer's ``heartbeats.Roster`` (its valid heartbeats, the ignored
+        ones, and when it saw each change).
+      dead_after: seconds an entry must stay unchanged before it is deleted.
+      interval: the least seconds between two compactions.
+
+    Returns:
+      The paths deleted.
+    """
+    now = time.monotonic()
+    if now - self._last < interval:
+      return []
+    self._last = now
+    entries = self._store.list("learners")
+    beats = {e[: -len(".json")] for e in entries if e.endswith(".json")}
+    dead, removed = set(), []
+    for entry in entries:
+      if entry.endswith(".json"):
+        name = entry[: -len(".json")]
+        record = roster.records.get(name)
+        if record is not None:
+          if not roster.fresh(name, dead_after):
+            dead.add(name)
+          continue
+        reason = roster.bad.get(name)
+        if self._stale(entry, reason, now, dead_after):
+          dead.add(name)  # ignored (malformed, forged, planted) all that time
+      elif entry.endswith(".claims") and layout.is_valid_name(entry[: -len(".claims")]):
+        name = entry[: -len(".claims")]
+        if name not in beats and self._stale(entry, None, now, dead_after):
+          removed += self._drop_claims(name, None)  # a claim whose holder never beat
+      elif self._stale(entry, None, now, dead_after):
+        self._store.delete(f"learners/{entry}")  # neither a heartbeat nor claims
+        removed.append(f"learners/{entry}")
+    for name in sorted(dead):
+      removed += self._drop_name(name, roster.records.get(name))
+    for name, record in roster.records.items():
+      incarnation = record.get("incarnation")
+      if name not in dead and isinstance(incarnation, str) and (
+          self._trimmed.get(name) != incarnation):
+        self._trimmed[name] = incarnation
+        removed += self._drop_claims(name, incarnation, older_only=True)
+    if removed:
+      log.info("compacted learners/: %d entries removed", len(removed))
+    return removed
+
+  def _drop_name(self, name: str, record: dict[str, Any] | None) -> list[str]:
+    """Deletes a dead name's heartbeat (if it is still the one judged), then its claims."""
+    path = f"learners/{name}.json"
+    if record is not None:
+      from gmjax.mail import heartbeats  # pylint: disable=g-import-not-at-top
+
+      again = heartbeats.read_one(self._store, name, None)
+      # A learner that joined under the name since is not dead: leave it.
+      if again is None or (again.get("seq"), again.get("incarnation")) != (
+          record.get("seq"), record.get("incarnation")):
+        return []
+    self._store.delete(path)
+    self._since.pop(f"{name}.json", None)
+    incarnation = None if record is None else record.get("incarnation")
+    return [path] + self._drop_claims(name, incarnation if isinstance(incarnation, str)
+                                      else None)
+
+  def _drop_claims(self, name: str, incarnation: str | None, *,
+                   older_only: bool = False) -> list[str]:
+    """Deletes the claims of ``name`` up to the one ``incarnation`` holds (all of them
+    when it is None; only the older ones with ``older_only``). Claims are deleted one
+    by one, so a claim made by a join since is kept."""
+    folder = f"learners/{name}.claims"
+    numbers = sorted(int(e) for e in self._store.list(folder) if _CLAIM.fullmatch(e))
+    if not numbers:
+      return []
+    last = numbers[-1]
+    if incarnation is not None:
+      try:
+        held = self._store.read(f"{folder}/{last}", 256).decode("ascii", "replace")
+      except (FileNotFoundError, ValueError):
+        held = None
+      if held != incarnation:
+        return []  # a newer join holds the name: its claims are not ours to judge
+    keep = last if older_only else last + 1
+    removed = []
+    for number in numbers:
+      if number < keep:
+        self._store.delete(f"{folder}/{number}")
+        removed.append(f"{folder}/{number}")
+    if not older_only and removed and not self._store.list(folder):
+      self._store.delete(folder)  # an empty folder (a local or memory:// store)
+    self._since.pop(f"{name}.claims", None)
+    return removed

@@ -1,0 +1,211 @@
+"""Bounded storage: a run keeps its newest ``keep_versions`` and compacts dead learners.
+
+Real stores only: a local directory, ``memory://`` and S3 on the moto server.
+"""
+
+import datetime
+import json
+import os
+import uuid
+
+import numpy as np
+import pytest
+
+import gmjax
+from gmjax import mail
+from gmjax.mail import layout
+from gmjax.mail import recovery
+from gmjax.mail import retention
+from gmjax.mail import states
+
+import mail_support as ms
+
+try:
+  from test_store_s3 import options  # pylint: disable=unused-import  # moto on loopback
+except BaseException:  # pylint: disable=broad-except  # moto or s3fs missing: skipped
+  @pytest.fixture
+  def options():
+    pytest.skip("moto[server] and s3fs are needed for S3")
+
+CONFIG = gmjax.DiLoCo(sync_every=2, fragments=2, quorum_size=2)
+KEEP = 2
+
+
+def _url(kind, tmp_path, options_=None):
+  if kind == "local":
+    return str(tmp_path / "run"), None
+  if kind == "memory":
+    return f"memory://retention-{uuid.uuid4().hex[:8]}", None
+  return f"s3://gmjax-test/{uuid.uuid4().hex[:8]}", options_
+
+
+def _usage(store):
+  """``(objects, bytes)`` under the run, listed from the storage itself."""
+  if store.local_root is not None:
+    sizes = [os.path.getsize(os.path.join(root, name))
+             for root, _, names in os.walk(store.local_root) for name in names]
+  else:
+    store.fs.invalidate_cache()
+    sizes = [info["size"] for info in store.fs.find(store.root, detail=True).values()]
+  return len(sizes), sum(sizes)
+
+
+def _train_pair(run_url, steps, storage_options=None):
+  out = {}
+  threads = ms.Threads()
+  for m in range(2):
+    threads.start(ms.train, mail.open(run_url, storage_options=storage_options), f"a{m}",
+                  m, steps, out=out)
+  threads.join(timeout=120)
+  return out
+
+
+@pytest.mark.parametrize("value", [0, 1, -3, 2.0, True, "4"])
+def test_keep_versions_is_checked(tmp_path, value):
+  with pytest.raises((TypeError, ValueError), match="keep_versions"):
+    mail.create(str(tmp_path / "run"), ms.params0(), CONFIG, keep_versions=value)
+  assert not os.path.exists(tmp_path / "run" / layout.MANIFEST)  # refused before writing
+
+
+def test_keep_versions_is_stored_and_older_manifests_keep_everything(tmp_path):
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), CONFIG)
+  assert run.manifest.keep_versions == 4  # the default
+  assert mail.open(url).manifest.keep_versions == 4
+  with pytest.raises(mail.RunExists, match="keep_versions"):
+    mail.create(url, ms.params0(), CONFIG, keep_versions=8)
+  # A manifest written before the field existed: every version is kept.
+  record = json.loads(run.store.get(layout.MANIFEST))
+  del record["keep_versions"]
+  run.store.put(layout.MANIFEST, json.dumps(record).encode())
+  older = mail.open(url)
+  assert older.manifest.keep_versions is None
+  assert retention.prune(older.store, older.manifest, 0, 1000) == []
+
+
+@pytest.mark.parametrize("kind", ["local", "memory", "s3"])
+def test_storage_stays_bounded_and_restarted_learners_rejoin(tmp_path, kind, request):
+  url, storage_options = _url(kind, tmp_path, request.getfixturevalue("options")
+                              if kind == "s3" else None)
+  run = mail.create(url, ms.params0(), CONFIG, keep_versions=KEEP,
+                    storage_options=storage_options)
+  first, then = (8, 16) if kind != "s3" else (4, 4)  # S3 on moto is slow
+  _train_pair(url, first, storage_options)  # 3 or 4 versions a fragment: some pruned
+  short = _usage(run.store)
+  # The same learners join again (restarted, after their run was pruned) and train
+  # longer.
+  out = _train_pair(url, then, storage_options)
+  long = _usage(run.store)
+  newest = run.newest_versions()
+  assert min(newest.values()) >= (first + then) // len(run.plan) // 2
+  # Objects and bytes do not grow with the rounds (a join adds a claim until the
+  # next compaction).
+  assert long[0] <= short[0] + 2 and long[1] <= 1.05 * short[1], (short, long)
+  for fragment, version in newest.items():
+    kept = states.committed_versions(run.store, fragment)
+    assert kept == [version - 1, version]
+    entries = run.store.list(layout.fragment_dir(fragment))
+    assert all(int(e.split(".")[0].split("-")[0]) >= version - 1 for e in entries), entries
+  rounds = [int(r) for r in run.store.list("rounds")]
+  assert len(rounds) <= KEEP * len(run.plan)
+  assert [r["version"] for r in run.rounds()][-4:] == sorted(
+      [newest[0] - 1, newest[0], newest[1] - 1, newest[1]])
+  assert mail.verify(url, storage_options=storage_options) == []
+  # Both rejoined learners end on the newest Θ.
+  last = max(range(len(run.plan)), key=lambda f: run.commit(f, newest[f])["round"])
+  theta = states.load_theta(run.store, run.commit(last, newest[last]))
+  for name in run.plan[last]:
+    for learner in ("a0", "a1"):
+      np.testing.assert_array_equal(out[learner][name], theta[name])
+
+
+def test_late_learner_merges_the_newest_version_when_its_rounds_were_pruned(tmp_path):
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2), keep_versions=KEEP)
+  slow = mail.open(url).join("slow", poll_interval=ms.POLL, wait_timeout=60.0)
+  params = slow.pull(ms.params0())
+  try:
+    # Rounds close on the quorum of one, after the grace period: "slow" falls behind.
+    ms.train(mail.open(url), "busy", 0, 10)
+    assert run.newest_versions() == {0: 5}
+    goal = ms.target(1)
+    for _ in range(6):  # rounds 0-2, committed and pruned (but round 2's version 3)
+      params = slow.step(ms.inner(params, goal))
+  finally:
+    params = slow.close(params)
+  assert slow.versions[0] >= 5
+  theta = states.load_theta(run.store, run.commit(0, 5))
+  assert not any("slow" in {p["learner"] for p in r["participants"]} for r in run.rounds())
+  # Only the rounds of the versions kept (4 and 5): nothing was sent to pruned rounds.
+  assert run.store.list("rounds") == ["3", "4"]
+  for name in theta:  # mixing 0: the last merge is the newest Θ
+    np.testing.assert_array_equal(params[name], theta[name])
+  assert mail.verify(url) == []
+
+
+def test_pull_verify_and_repair_on_a_pruned_run(tmp_path, caplog):
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), CONFIG, keep_versions=KEEP)
+  _train_pair(url, 12)
+  newest = run.newest_versions()
+  assert mail.verify(url) == []
+  assert states.committed_versions(run.store, 0) == [newest[0] - 1, newest[0]]
+  # A new learner pulls the newest Θ.
+  learner = mail.open(url).join("newcomer", poll_interval=ms.POLL)
+  pulled = learner.pull(ms.params0())
+  learner.close(pulled)
+  theta = states.load_theta(run.store, run.commit(0, newest[0]))
+  for name in theta:
+    np.testing.assert_array_equal(pulled[name], theta[name])
+  # The newest state of fragment 0 damaged: repaired from the version kept before it.
+  record = run.commit(0, newest[0])
+  first = sorted(record["state_files"])[0]
+  run.store.put(f"{record['state']}/{first}", b"damaged")
+  assert any("state" in p for p in mail.verify(url))
+  repaired, _ = recovery.repair(run.store, run.manifest, 0, newest[0], None, "test")
+  assert repaired["repair"]["from_version"] == newest[0] - 1
+  assert mail.verify(url) == []
+  # Nothing kept below is intact: the repair says the older versions were pruned.
+  before = run.commit(0, newest[0] - 1)
+  run.store.put(f"{before['state']}/{sorted(before['state_files'])[0]}", b"damaged")
+  with pytest.raises(mail.CorruptRecord, match="pruned"):
+    recovery.newest_intact_state(run.store, 0, newest[0], None)
+  # A pruned version is never repaired (committed again).
+  with pytest.raises(retention.Pruned):
+    recovery.repair(run.store, run.manifest, 0, 1, None, "test")
+  assert not run.store.exists(layout.commit(0, 1))
+
+
+def test_dead_heartbeats_claims_and_junk_are_compacted(tmp_path, monkeypatch):
+  monkeypatch.setattr(retention, "DEAD_TIMEOUTS", 0.25)  # dead after 0.5 s, not 20 s
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, quorum_size=2),
+                    keep_versions=KEEP)
+  long_ago = (datetime.datetime.now(datetime.timezone.utc)
+              - datetime.timedelta(hours=1)).isoformat()
+  for i in range(100):
+    name = f"gone-{i}"
+    beat = {"name": name, "status": "closed" if i % 2 else "live", "seq": 3,
+            "last_seen": long_ago, "incarnation": f"{i:032x}"}
+    run.store.put(layout.heartbeat(name), json.dumps(beat).encode())
+    run.store.put(f"learners/{name}.claims/1", f"{i:032x}".encode())
+  for i in range(20):
+    run.store.put(f"learners/junk-{i}.txt", b"x")
+    run.store.put(f"learners/bad-{i}.json", b"{not json")
+  _train_pair(url, 4)
+  _train_pair(url, 12)  # joined again: the first joins' claims are old
+  entries = run.store.list("learners")
+  assert set(entries) <= {"a0.json", "a0.claims", "a1.json", "a1.claims"}, entries[:10]
+  assert run.store.list("learners/a0.claims") == ["2"]  # the first join's claim went
+
+
+def test_files_planted_under_strangers_names_are_counted_not_listed(tmp_path):
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), CONFIG)
+  for i in range(30):
+    run.store.put(f"rounds/1/stranger-{i}.safetensors", b"junk")
+  _train_pair(url, 6)
+  record = next(r for r in run.rounds() if r["round"] == 1)
+  assert len(record["rejected"]) == retention.MAX_LISTED_STRANGERS
+  assert record["unlisted_rejections"] == 30 - retention.MAX_LISTED_STRANGERS
+  assert sorted(p["learner"] for p in record["participants"]) == ["a0", "a1"]
