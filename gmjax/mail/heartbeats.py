@@ -2,8 +2,15 @@
 
 A learner rewrites its heartbeat every few poll intervals from a background thread, with
 an increasing ``seq``. An observer never compares wall clocks across machines: it
-notes, on its own monotonic clock, when it last saw each learner's ``seq`` change, and
+notes, on its own monotonic clock, when it last saw each learner's ``seq`` rise, and
 holds a learner dead once that is older than the run's timeout.
+
+Only a rise counts. Each join of a name is an incarnation (``incarnation``, with ``seq``
+from 1), and an observer remembers the highest ``seq`` it has seen of each: a heartbeat
+that is not newer than that (an old one written back, in a keyed run the only
+heartbeat anyone without the key can write) is ignored, so replaying a dead learner's
+old heartbeats, in any order, never makes it live again nor brings back a status it
+left. Each replayed heartbeat counts at most once, when it is the newest yet seen.
 
 Who is live for round ``r``: a ``live`` learner whose ``first_round <= r``, and a
 ``closing`` learner for the rounds in its ``final_rounds``; in both cases only while its
@@ -190,7 +197,8 @@ class Roster:
     self._key = key
     self.records: dict[str, dict[str, Any]] = {}
     self.bad: dict[str, str] = {}
-    self._changed: dict[str, tuple[Any, float]] = {}
+    self._changed: dict[str, float] = {}  # when each name's newest beat was first seen
+    self._newest: dict[tuple[str, Any], int] = {}  # (name, incarnation) -> highest seq
     self.refreshed = float("-inf")
 
   def refresh(self) -> None:
@@ -199,22 +207,33 @@ class Roster:
     for name, reason in found.bad.items():
       if self.bad.get(name) != reason:  # once per reason, not once per poll
         log.warning("heartbeat of %s ignored: %s", name, reason)
-    self.records, self.bad = found.records, found.bad
-    for name, record in self.records.items():
-      seq = (record["seq"], record["status"])
-      if name not in self._changed:
-        # First sight: as old as the heartbeat says it is, so a learner that joins a
-        # long run does not count every learner that ever died there as live. Only an
-        # age is taken from the writer's clock; a skewed clock delays a live learner
-        # until its next beat, which is timed here again.
-        self._changed[name] = (seq, now - _age(record))
-      elif self._changed[name][0] != seq:
-        self._changed[name] = (seq, now)
+    self.bad = found.bad
+    records = {}
+    for name, record in found.records.items():
+      incarnation = (name, record.get("incarnation"))
+      newest = self._newest.get(incarnation)
+      if newest is not None and record["seq"] <= newest:
+        # Not newer than a beat already seen: unchanged, or an old one written back.
+        if name in self.records:
+          records[name] = self.records[name]
+        continue
+      self._newest[incarnation] = record["seq"]
+      records[name] = record
+      if newest is None:
+        # First sight of this incarnation: as old as the heartbeat says it is, so a
+        # learner that joins a long run does not count every learner that ever died
+        # there as live. Only an age is taken from the writer's clock; a skewed clock
+        # delays a live learner until its next beat, which is timed here again.
+        seen = now - _age(record)
+        self._changed[name] = max(seen, self._changed.get(name, seen))
+      else:
+        self._changed[name] = now
+    self.records = records
     self.refreshed = now
 
   def fresh(self, name: str, timeout: float) -> bool:
     seen = self._changed.get(name)
-    return seen is not None and time.monotonic() - seen[1] <= timeout
+    return seen is not None and time.monotonic() - seen <= timeout
 
   def live_for(self, round_: int, timeout: float) -> set[str]:
     """Learners expected to contribute to ``round_``."""

@@ -6,11 +6,14 @@ two learners joining as one name at once exactly one wins. Before claiming, the 
 checks the newest claim's holder, through the name's heartbeat:
 
 * ``closed`` or ``failed``: the name is free;
-* ``live`` or ``closing``: the holder is alive if its heartbeat's ``seq`` changes while
-  the joiner watches for the run's liveness timeout (a live learner beats every few poll
-  intervals), and then the join raises ``NameTaken``; a heartbeat that stays unchanged
-  that long belongs to a dead learner, and the name is free. A holder on this host whose
-  process is gone is dead at once, without the wait;
+* ``live`` or ``closing``: the holder is alive if, while the joiner watches for the run's
+  liveness timeout, its heartbeat rises ``ALIVE_BEATS`` times to a ``seq`` higher than
+  any the joiner has seen of it (a live learner beats every few poll intervals, ten
+  times or more in that while), and then the join raises ``NameTaken``; otherwise it
+  belongs to a dead learner and the name is free. Old heartbeats written back (a
+  replay: in a keyed run the only heartbeat anyone without the key can write) never
+  rise above the newest one seen, so a replay of a few, in any order, cannot hold a name.
+  A holder on this host whose process is gone is dead at once, without the wait;
 * no heartbeat of the newest claim yet: its holder is joining, and gets the same watch.
 
 Observers never compare clocks across machines, only changes they see themselves.
@@ -33,6 +36,9 @@ from gmjax.mail.store import BadObject
 _CLAIM = re.compile(r"[1-9][0-9]{0,15}")  # as claim() writes them; others were planted
 MAX_CLAIM = 2**53
 MAX_CLAIM_BYTES = 256  # a claim holds its incarnation, 32 hex digits
+# Rises of the holder's seq that show it alive: more than a replay of two old heartbeats
+# can make (one), far fewer than a live learner makes in a liveness timeout (ten).
+ALIVE_BEATS = 3
 
 
 def _claims(name: str) -> str:
@@ -100,18 +106,25 @@ def claim(store, name: str, *, incarnation: str, liveness_timeout: float,
   record = _heartbeat(store, name, key)
   state = _holder_state(record, holder)
   if state != "free":
-    first = None if record is None else (record.get("seq"), record.get("status"))
+    newest: dict[str | None, int] = {}  # the highest seq seen of each incarnation
+    rises = 0
     deadline = time.monotonic() + liveness_timeout
-    while state != "free" and time.monotonic() < deadline:
-      time.sleep(poll_interval)
-      record = _heartbeat(store, name, key)
-      state = _holder_state(record, holder)
-      seen = None if record is None else (record.get("seq"), record.get("status"))
-      if state == "alive?" and seen != first:
+    while True:
+      if state == "alive?":
+        seen = newest.get(record.get("incarnation"))
+        if seen is None or record["seq"] > seen:
+          rises += seen is not None
+          newest[record.get("incarnation")] = record["seq"]
+      if rises >= ALIVE_BEATS:
         raise NameTaken(
             f"learner name {name!r} is taken: its heartbeat ({layout.heartbeat(name)},"
             f" pid {record.get('pid')} on {record.get('host')!r}) is live; join with"
             " another name, or wait until that learner closes or its heartbeat stops.")
+      if state == "free" or time.monotonic() >= deadline:
+        break
+      time.sleep(poll_interval)
+      record = _heartbeat(store, name, key)
+      state = _holder_state(record, holder)
   if not store.create(f"{_claims(name)}/{number + 1}", incarnation.encode()):
     raise NameTaken(f"learner name {name!r} was claimed by another learner joining at the"
                     " same time; join with another name.")

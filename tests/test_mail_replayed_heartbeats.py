@@ -1,0 +1,83 @@
+"""Old signed heartbeats of a dead learner, written back alternately, neither keep it live
+for the closer nor hold its name."""
+
+import datetime
+import threading
+import time
+
+import pytest
+
+import gmjax
+from gmjax import mail
+from gmjax.mail import heartbeats
+from gmjax.mail import layout
+from gmjax.mail import names
+
+import mail_support as ms
+
+KEY = "replay-secret"
+
+
+def _dead_learner(run):
+  """Claims ``ghost`` and returns two of its live heartbeats, signed, from a while ago."""
+  incarnation = "f" * 32
+  names.claim(run.store, "ghost", incarnation=incarnation, liveness_timeout=0.0,
+              poll_interval=ms.POLL, key=run.signing_key)
+  then = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=10)
+  return [heartbeats.dumps({
+      "name": "ghost", "incarnation": incarnation, "pid": 1, "host": "elsewhere",
+      "status": heartbeats.LIVE, "seq": seq, "step": 0, "first_round": 0,
+      "final_rounds": [], "versions": {},
+      "last_seen": (then + datetime.timedelta(seconds=seq)).isoformat()},
+      run.signing_key) for seq in (5, 6)]
+
+
+class Replay:
+  """Writes the heartbeats back in turn, one every poll, until stopped."""
+
+  def __init__(self, run, beats):
+    self.stop = threading.Event()
+
+    def replay():
+      for turn in range(10**6):
+        if self.stop.wait(ms.POLL):
+          return
+        run.store.put(layout.heartbeat("ghost"), beats[turn % 2])
+
+    self.thread = threading.Thread(target=replay, daemon=True)
+
+  def __enter__(self):
+    self.thread.start()
+    return self
+
+  def __exit__(self, *exc):
+    self.stop.set()
+    self.thread.join()
+
+
+def _run(tmp_path):
+  return mail.create(str(tmp_path / "run"), ms.params0(), gmjax.DiLoCo(sync_every=2),
+                     key=KEY)
+
+
+def test_replayed_heartbeats_never_make_a_dead_learner_live(tmp_path):
+  run = _run(tmp_path)
+  roster = heartbeats.Roster(run.store, run.signing_key)
+  timeout = 0.3
+  with Replay(run, _dead_learner(run)):
+    started = time.monotonic()
+    while time.monotonic() - started < 3 * timeout:
+      roster.refresh()
+      time.sleep(ms.POLL / 2)
+  assert roster.records["ghost"]["seq"] == 6  # the newest seen stands, not a replay
+  assert not roster.fresh("ghost", timeout)
+  assert roster.live_for(0, timeout) == set()
+
+
+@pytest.mark.timeout(120)
+def test_replayed_heartbeats_do_not_hold_a_name(tmp_path):
+  run = _run(tmp_path)
+  with Replay(run, _dead_learner(run)):
+    learner = mail.open(run.url, key=KEY).join("ghost", poll_interval=ms.POLL)
+  learner.close(learner.pull(ms.params0()))
+  assert run.learners()["ghost"]["status"] == "closed"
