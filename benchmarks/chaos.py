@@ -7,12 +7,18 @@ designated closers between saving a state and creating its commit, every learner
 storage calls fail transiently at a given rate, torn temporary files appear, and one
 hostile file of each kind is planted at the run's normal paths: a deeply nested payload
 header, a malformed heartbeat, a huge finite delta, absurd reported fields, a FIFO, a
-huge sparse file and a megabyte of attacker text.
+huge sparse file, a megabyte of attacker text, hundreds of dead learners' heartbeats and
+claims, and hundreds of files under names that never joined in one round.
 
-Afterwards ``check`` asserts: one commit per version and versions contiguous, the run
-verifies (``gmjax.mail.verify``), no hostile payload was aggregated, every learner that
-survived ends on the Θ committed at the end step, and no learner
-failed or waited past the run's timeouts.
+The run keeps its newest ``--keep-versions`` versions of each fragment (4, as
+``gmjax.mail.create``; 0 keeps every version), so the driver reads every commit record
+as it appears (``Ledger``) and samples the objects and bytes on storage as it goes.
+Afterwards ``check`` asserts: one commit per version and versions contiguous (from the
+ledger), the run verifies (``gmjax.mail.verify``), no hostile payload was aggregated,
+every learner that survived ends on the Θ committed at the end step, no learner failed
+or waited past the run's timeouts, and with retention: each fragment keeps its newest
+versions only, ``rounds/`` holds only their rounds, planted strangers are counted and
+not listed in the records, and dead heartbeats are compacted once the run outlives them.
 
 Run:  .venv/bin/python benchmarks/chaos.py --rounds 500
 """
@@ -37,7 +43,8 @@ import numpy as np
 
 HOSTILE = "evil"  # every planted learner name starts with this
 KINDS = ("deep-header", "bad-heartbeat", "huge-delta", "huge-fields", "fifo", "sparse",
-         "long-text", "torn")
+         "long-text", "torn", "dead-heartbeats", "strangers")
+PLANTED_MANY = 300  # dead heartbeats, or strangers' files in one round
 # The kinds that are contributions: each must be listed as rejected by its round.
 REJECTED_KINDS = ("deep-header", "huge-delta", "huge-fields", "fifo", "sparse", "long-text")
 
@@ -185,6 +192,27 @@ def plant(run, root: str, kind: str, round_: int) -> list[str]:
   elif kind == "long-text":
     with open(path, "wb") as f:
       f.write(_payload(json.dumps({"__metadata__": {"learner": "x" * (1 << 20)}}).encode()))
+  elif kind == "dead-heartbeats":
+    long_ago = (datetime.datetime.now(datetime.timezone.utc)
+                - datetime.timedelta(hours=1)).isoformat()
+    paths = []
+    for i in range(PLANTED_MANY):
+      who = f"{name}-{i}"
+      with open(os.path.join(learners, f"{who}.json"), "w") as f:
+        json.dump({"name": who, "status": "closed" if i % 2 else "live", "seq": 7,
+                   "last_seen": long_ago, "incarnation": f"{i:032x}"}, f)
+      os.makedirs(os.path.join(learners, f"{who}.claims"), exist_ok=True)
+      with open(os.path.join(learners, f"{who}.claims", "1"), "w") as f:
+        f.write(f"{i:032x}")
+      paths.append(os.path.join(learners, f"{who}.json"))
+    return paths
+  elif kind == "strangers":
+    paths = []
+    for i in range(PLANTED_MANY):
+      paths.append(os.path.join(rounds, f"{name}-{i}.safetensors"))
+      with open(paths[-1], "wb") as f:
+        f.write(b"junk")
+    return paths
   elif kind == "torn":
     path = os.path.join(rounds, f"w0.safetensors.{random.getrandbits(64):016x}.tmp")
     with open(path, "wb") as f:
@@ -202,10 +230,91 @@ def plant(run, root: str, kind: str, round_: int) -> list[str]:
 # The driver.
 
 
+class Ledger:
+  """Every commit record of the run, read as it appears.
+
+  A run that prunes keeps only its newest versions; a version lives for at least
+  ``keep_versions`` commits of its fragment, far longer than the driver's poll, so the
+  ledger sees every commit, and every record that stood in a slot.
+  """
+
+  def __init__(self, url: str, fragments: int):
+    self.url = url
+    self.fragments = fragments
+    self.slots: dict[tuple[int, int], dict[str, Any]] = {}  # (f, v) -> {path: record}
+
+  def poll(self) -> None:
+    from gmjax.mail import layout  # pylint: disable=g-import-not-at-top
+
+    for fragment in range(self.fragments):
+      folder = os.path.join(self.url, "fragments", str(fragment))
+      try:
+        entries = os.listdir(folder)
+      except FileNotFoundError:
+        continue
+      for entry in entries:
+        version = layout.slot_version(entry)
+        path = f"fragments/{fragment}/{entry}"
+        if version is None or path in self.slots.get((fragment, version), {}):
+          continue
+        try:
+          with open(os.path.join(folder, entry)) as f:
+            record = json.load(f)
+        except (OSError, ValueError):
+          continue  # gone, a folder, or torn: not a record
+        if isinstance(record, dict) and record.get("version") == version:
+          self.slots.setdefault((fragment, version), {})[path] = record
+
+  def versions(self, fragment: int) -> list[int]:
+    return sorted(v for f, v in self.slots if f == fragment)
+
+  def in_force(self, fragment: int, version: int) -> dict[str, Any]:
+    slots = self.slots[(fragment, version)]
+    return slots[max(slots, key=_slot_number)]
+
+  def duplicates(self) -> list[str]:
+    """Records of one version that the record in force does not supersede."""
+    found = []
+    for (fragment, version), slots in sorted(self.slots.items()):
+      last = max(slots, key=_slot_number)
+      superseded = set(slots[last].get("supersedes") or [])
+      found += [f"{path} and {last}" for path in slots
+                if path != last and path not in superseded]
+    return found
+
+  def records(self) -> list[dict[str, Any]]:
+    """The record in force of every version but 0, by round."""
+    records = [self.in_force(f, v) for f, v in self.slots if v > 0]
+    return sorted(records, key=lambda r: r["round"])
+
+
+def _slot_number(path: str) -> int:
+  name = path.rsplit("/", 1)[-1]
+  return int(name.split("commit-")[1].split(".")[0]) if "commit-" in name else 0
+
+
+def usage(root: str) -> tuple[int, int]:
+  """``(objects, bytes)`` under ``root`` (apparent sizes; files that vanish skipped)."""
+  objects = size = 0
+  for folder, _, names in os.walk(root):
+    for name in names:
+      try:
+        size += os.lstat(os.path.join(folder, name)).st_size
+        objects += 1
+      except FileNotFoundError:
+        continue
+  return objects, size
+
+
 @dataclasses.dataclass
 class Report:
   url: str
   out: str
+  keep_versions: int | None = None
+  ledger: Ledger | None = None
+  samples: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (round, objects, bytes)
+  planted_at: dict[str, float] = dataclasses.field(default_factory=dict)
+  ended: float = 0.0
   rounds: int = 0
   kills: int = 0
   self_kills: int = 0
@@ -228,7 +337,8 @@ def _newest_round(run) -> int:
 def chaos(root: str, *, rounds: int = 30, learners: int = 4, seed: int = 0,
           kill_every: float = 4.0, error_rate: float = 0.03, die_rate: float = 0.05,
           poll: float = 0.02, step_sleep: float = 0.02, deadline: float = 600.0,
-          hostile: tuple[str, ...] = KINDS, min_uptime: float = 8.0) -> Report:
+          hostile: tuple[str, ...] = KINDS, min_uptime: float = 8.0,
+          keep_versions: int | None = 4) -> Report:
   """Runs the chaos run in ``root``; returns what happened (check it with ``check``)."""
   import gmjax  # pylint: disable=g-import-not-at-top
   from gmjax import mail  # pylint: disable=g-import-not-at-top
@@ -240,8 +350,10 @@ def chaos(root: str, *, rounds: int = 30, learners: int = 4, seed: int = 0,
   stop = os.path.join(root, "stop")
   config = gmjax.DiLoCo(sync_every=4, fragments=2, delta_precision="F8_E4M3",
                         quorum_size=2, flush_on_close=False)
-  run = mail.create(url, params0(), config)
-  report = Report(url=url, out=out)
+  run = mail.create(url, params0(), config, keep_versions=keep_versions)
+  ledger = Ledger(url, len(run.plan))
+  report = Report(url=url, out=out, keep_versions=keep_versions, ledger=ledger)
+  sampled = 0.0
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
   logs = os.path.join(root, "logs")
   os.makedirs(logs, exist_ok=True)
@@ -274,6 +386,10 @@ def chaos(root: str, *, rounds: int = 30, learners: int = 4, seed: int = 0,
         report.failures.append("learners keep failing: stopped the run")
         break
       newest = _newest_round(run)
+      ledger.poll()
+      if now - sampled >= 1.0:
+        report.samples.append((newest, *usage(url)))
+        sampled = now
       # The run goes on past ``rounds`` until it has been disturbed at least once: on a
       # fast machine all its rounds can close before the first learner is old enough to
       # be killed (``min_uptime``).
@@ -283,6 +399,7 @@ def chaos(root: str, *, rounds: int = 30, learners: int = 4, seed: int = 0,
         # One hostile file per new round, aimed two rounds ahead so it is there in time.
         kind = kinds.pop()
         report.planted[kind] = plant(run, url, kind, newest + 2)
+        report.planted_at[kind] = time.monotonic()
         planted_at = newest
       for i, (name, proc) in list(procs.items()):
         code = proc.poll()
@@ -313,7 +430,8 @@ def chaos(root: str, *, rounds: int = 30, learners: int = 4, seed: int = 0,
         next_kill = now + rng.expovariate(1 / kill_every)
       time.sleep(0.1)
   finally:
-    records = run.rounds()
+    ledger.poll()
+    records = ledger.records()
     sync_every = config.sync_every
     newest_step = records[-1]["step"] if records else 0
     end = (newest_step // sync_every + 2) * sync_every
@@ -323,7 +441,7 @@ def chaos(root: str, *, rounds: int = 30, learners: int = 4, seed: int = 0,
     report.end_step = end
     for i, (name, proc) in procs.items():
       try:
-        code = proc.wait(timeout=120)
+        code = _wait_polling(proc, 120, ledger)
       except subprocess.TimeoutExpired:
         proc.kill()
         code = proc.wait()
@@ -334,9 +452,24 @@ def chaos(root: str, *, rounds: int = 30, learners: int = 4, seed: int = 0,
         report.self_kills += 1
       else:
         report.failures.append(f"{name} exited with {code} (see {logs}/{name}.log)")
-  report.rounds = len(run.rounds())
-  report.seconds = time.monotonic() - started
+  ledger.poll()
+  report.samples.append((_newest_round(run), *usage(url)))
+  report.rounds = len(ledger.records())
+  report.ended = time.monotonic()
+  report.seconds = report.ended - started
   return report
+
+
+def _wait_polling(proc: subprocess.Popen, timeout: float, ledger: Ledger) -> int:
+  """``proc.wait(timeout)``, reading new commit records meanwhile."""
+  deadline = time.monotonic() + timeout
+  while True:
+    try:
+      return proc.wait(timeout=0.1)
+    except subprocess.TimeoutExpired:
+      ledger.poll()
+      if time.monotonic() > deadline:
+        raise
 
 
 def _time(text: str) -> float:
@@ -347,24 +480,29 @@ def check(report: Report) -> list[str]:
   """The invariants the run must keep; returns what is wrong (empty: all held)."""
   import gmjax  # pylint: disable=g-import-not-at-top
   from gmjax import mail  # pylint: disable=g-import-not-at-top
-  from gmjax.mail import layout, states  # pylint: disable=g-import-not-at-top
+  from gmjax.mail import layout, retention, states  # pylint: disable=g-import-not-at-top
 
   problems = list(report.failures)
   run = mail.open(report.url)
   problems += [f"verify: {p}" for p in mail.verify(report.url)]
+  ledger = report.ledger
   for fragment in range(len(run.plan)):
-    versions = sorted(layout.commit_version(e)
-                      for e in run.store.list(layout.fragment_dir(fragment))
-                      if layout.commit_version(e) is not None)
+    versions = ledger.versions(fragment)
     if versions != list(range(len(versions))):
-      problems.append(f"fragment {fragment}: versions {versions} are not 0..n")
-  records = run.rounds()
+      problems.append(f"fragment {fragment}: versions {_spans(versions)} are not 0..n")
+  problems += [f"two commits of one version: {d}" for d in ledger.duplicates()]
+  records = ledger.records()
   rejected = {r["learner"] for record in records for r in record["rejected"]}
   for kind in set(report.planted) & set(REJECTED_KINDS):
     if f"{HOSTILE}-{kind}" not in rejected:
       problems.append(f"the hostile {kind} contribution is in no round's rejected list")
+  if "strangers" in report.planted and not any(
+      r.get("unlisted_rejections", 0) >= PLANTED_MANY - retention.MAX_LISTED_STRANGERS
+      for r in records):
+    problems.append("no round counts the strangers' files as unlisted rejections")
+  problems += _retention(report, run, records)
   if [r["round"] for r in records] != list(range(len(records))):
-    problems.append(f"rounds {[r['round'] for r in records]} are not contiguous")
+    problems.append(f"rounds {_spans([r['round'] for r in records])} are not contiguous")
   for record in records:
     bad = [p["learner"] for p in record["participants"] if p["learner"].startswith(HOSTILE)]
     if bad:
@@ -403,10 +541,53 @@ def check(report: Report) -> list[str]:
   return problems
 
 
-def figures(report: Report) -> dict[str, Any]:
-  from gmjax import mail  # pylint: disable=g-import-not-at-top
+def _spans(numbers: list[int]) -> str:
+  """``[0, 1, 2, 5]`` as ``0-2, 5``."""
+  if not numbers:
+    return "none"
+  spans, start = [], numbers[0]
+  for previous, number in zip(numbers, numbers[1:] + [None]):
+    if number != previous + 1:
+      spans.append(str(start) if start == previous else f"{start}-{previous}")
+      start = number
+  return ", ".join(spans)
 
-  records = mail.open(report.url).rounds()
+
+def _retention(report: Report, run, records: list[dict[str, Any]]) -> list[str]:
+  """What a run that keeps its newest versions must have deleted, and nothing more."""
+  import gmjax  # pylint: disable=g-import-not-at-top
+  from gmjax.mail import retention, states  # pylint: disable=g-import-not-at-top
+
+  keep = report.keep_versions
+  if keep is None:
+    return []
+  problems = []
+  schedule = run.config.schedule(len(run.plan))
+  newest = run.newest_versions()
+  for fragment, version in newest.items():
+    kept = states.committed_versions(run.store, fragment)
+    if kept != list(range(retention.floor(version, keep), version + 1)):
+      problems.append(f"fragment {fragment} keeps versions {_spans(kept)}, not its newest"
+                      f" {keep} up to {version}")
+  for entry in run.store.list("rounds"):
+    round_ = int(entry)
+    fragment = schedule.fragment_of(round_)
+    if schedule.version_after(round_) < retention.floor(newest[fragment], keep):
+      problems.append(f"rounds/{entry} is kept, but its version was pruned")
+  planted = report.planted_at.get("dead-heartbeats")
+  timeouts = [gmjax.Estimates.from_json(r["estimates"]).timeout(0.02) for r in records]
+  # Dead after DEAD_TIMEOUTS liveness timeouts (at least 2 s each), from a closer's
+  # first sight; checked only when the run went on twice that long after planting.
+  dead_after = retention.DEAD_TIMEOUTS * max(timeouts + [2.0])
+  if planted is not None and report.ended - planted > 2 * dead_after:
+    left = [e for e in run.store.list("learners") if e.startswith(f"{HOSTILE}-dead")]
+    if left:
+      problems.append(f"{len(left)} dead heartbeats and claims were not compacted")
+  return problems
+
+
+def figures(report: Report) -> dict[str, Any]:
+  records = report.ledger.records()
   latency = sorted(_time(r["committed_at"]) - _time(r["opened_at"]) for r in records
                    if r.get("opened_at"))
   takeovers = 0
@@ -422,7 +603,24 @@ def figures(report: Report) -> dict[str, Any]:
       "commit_latency_p50_s": statistics.median(latency) if latency else None,
       "commit_latency_p95_s": latency[int(0.95 * (len(latency) - 1))] if latency else None,
       "seconds": report.seconds,
+      **_storage(report),
   }
+
+
+def _storage(report: Report) -> dict[str, Any]:
+  """Objects and bytes on storage: the most over each quarter of the run, and at the end."""
+  samples = report.samples
+  if not samples:
+    return {}
+  last = max(r for r, _, _ in samples) or 1
+  quarters = []
+  for q in range(4):
+    inside = [(o, b) for r, o, b in samples if q * last / 4 <= r <= (q + 1) * last / 4]
+    if inside:
+      quarters.append([max(o for o, _ in inside), max(b for _, b in inside)])
+  return {"keep_versions": report.keep_versions,
+          "storage_max_objects_bytes_by_quarter": quarters,
+          "storage_end_objects": samples[-1][1], "storage_end_bytes": samples[-1][2]}
 
 
 def main() -> None:
@@ -436,6 +634,8 @@ def main() -> None:
   parser.add_argument("--dir", default=None)
   parser.add_argument("--hostile", default=",".join(KINDS),
                       help="comma-separated kinds of hostile file to plant (empty: none)")
+  parser.add_argument("--keep-versions", type=int, default=4,
+                      help="versions of each fragment the run keeps (0: every version)")
   # The learner process.
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   for flag in ("--url", "--name", "--stop", "--out"):
@@ -451,7 +651,8 @@ def main() -> None:
   report = chaos(root, rounds=args.rounds, learners=args.learners, seed=args.seed,
                  kill_every=args.kill_every, error_rate=args.error_rate,
                  die_rate=args.die_rate, deadline=max(600.0, 6.0 * args.rounds),
-                 hostile=tuple(k for k in args.hostile.split(",") if k))
+                 hostile=tuple(k for k in args.hostile.split(",") if k),
+                 keep_versions=args.keep_versions or None)
   problems = check(report)
   result = figures(report)
   result["lost_or_duplicate_commits"] = sum("versions" in p for p in problems)
