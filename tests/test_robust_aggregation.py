@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import gmjax
 from gmjax.core import robust
@@ -163,25 +165,35 @@ def test_the_mail_closer_records_what_the_rule_did():
 LEARNERS = 4
 
 
-def _in_mesh_stats(config, shard_outer):
+def _in_mesh_stats(config, shard_outer, mesh=None):
+  """Four steps (one round) of 4 learners, learner 3 pulling 5x the other way, under
+  ``vmap`` or, given a mesh, ``shard_map``; learner 0's parameters and statistics."""
   optimizer = gmjax.diloco(optax.sgd(0.1), config, axis_name="learner",
                            shard_outer=shard_outer)
   goals = jnp.asarray(np.random.default_rng(3).standard_normal((LEARNERS, 40)),
                       jnp.float32)
-  goals = goals.at[3].multiply(-5.0)  # learner 3 pulls the other way, 5x as hard
+  goals = goals.at[3].multiply(-5.0)
 
   def step(params, state, goal):
     updates, state = optimizer.update({"w": params["w"] - goal}, state, params,
                                       tokens=jnp.float32(10))
     return optax.apply_updates(params, updates), state
 
-  step = jax.jit(jax.vmap(step, axis_name="learner"))
   params = {"w": jnp.zeros((LEARNERS, 40), jnp.float32)}
   state = jax.vmap(optimizer.init, axis_name="learner")(params)
+  if mesh is None:
+    steps = jax.jit(jax.vmap(step, axis_name="learner"))
+  else:
+    local = lambda *args: jax.tree.map(lambda x: x[None], step(
+        *jax.tree.map(lambda x: x[0], args)))
+    steps = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("learner"),
+                                  out_specs=P("learner")))
+    params, state, goals = jax.device_put((params, state, goals),
+                                          NamedSharding(mesh, P("learner")))
   for _ in range(4):
-    params, state = step(params, state, goals)
-  return np.asarray(params["w"][0]), jax.tree.map(lambda x: int(np.asarray(x)[0]),
-                                                  state.stats._asdict())
+    params, state = steps(params, state, goals)
+  return np.asarray(params["w"])[0], jax.tree.map(lambda x: int(np.asarray(x)[0]),
+                                                   state.stats._asdict())
 
 
 @pytest.mark.parametrize("name,expected", [
@@ -189,15 +201,21 @@ def _in_mesh_stats(config, shard_outer):
     ("clipped_mean", {"clipped": 2, "capped": 0, "trimmed": 0}),
     ("trimmed_mean", {"clipped": 0, "capped": 0, "trimmed": 1}),
 ])
-def test_in_mesh_statistics_and_both_outer_layouts_agree(name, expected):
+def test_in_mesh_statistics_vmap_shard_map_and_both_outer_layouts_agree(name, expected):
   # F32 deltas: the replicated clipped_mean sums by psum, the trimmed_mean gathers.
   config = gmjax.DiLoCo(sync_every=4, aggregation=name)
   sharded, stats = _in_mesh_stats(config, shard_outer=True)
   replicated, _ = _in_mesh_stats(config, shard_outer=False)
+  mesh = jax.make_mesh((LEARNERS,), ("learner",),
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+  mapped, mapped_stats = _in_mesh_stats(config, shard_outer=True, mesh=mesh)
   assert {k: stats[k] for k in expected} == expected
   assert stats["rejected"] == 0 and stats["skipped"] == 0
+  # shard_map runs the program vmap runs: the same bits.
+  np.testing.assert_array_equal(mapped, sharded)
+  assert mapped_stats == stats
   # The same decoded deltas, sorted or clipped alike; only the norms' summation order
-  # differs between the layouts.
+  # (and the replicated F32 psum's) differs between the layouts.
   np.testing.assert_allclose(sharded, replicated, rtol=1e-6, atol=1e-7)
 
 
