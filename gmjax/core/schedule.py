@@ -13,6 +13,10 @@ import math
 from typing import Any, Self
 
 _EMA_DECAY = 0.1
+# An observation counts for at most _RISE_FACTOR times the estimate plus _RISE_SECONDS:
+# each estimate grows by at most 10% (and 10 ms) a round, whatever is observed.
+_RISE_FACTOR = 2.0
+_RISE_SECONDS = 0.1
 _TIMEOUT_FACTOR = 3.0
 _TIMEOUT_FLOOR_POLLS = 30
 MAX_ESTIMATE_SECONDS = 86400.0
@@ -111,9 +115,12 @@ class Estimates:
   """Exponential moving averages of the round timings, carried from record to record.
 
   ``step`` is the learners' reported seconds per training step, ``quorum`` the seconds
-  from round start to quorum and ``sync`` the seconds from closing to a durable commit.
+  from a round's first aggregated contribution to its median one (the mail closer's
+  ``arrival_spread``) and ``sync`` the seconds from closing to a durable commit.
   Each is ``None`` until its first observation, which is taken as is; later ones move the
-  average by ``0.1·(new - old)``.
+  average by ``0.1·(min(new, 2·old + 0.1 s) - old)``, so no estimate (hence no timeout
+  built from them) grows by more than 10% and 10 ms a round: a round that took long
+  cannot lengthen the next round's wait much, and that round's length cannot feed back.
   """
 
   step: float | None = None
@@ -133,6 +140,7 @@ class Estimates:
         return old
       if old is None:
         return float(new)
+      new = min(new, _RISE_FACTOR * old + _RISE_SECONDS)
       return old + _EMA_DECAY * (new - old)
 
     return dataclasses.replace(

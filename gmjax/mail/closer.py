@@ -9,7 +9,9 @@ when it is about to take over (and then decides again on what it validated):
 * **closable** when every learner live for the round (``heartbeats.Roster``) has a
   contribution there (valid, or listed and not validated yet), or when ``quorum()`` valid
   ones are in and the grace period (``Estimates.timeout(poll_interval)``, counted from
-  when this observer first saw the quorum) has passed. A rejected file does not stand for
+  when this observer first saw the quorum) has passed. The estimates take the round's
+  ``arrival_spread`` (a median over the aggregated contributions), never its wait, so
+  learners that publish late, fewer than half, cannot lengthen the grace. A rejected file does not stand for
   its learner: anyone may have planted it at the learner's path before the learner wrote
   there, so the round waits for the learner as if it had none, and reads the file again
   when it changes (``Store.list_marked``); a valid contribution, once read, is kept;
@@ -72,6 +74,7 @@ class Watch:
   found: dict[str, Contribution | ContributionRejected] = dataclasses.field(
       default_factory=dict)
   markers: dict[str, str | None] = dataclasses.field(default_factory=dict)  # when found
+  arrived: dict[str, float] = dataclasses.field(default_factory=dict)  # first listed
   listed: set[str] = dataclasses.field(default_factory=set)  # seen, not yet validated
   norms: dict[str, float] = dataclasses.field(default_factory=dict)  # per step, by learner
   clamped: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -188,6 +191,9 @@ class Closer:
     # Listed before reading: a file replaced after this listing shows a new marker at
     # the next scan, and is read again then.
     listing = self.store.list_marked(layout.round_dir(watch.round))
+    now = time.monotonic()
+    for entry in listing:
+      watch.arrived.setdefault(entry, now)
     entries = watch.to_read(listing)
     if entries and watch.opened is None:
       watch.opened, watch.opened_at = time.monotonic(), utc_now()
@@ -360,7 +366,7 @@ class Closer:
     step_seconds = sorted(c.step_seconds for c in valid if c.step_seconds > 0)
     estimates = self.estimates.updated(
         step=step_seconds[(len(step_seconds) - 1) // 2] if step_seconds else None,
-        quorum=quorum_seconds, sync=sync_seconds)
+        quorum=arrival_spread(watch, valid), sync=sync_seconds)
     extra = {}
     listed, unlisted = retention.listed_rejections(rejected, roster.known)
     if unlisted:
@@ -423,3 +429,25 @@ class Closer:
     except Exception as error:  # pylint: disable=broad-except
       log.warning("pruning after version %d of fragment %d failed (the next commit"
                   " tries again): %r", record.version, record.fragment, error)
+
+
+def arrival_spread(watch: Watch, valid: list[Contribution]) -> float | None:
+  """Seconds from the first aggregated contribution's arrival to the lower median's: the
+  run's quorum estimate.
+
+  Counted over the contributions that are aggregated only (a rejected or planted file
+  arrives whenever its writer likes), and a median, so learners that always publish
+  late, fewer than half of them, move neither this nor the timeouts built from it. The
+  round's own wait (``quorum_seconds``, until every live learner was in) is recorded,
+  never fed back: a late learner stretches its round, not the next ones' grace.
+
+  Returns:
+    The spread, or None when this observer saw no aggregated contribution arrive.
+  """
+  aggregated = {c.learner for c in valid}
+  times = sorted(at for entry, at in watch.arrived.items()
+                 if isinstance(watch.found.get(entry), Contribution)
+                 and watch.found[entry].learner in aggregated)
+  if not times:
+    return None
+  return times[(len(times) - 1) // 2] - times[0]

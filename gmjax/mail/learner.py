@@ -123,7 +123,7 @@ class Learner:
     self._unadopted: list[tuple[int, int, None]] = []
     self._tokens_since = [0] * self.fragments
     self._step_seconds: float | None = None
-    self._last_step_time: float | None = None
+    self._last_step_end: float | None = None
     self._last_flat: dict[str, Any] | None = None
     self.local_step = 0
     self._pulled = self._closed = False
@@ -306,12 +306,13 @@ class Learner:
       raise ValueError(f"learner {self.name!r}: call pull(params) before step().")
     if tokens is not None and (isinstance(tokens, bool) or int(tokens) != tokens or tokens < 0):
       raise ValueError(f"tokens must be a non-negative int or None, got {tokens!r}.")
-    now = time.perf_counter()
-    if self._last_step_time is not None:
-      seconds = now - self._last_step_time
+    # A step's seconds are the caller's, from the end of the last step() to this one:
+    # never the time step() waits for a round to close, which the slowest learner sets
+    # and which, counted, would lengthen the timeouts that set it, round over round.
+    if self._last_step_end is not None:
+      seconds = time.perf_counter() - self._last_step_end
       self._step_seconds = seconds if self._step_seconds is None else (
           0.9 * self._step_seconds + 0.1 * seconds)
-    self._last_step_time = now
     flat = self._tree_schema.check(params)
     self._last_flat = flat
     self.step_count += 1
@@ -326,6 +327,7 @@ class Learner:
       self._publish_round(flat, round_, final=False)
       self._merge_due(flat)
     self._beat(step=self.step_count, **({} if loss is None else {"loss": float(loss)}))
+    self._last_step_end = time.perf_counter()
     return self._tree_schema.unflatten(flat)
 
   def _publish_round(self, flat: dict[str, Any], round_: int, *, final: bool,
