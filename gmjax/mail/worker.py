@@ -58,14 +58,22 @@ class Commit(NamedTuple):
 
 
 class _Known:
-  """Learner names with a heartbeat; a miss refreshes the roster once before failing."""
+  """Learner names with a heartbeat; a miss refreshes the roster, at most once a scan.
+
+  A learner writes its heartbeat before any contribution, so a roster read after a
+  scan's listing (``since``, set before the scan lists) knows every learner whose file
+  the listing holds: files planted under a thousand names cost one refresh, not one each.
+  """
 
   def __init__(self, roster: Roster):
     self._roster = roster
+    self.since = float("-inf")
 
   def __contains__(self, name: object) -> bool:
     if name in self._roster.records:
       return True
+    if self._roster.refreshed >= self.since:
+      return False
     self._roster.refresh()
     return name in self._roster.records
 
@@ -254,12 +262,14 @@ class Worker:
         continue
       # Only the designated closer reads every contribution as it lands; a follower
       # lists them, and reads them only when it takes over.
+      self._known.since = time.monotonic()
       self.closer.scan(watch, self._known,
                        validate=self.closer.designated(watch, self._roster))
       if self.closer.decide(watch, self._roster):
         # Decide again on the freshest view before closing: a learner that joined since
         # the last refresh is live and awaited, and listed contributions get validated.
         self._roster.refresh()
+        self._known.since = time.monotonic()
         self.closer.scan(watch, self._known)
         if not self.closer.decide(watch, self._roster):
           continue
