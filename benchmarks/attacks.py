@@ -22,7 +22,7 @@ trained honestly); the ``honest`` rows compare each rule's honest run with ``"me
 Trimming withstands ``f`` colluding attackers with ``trim=f``: with two attackers of
 five, ``trim=1`` leaves one of them in every coordinate's average.
 
-Run: .venv/bin/python benchmarks/attacks.py [--rounds 20] [--seed 0] [--reference]
+Run: .venv/bin/python benchmarks/attacks.py [--rounds 20] [--seed 0] [--spread 0.3] [--reference]
      [--mail] [--json out.json]
 """
 
@@ -244,15 +244,19 @@ def sweep(loss_of, attacks: list[str], rounds: int, seed: int) -> list[dict]:
 
 
 def main() -> None:
+  global SPREAD  # pylint: disable=global-statement
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--rounds", type=int, default=20)
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--spread", type=float, default=SPREAD,
+                      help="how far the learners' optima are from the shared one")
   parser.add_argument("--json", default=None)
   parser.add_argument("--reference", action="store_true",
                       help="also the numpy reference of the definitions (sign flips)")
   parser.add_argument("--mail", action="store_true",
                       help="also by mail: learner threads on a local run (sign flips)")
   args = parser.parse_args()
+  SPREAD = args.spread
   started = time.time()
   attacks = [a for a in ATTACKS if a != "honest"]
   flips = [a for a in attacks if ATTACKS[a][0] is not None]
