@@ -211,6 +211,7 @@ class Run:
         "fragments": len(self.plan),
         "sync_every": schedule.sync_every,
         "signed": self.manifest.auth is not None,
+        "keep_versions": self.manifest.keep_versions,
         "versions": self.newest_versions(),
         "rounds": len(rounds),
         "latest_round": rounds[-1].round if rounds else None,

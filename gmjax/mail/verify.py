@@ -99,7 +99,11 @@ def _fragment(run, fragment: int, deep: bool) -> list[str]:
       continue
     problems += _fields(run, fragment, version, record)
     if (deep or version == versions[-1]) and version >= pruned_below:
-      problems += _files(run, record, layout.commit(fragment, version))
+      damaged = _files(run, record, layout.commit(fragment, version))
+      if damaged and keep is not None and not states.commit_slots(
+          run.store, fragment, version, run.signing_key):
+        continue  # pruned while it was read: a live run moved on, nothing is damaged
+      problems += damaged
   return problems
 
 
