@@ -57,7 +57,7 @@ def main() -> None:
                         commit_precision=args.commit_precision)
   root = args.dir or tempfile.mkdtemp(prefix="gmjax-bench-")
   url = f"{root}/run"
-  mail.create(url, params, config)
+  mail.create(url, params, config, keep_versions=None)  # the table reads every round
   steps = args.sync_every * args.rounds
   published: dict[tuple[str, int], float] = {}
   applied: dict[tuple[str, int], float] = {}
