@@ -104,6 +104,7 @@ class Worker:
     self._requests: dict[Key, list[concurrent.futures.Future]] = {}
     self._thetas: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
     self._newest: dict[int, int] = {}  # the newest version read, by fragment
+    self._listed: dict[int, float] = {}  # when a fragment was last listed for pruning
     self._stopping = False
     self.live_count = 1
     self.failure: BaseException | None = None
@@ -302,7 +303,8 @@ class Worker:
 
   def _maybe_pruned(self, fragment: int, version: int) -> bool:
     """Whether a newer version of ``fragment`` is known (from commits this worker read,
-    or the learners' heartbeats): only then is a missing record worth a listing."""
+    or the learners' heartbeats), or no listing looked for one for a liveness timeout:
+    only then is a missing record worth a listing."""
     if self.manifest.keep_versions is None:
       return False
     newest = self._newest.get(fragment, -1)
@@ -310,7 +312,12 @@ class Worker:
       held = (record.get("versions") or {}).get(str(fragment))
       if isinstance(held, int):
         newest = max(newest, held)
-    return newest > version
+    now = time.monotonic()
+    if newest > version or now - self._listed.get(fragment, now) > self.liveness_timeout():
+      self._listed[fragment] = now
+      return True
+    self._listed.setdefault(fragment, now)
+    return False
 
   def _deliver(self, record: RoundRecord, key: Key | None = None) -> None:
     self.closer.observe(record)
