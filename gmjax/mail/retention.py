@@ -34,8 +34,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from gmjax.mail import layout
 from gmjax.mail import commits
+from gmjax.mail import layout
 from gmjax.mail.store import Store
 
 log = logging.getLogger(__name__)
