@@ -81,3 +81,15 @@ def test_replayed_heartbeats_do_not_hold_a_name(tmp_path):
     learner = mail.open(run.url, key=KEY).join("ghost", poll_interval=ms.POLL)
   learner.close(learner.pull(ms.params0()))
   assert run.learners()["ghost"]["status"] == "closed"
+
+
+def test_an_observer_that_starts_during_a_replay_never_sees_the_learner_live(tmp_path):
+  run = _run(tmp_path)
+  beats = _dead_learner(run)
+  with Replay(run, beats):
+    for _ in range(3):  # observers (restarted learners) that start at different turns
+      roster = heartbeats.Roster(run.store, run.signing_key)
+      for _ in range(6):
+        roster.refresh()
+        assert not roster.fresh("ghost", 60.0)
+        time.sleep(ms.POLL)

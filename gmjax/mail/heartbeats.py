@@ -10,7 +10,9 @@ from 1), and an observer remembers the highest ``seq`` it has seen of each: a he
 that is not newer than that (an old one written back, in a keyed run the only
 heartbeat anyone without the key can write) is ignored, so replaying a dead learner's
 old heartbeats, in any order, never makes it live again nor brings back a status it
-left. Each replayed heartbeat counts at most once, when it is the newest yet seen.
+left. Each replayed heartbeat counts at most once, when it is the newest yet seen, and
+an observer that starts while they are written back times the first two it sees by
+the age they state: a dead learner's last heartbeats never make it live.
 
 Who is live for round ``r``: a ``live`` learner whose ``first_round <= r``, and a
 ``closing`` learner for the rounds in its ``final_rounds``; in both cases only while its
@@ -199,6 +201,7 @@ class Roster:
     self.bad: dict[str, str] = {}
     self._changed: dict[str, float] = {}  # when each name's newest beat was first seen
     self._newest: dict[tuple[str, Any], int] = {}  # (name, incarnation) -> highest seq
+    self._rises: dict[tuple[str, Any], int] = {}  # how often that seq rose here
     self.refreshed = float("-inf")
 
   def refresh(self) -> None:
@@ -218,12 +221,14 @@ class Roster:
           records[name] = self.records[name]
         continue
       self._newest[incarnation] = record["seq"]
+      rises = self._rises[incarnation] = self._rises.get(incarnation, -1) + 1
       records[name] = record
-      if newest is None:
-        # First sight of this incarnation: as old as the heartbeat says it is, so a
-        # learner that joins a long run does not count every learner that ever died
-        # there as live. Only an age is taken from the writer's clock; a skewed clock
-        # delays a live learner until its next beat, which is timed here again.
+      if rises < 2:
+        # First sight of this incarnation, and its first rise: as old as the heartbeat
+        # says it is, so a learner that joins a long run does not count every learner
+        # that ever died there as live, nor one whose last two heartbeats are written
+        # back. Only an age is taken from the writer's clock; a skewed clock delays a
+        # live learner until its second beat, which is timed here again.
         seen = now - _age(record)
         self._changed[name] = max(seen, self._changed.get(name, seen))
       else:
