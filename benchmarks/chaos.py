@@ -8,7 +8,11 @@ storage calls fail transiently at a given rate, torn temporary files appear, and
 hostile file of each kind is planted at the run's normal paths: a deeply nested payload
 header, a malformed heartbeat, a huge finite delta, absurd reported fields, a FIFO, a
 huge sparse file, a megabyte of attacker text, hundreds of dead learners' heartbeats and
-claims, and hundreds of files under names that never joined in one round.
+claims, and hundreds of files under names that never joined in one round. Two kinds are
+acted out rather than planted: ``replayed-heartbeats`` captures two heartbeats of a
+learner, kills it, and writes them back in turn every 0.1 s to the end of the run, and
+``late-learner`` adds a learner that publishes at 0.8x the run's current timeout for
+``LATE_ROUNDS`` rounds, then leaves.
 
 The run keeps its newest ``--keep-versions`` versions of each fragment (4, as
 ``gmjax.mail.create``; 0 keeps every version), so the driver reads every commit record
@@ -16,7 +20,9 @@ as it appears (``Ledger``) and samples the objects and bytes on storage as it go
 Afterwards ``check`` asserts: one commit per version and versions contiguous (from the
 ledger), the run verifies (``gmjax.mail.verify``), no hostile payload was aggregated,
 every learner that survived ends on the Θ committed at the end step, no learner failed
-or waited past the run's timeouts, and with retention: each fragment keeps its newest
+or waited past the run's timeouts, the replayed learner is not live in rounds committed
+more than ``REPLAY_GRACE`` seconds after its death, the run's quorum estimate stayed
+below ``QUORUM_BOUND`` (the late learner's wait is not fed back), and with retention: each fragment keeps its newest
 versions only, ``rounds/`` holds only their rounds, planted strangers are counted and
 not listed in the records, and dead heartbeats are compacted once the run outlives them.
 
@@ -43,8 +49,14 @@ import numpy as np
 
 HOSTILE = "evil"  # every planted learner name starts with this
 KINDS = ("deep-header", "bad-heartbeat", "huge-delta", "huge-fields", "fifo", "sparse",
-         "long-text", "torn", "dead-heartbeats", "strangers")
+         "long-text", "torn", "dead-heartbeats", "strangers", "replayed-heartbeats",
+         "late-learner")
 PLANTED_MANY = 300  # dead heartbeats, or strangers' files in one round
+REPLAY_GRACE = 10.0  # seconds a replayed learner may still count as live after its death
+LATE_ROUNDS = 4  # rounds the late learner publishes late in, then it leaves
+# Seconds: honest learners' arrivals spread far less; the late learner's wait, fed back,
+# grew the estimate to 0.8x a timeout that grew ~1.2x a round.
+QUORUM_BOUND = 1.0
 # The kinds that are contributions: each must be listed as rejected by its round.
 REJECTED_KINDS = ("deep-header", "huge-delta", "huge-fields", "fifo", "sparse", "long-text")
 
@@ -106,7 +118,8 @@ def worker(args: argparse.Namespace) -> None:
   params = learner.pull(params0())
   target = goal(args.index)
   longest = 0.0
-  while True:
+  timeouts = []
+  while not (args.late and len(timeouts) >= LATE_ROUNDS):
     # The driver writes the global step to stop at: every learner that is still there
     # trains up to it, so all of them end on the round committed at that step.
     if os.path.exists(args.stop):
@@ -115,6 +128,9 @@ def worker(args: argparse.Namespace) -> None:
       if text and learner.step_count >= int(text):
         break
     params = inner(params, target)
+    if args.late and learner.schedule.round_at(learner.step_count + 1) is not None:
+      timeouts.append(run_timeout(run, args.poll))
+      time.sleep(0.8 * timeouts[-1])  # publishes late, every round
     started = time.monotonic()
     params = learner.step(params)
     longest = max(longest, time.monotonic() - started)
@@ -122,8 +138,58 @@ def worker(args: argparse.Namespace) -> None:
   params = learner.close(params)
   np.savez(os.path.join(args.out, f"{args.name}.npz"), **params)
   with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
-    json.dump({"step": learner.step_count, "longest_step_seconds": longest}, f)
+    json.dump({"step": learner.step_count, "longest_step_seconds": longest,
+               "timeouts": timeouts}, f)
   print("closed", flush=True)
+
+
+def run_timeout(run, poll: float) -> float:
+  """The run's current timeout: from the estimates of its newest round's record."""
+  import gmjax  # pylint: disable=g-import-not-at-top
+
+  newest = {}
+  for fragment, version in run.newest_versions().items():
+    if version > 0:
+      record = run.commit(fragment, version)
+      newest[record["round"]] = record
+  estimates = newest[max(newest)]["estimates"] if newest else {}
+  return gmjax.Estimates.from_json(estimates).timeout(poll)
+
+
+class Replay:
+  """The ``replayed-heartbeats`` kind: captures two heartbeats of learner ``name`` (then
+  the driver kills it) and writes them back in turn, one each ``tick``."""
+
+  def __init__(self, root: str, name: str):
+    self.name = name
+    self.path = os.path.join(root, "learners", f"{name}.json")
+    # Written beside the run, not in it (learners/ is compacted), then moved in.
+    self.scratch = os.path.join(os.path.dirname(os.path.abspath(root)), "replay.tmp")
+    self.beats: list[bytes] = []
+    self.turn = 0
+    self.killed_at: float | None = None  # wall clock, as records' committed_at
+    self.ended_at: float | None = None
+
+  @property
+  def captured(self) -> bool:
+    return len(self.beats) == 2
+
+  def tick(self) -> None:
+    if not self.captured:
+      try:
+        with open(self.path, "rb") as f:
+          data = f.read()
+        seq = json.loads(data)["seq"]
+      except (OSError, ValueError, KeyError, TypeError):
+        return
+      if seq not in [json.loads(b)["seq"] for b in self.beats]:
+        self.beats.append(data)
+      return
+    if self.killed_at is not None:
+      with open(self.scratch, "wb") as f:
+        f.write(self.beats[self.turn % 2])
+      os.replace(self.scratch, self.path)
+      self.turn += 1
 
 
 # Hostile files.
@@ -324,6 +390,7 @@ class Report:
   survivors: list[str] = dataclasses.field(default_factory=list)
   end_step: int = 0
   seconds: float = 0.0
+  replay: Replay | None = None
 
 
 def _newest_round(run) -> int:
@@ -359,14 +426,25 @@ def chaos(root: str, *, rounds: int = 30, learners: int = 4, seed: int = 0,
   os.makedirs(logs, exist_ok=True)
 
   def start(index: int, generation: int) -> tuple[str, subprocess.Popen]:
-    name = f"w{index}-{generation}"
+    late = index == learners  # the late-learner kind's learner, past the others
+    name = f"late-{generation}" if late else f"w{index}-{generation}"
     log = open(os.path.join(logs, f"{name}.log"), "w")  # pylint: disable=consider-using-with
     command = [sys.executable, os.path.abspath(__file__), "--worker", "--url", url,
                "--name", name, "--index", str(index), "--seed", str(rng.getrandbits(32)),
                "--error-rate", str(error_rate), "--die-rate", str(die_rate),
                "--poll", str(poll), "--step-sleep", str(step_sleep), "--stop", stop,
-               "--out", out]
+               "--out", out] + (["--late"] if late else [])
     return name, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+  def kill(i: int) -> None:
+    name, proc = procs[i]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    report.kills += 1
+    generation[i] += 1
+    procs[i] = start(i, generation[i])
+    born[i] = time.monotonic()
+    report.restarts += 1
 
   generation = {i: 0 for i in range(learners)}
   procs = {i: start(i, 0) for i in range(learners)}
@@ -398,15 +476,36 @@ def chaos(root: str, *, rounds: int = 30, learners: int = 4, seed: int = 0,
       if kinds and newest >= max(1, planted_at + 1) and os.listdir(os.path.join(url, "learners")):
         # One hostile file per new round, aimed two rounds ahead so it is there in time.
         kind = kinds.pop()
-        report.planted[kind] = plant(run, url, kind, newest + 2)
+        if kind == "replayed-heartbeats":
+          victim = rng.randrange(learners)
+          report.replay = Replay(url, procs[victim][0])
+          report.planted[kind] = [report.replay.path]
+        elif kind == "late-learner":
+          generation[learners] = 0
+          procs[learners] = start(learners, 0)
+          born[learners] = time.monotonic()
+          report.planted[kind] = []
+        else:
+          report.planted[kind] = plant(run, url, kind, newest + 2)
         report.planted_at[kind] = time.monotonic()
         planted_at = newest
+      replay = report.replay
+      if replay is not None and replay.ended_at is None:
+        replay.tick()
+        if replay.captured and replay.killed_at is None:
+          i = next((i for i, (name, _) in procs.items() if name == replay.name), None)
+          if i is not None:
+            kill(i)
+          replay.killed_at = time.time()
       for i, (name, proc) in list(procs.items()):
         code = proc.poll()
         if code is None:
           continue
         if code == -signal.SIGKILL:
           report.self_kills += 1
+        elif code == 0 and i == learners:  # the late learner left
+          del procs[i]
+          continue
         else:
           report.failures.append(f"{name} exited with {code} (see {logs}/{name}.log)")
         generation[i] += 1
@@ -420,16 +519,12 @@ def chaos(root: str, *, rounds: int = 30, learners: int = 4, seed: int = 0,
         # while still starting (importing, compiling its closer) adds no fault the run
         # has not seen, and killing faster than learners start would starve the run.
         if proc.poll() is None and now - born[i] >= min_uptime:
-          proc.send_signal(signal.SIGKILL)
-          proc.wait()
-          report.kills += 1
-          generation[i] += 1
-          procs[i] = start(i, generation[i])
-          born[i] = time.monotonic()
-          report.restarts += 1
+          kill(i)
         next_kill = now + rng.expovariate(1 / kill_every)
       time.sleep(0.1)
   finally:
+    if report.replay is not None:
+      report.replay.ended_at = time.time()
     ledger.poll()
     records = ledger.records()
     sync_every = config.sync_every
@@ -529,6 +624,16 @@ def check(report: Report) -> list[str]:
         problems.append(f"{name} ends on another {leaf} than the committed Θ")
   if not report.survivors:
     problems.append("no learner survived to the end")
+  replay = report.replay
+  if replay is not None and replay.killed_at is not None:
+    held = [r["round"] for r in records if replay.name in (r.get("live") or [])
+            and replay.killed_at + REPLAY_GRACE < _time(r["committed_at"]) < replay.ended_at]
+    if held:
+      problems.append(f"{replay.name}, dead and its heartbeats replayed, was live in rounds"
+                      f" {_spans(held)}")
+  quorum = max((r["estimates"].get("quorum") or 0.0 for r in records), default=0.0)
+  if quorum >= QUORUM_BOUND:
+    problems.append(f"the run's quorum estimate grew to {quorum:.2f}s")
   # Waits: the longest step of a learner against the longest timeout the run measured.
   timeouts = [gmjax.Estimates.from_json(r["estimates"]).timeout(0.02) for r in records]
   bound = 4 * max(timeouts + [2.0])
@@ -539,6 +644,16 @@ def check(report: Report) -> list[str]:
       problems.append(f"{name} waited {longest:.1f}s in one step, past 4x the run's"
                       f" longest timeout ({bound / 4:.1f}s)")
   return problems
+
+
+def late_timeouts(report: Report) -> list[float]:
+  """The run's timeouts that the late learners saw, every round (empty without one)."""
+  seen = []
+  for entry in sorted(os.listdir(report.out)):
+    if entry.startswith("late-") and entry.endswith(".json"):
+      with open(os.path.join(report.out, entry)) as f:
+        seen += json.load(f).get("timeouts", [])
+  return seen
 
 
 def _spans(numbers: list[int]) -> str:
@@ -603,8 +718,16 @@ def figures(report: Report) -> dict[str, Any]:
       "commit_latency_p50_s": statistics.median(latency) if latency else None,
       "commit_latency_p95_s": latency[int(0.95 * (len(latency) - 1))] if latency else None,
       "seconds": report.seconds,
+      "late_learner_timeouts_s": _range(late_timeouts(report)),
+      "quorum_estimate_max_s": max((r["estimates"].get("quorum") or 0.0 for r in records),
+                                   default=None),
+      "replayed_learner": None if report.replay is None else report.replay.name,
       **_storage(report),
   }
+
+
+def _range(values: list[float]) -> list[float] | None:
+  return [round(min(values), 3), round(max(values), 3)] if values else None
 
 
 def _storage(report: Report) -> dict[str, Any]:
@@ -643,6 +766,7 @@ def main() -> None:
   parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
   parser.add_argument("--poll", type=float, default=0.02, help=argparse.SUPPRESS)
   parser.add_argument("--step-sleep", type=float, default=0.02, help=argparse.SUPPRESS)
+  parser.add_argument("--late", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.worker:
     worker(args)
