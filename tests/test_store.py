@@ -2,6 +2,7 @@
 
 import hashlib
 import os
+import sys
 import threading
 
 import pytest
@@ -57,6 +58,37 @@ def test_create_race_has_one_winner(store):
     t.join(30)
   assert len(wins) == 1
   assert store.get("race/0.commit.json") == f"writer {wins[0]}".encode()
+
+
+def test_listing_while_another_thread_deletes(store):
+  # fsspec's memory filesystem lists its keys, then looks each one up: unserialized, a
+  # delete between the two raised KeyError in the listing thread (a learner's worker).
+  done = threading.Event()
+  errors = []
+
+  def churn():
+    try:
+      while not done.is_set():
+        for i in range(20):
+          store.put(f"learners/w{i}.json", b"{}")
+        for i in range(20):
+          store.delete(f"learners/w{i}.json")
+    except Exception as error:  # pylint: disable=broad-except  # reported below
+      errors.append(error)
+
+  thread = threading.Thread(target=churn, daemon=True)
+  switch = sys.getswitchinterval()
+  sys.setswitchinterval(1e-6)  # switch threads often, so the two calls interleave
+  try:
+    thread.start()
+    for _ in range(300):
+      store.list("learners")
+      store.list_marked("learners")
+  finally:
+    done.set()
+    thread.join(30)
+    sys.setswitchinterval(switch)
+  assert not errors, errors
 
 
 def test_local_names_appear_complete(tmp_path):

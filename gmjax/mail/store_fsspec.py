@@ -9,6 +9,11 @@ folder raises ``BadObject``.
 On an asynchronous filesystem (gcsfs, s3fs) each request runs under the deadline of its
 attempt (``gmjax.mail.store.attempt_deadline``): fsspec cancels the request when it
 passes, and the store retries it.
+
+fsspec's ``MemoryFileSystem`` is one dict shared by the process and takes no lock: its
+``ls`` copies the keys, then looks each one up, so a delete on another thread between the
+two raises ``KeyError`` in the listing thread. Every ``memory://`` call here runs under
+one lock (``_MEMORY_LOCK``): the learners of a run in one process share that dict.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ import fsspec
 from gmjax.mail.store import BadObject, Store, attempt_deadline
 
 log = logging.getLogger(__name__)
-_MEMORY_LOCK = threading.Lock()
+# Serializes every memory:// call (see the module docstring); reentrant, as a create
+# clears planted files and writes under one hold.
+_MEMORY_LOCK = threading.RLock()
 # What changes when an object is replaced: s3fs reports ETag, gcsfs generation, memory://
 # created (and every backend size).
 _MARKERS = ("type", "size", "ETag", "generation", "created")
@@ -89,6 +96,11 @@ class FsspecStore(Store):
     seconds = attempt_deadline() if self.has_deadlines else None
     return {"timeout": seconds} if seconds else {}
 
+  def _serial(self) -> contextlib.AbstractContextManager[Any]:
+    """Holds ``_MEMORY_LOCK`` for a memory:// call (fsspec's memory filesystem is not
+    safe across threads); nothing for other filesystems."""
+    return _MEMORY_LOCK if self._memory else contextlib.nullcontext()
+
   def _path(self, path: str) -> str:
     path = path.strip("/")
     return f"{self.root}/{path}" if path else self.root
@@ -96,13 +108,13 @@ class FsspecStore(Store):
   def _put(self, path: str, data: bytes, durable: bool = True) -> None:
     """Writes ``data`` at ``path``, replacing what is there, all at once."""
     target = self._path(path)
-    try:
-      self.fs.pipe_file(target, data, **self._limit())
-    except (FileExistsError, NotADirectoryError):
-      if not self._memory:
-        raise
-      with _MEMORY_LOCK:  # a file stands where a folder above the target belongs
-        self._clear_folders(path)
+    with self._serial():
+      try:
+        self.fs.pipe_file(target, data, **self._limit())
+      except (FileExistsError, NotADirectoryError):
+        if not self._memory:
+          raise
+        self._clear_folders(path)  # a file stands where a folder above the target belongs
         self.fs.pipe_file(target, data)
 
   def _clear_folders(self, path: str) -> None:
@@ -119,7 +131,7 @@ class FsspecStore(Store):
   def _create(self, path: str, data: bytes) -> None:
     target = self._path(path)
     if self._memory:
-      with _MEMORY_LOCK:
+      with self._serial():
         if self.fs.exists(target):
           raise FileExistsError(target)
         self._clear_folders(path)
@@ -130,31 +142,37 @@ class FsspecStore(Store):
     self.fs.pipe_file(target, data, mode="create", **self._limit())
 
   def _get(self, path: str) -> bytes:
-    return self.fs.cat_file(self._path(path), **self._limit())
+    with self._serial():
+      return self.fs.cat_file(self._path(path), **self._limit())
 
   def _read(self, path: str, max_bytes: int) -> bytes:
     # A ranged read (an HTTP Range request on object stores) that asks for one byte past
     # the bound: a larger object shows itself without being downloaded.
-    try:
-      data = self.fs.cat_file(self._path(path), start=0, end=max_bytes + 1, **self._limit())
-    except FileNotFoundError:
-      # In memory:// a folder takes the name from objects, as on a disk; on object stores
-      # a prefix and a key of one name are independent (and asking costs a request).
-      if self._memory and self.fs.isdir(self._path(path)):
-        raise BadObject(path, "is not a regular file (a folder)") from None
-      raise
+    with self._serial():
+      try:
+        data = self.fs.cat_file(self._path(path), start=0, end=max_bytes + 1,
+                                **self._limit())
+      except FileNotFoundError:
+        # In memory:// a folder takes the name from objects, as on a disk; on object
+        # stores a prefix and a key of one name are independent (and asking costs a
+        # request).
+        if self._memory and self.fs.isdir(self._path(path)):
+          raise BadObject(path, "is not a regular file (a folder)") from None
+        raise
     if len(data) > max_bytes:
       raise BadObject(path, f"holds more than {max_bytes} bytes")
     return data
 
   def _size(self, path: str) -> int:
-    return int(self.fs.size(self._path(path), **self._limit()))
+    with self._serial():
+      return int(self.fs.size(self._path(path), **self._limit()))
 
   def _list(self, prefix: str) -> list[str]:
     target = self._path(prefix)
     self.fs.invalidate_cache(target)
     try:
-      entries = self.fs.ls(target, detail=False, **self._limit())
+      with self._serial():
+        entries = self.fs.ls(target, detail=False, **self._limit())
     except (FileNotFoundError, NotADirectoryError):
       return []
     names = []
@@ -168,7 +186,8 @@ class FsspecStore(Store):
     target = self._path(prefix)
     self.fs.invalidate_cache(target)
     try:
-      entries = self.fs.ls(target, detail=True, **self._limit())
+      with self._serial():
+        entries = self.fs.ls(target, detail=True, **self._limit())
     except (FileNotFoundError, NotADirectoryError):
       return {}
     marked = {}
@@ -181,6 +200,7 @@ class FsspecStore(Store):
 
   def _delete(self, path: str) -> None:
     target = self._path(path)
-    with contextlib.suppress(FileNotFoundError):  # deleting what is gone is done
+    # Deleting what is gone is done.
+    with contextlib.suppress(FileNotFoundError), self._serial():
       self.fs.rm(target, recursive=True, **self._limit())
     self.fs.invalidate_cache(target)
