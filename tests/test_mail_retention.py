@@ -6,6 +6,8 @@ Real stores only: a local directory, ``memory://`` and S3 on the moto server.
 import datetime
 import json
 import os
+import threading
+import time
 import uuid
 
 import numpy as np
@@ -58,6 +60,40 @@ def _train_pair(run_url, steps, storage_options=None):
                   m, steps, out=out)
   threads.join(timeout=120)
   return out
+
+
+def _train_pair_until(run_url, done, min_steps, deadline_s=90.0):
+  """Learners ``a0``, ``a1`` train together a round (two steps) at a time: at least
+  ``min_steps`` steps, then until ``done()`` holds or ``deadline_s`` passes (a bound
+  against hanging; the caller's checks then fail). Both stop after the same step."""
+  deadline = time.monotonic() + deadline_s
+  steps, stop = [0], [False]
+
+  def decide():  # run by one learner once both finished the round's steps
+    steps[0] += 2
+    stop[0] = steps[0] >= min_steps and (done() or time.monotonic() > deadline)
+
+  barrier = threading.Barrier(2, action=decide, timeout=2 * deadline_s)
+
+  def body(name, index):
+    try:
+      learner = mail.open(run_url).join(name, poll_interval=ms.POLL, wait_timeout=60.0)
+      params, goal = learner.pull(ms.params0()), ms.target(index)
+      while True:
+        for _ in range(2):
+          params = learner.step(ms.inner(params, goal))
+        barrier.wait()
+        if stop[0]:
+          break
+      learner.close(params)
+    except BaseException:
+      barrier.abort()  # the other learner stops waiting for this one
+      raise
+
+  threads = ms.Threads()
+  for m in range(2):
+    threads.start(body, f"a{m}", m)
+  threads.join(timeout=3 * deadline_s)
 
 
 @pytest.mark.parametrize("value", [0, 1, -3, 2.0, True, "4"])
@@ -193,9 +229,20 @@ def test_dead_heartbeats_claims_and_junk_are_compacted(tmp_path, monkeypatch):
     run.store.put(f"learners/junk-{i}.txt", b"x")
     run.store.put(f"learners/bad-{i}.json", b"{not json")
   _train_pair(url, 4)
-  _train_pair(url, 12)  # joined again: the first joins' claims are old
+  own = {"a0.json", "a0.claims", "a1.json", "a1.claims"}
+
+  def compacted():
+    return (set(run.store.list("learners")) <= own
+            and run.store.list("learners/a0.claims") == ["2"])
+
+  # Joined again: the first joins' claims are old. A closer deletes a planted entry at a
+  # compaction after one of its commits, once it has itself seen the entry unchanged for
+  # 0.5 s (or longer, as the liveness timeout follows the run's timings). Twelve steps
+  # (six rounds) can all commit within 0.5 s of a closer's first compaction, so the pair
+  # trains on until the compaction is done.
+  _train_pair_until(url, compacted, min_steps=12)
   entries = run.store.list("learners")
-  assert set(entries) <= {"a0.json", "a0.claims", "a1.json", "a1.claims"}, entries[:10]
+  assert set(entries) <= own, entries[:10]
   assert run.store.list("learners/a0.claims") == ["2"]  # the first join's claim went
 
 
