@@ -95,29 +95,42 @@ def test_collectives_do_not_grow_with_leaves(name):
   assert few <= 8 * fragments + 4, few
 
 
-def test_one_learners_sync_keeps_no_mask_or_masked_copy_in_scratch():
-  # One learner, P=1 F32: the sync needs the delta, the new master and the new momentum
-  # (three F32 copies of the fragment) besides what adamw's step needs; finiteness
-  # checks add no mask of a leaf (``round.non_finite_flag``) and a lone learner's delta
-  # is not copied to be masked (before: 3.4 copies' worth over adamw's scratch).
+@pytest.mark.parametrize("fragments, precision, extra", [
+    (1, None, 1.0),  # the delta's bucket and Θ's (F32 commits keep no master), less
+                     # the gradients' space, free by then
+    (2, "I4", 0.5),  # a fragment's delta and its quantization, in the gradients' space
+])
+def test_one_learners_step_keeps_the_state_in_place(fragments, precision, extra):
+  # One learner, donated. The rounds are loops that run once or not at all
+  # (``control.when``) and write the state where it lies: the common step copies none
+  # of it (a ``lax.cond`` copied the whole state into the scratch and back on every
+  # step), and a sync needs little besides the updates, which cross the loops
+  # (before: 2.9 copies of the parameters over adamw's scratch, with one fragment or two). Finiteness
+  # checks add no mask of a leaf (``round.non_finite_flag``).
   params = {"w1": jnp.ones((256, 512)), "w2": jnp.ones((512, 256)), "b": jnp.zeros(256)}
   x = jnp.ones((32, 256))
 
-  def scratch(optimizer):
+  def compiled(optimizer):
     def step(params, state):
       grads = jax.grad(lambda p: jnp.mean(jnp.square(jax.nn.gelu(x @ p["w1"]) @ p["w2"]
                                                       + p["b"])))(params)
       updates, state = optimizer.update(grads, state, params)
       return optax.apply_updates(params, updates), state
 
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+    return jax.jit(step, donate_argnums=(0, 1)).lower(
         params, optimizer.init(params)).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
 
-  fragment = sum(v.size * 4 for v in params.values())
-  plain = scratch(optax.adamw(1e-3))
-  diloco = scratch(gmjax.diloco(optax.adamw(1e-3), gmjax.DiLoCo(sync_every=4)))
-  assert diloco <= plain + 3 * fragment, (diloco, plain, fragment)
+  size = sum(v.size * 4 for v in params.values())
+  plain = compiled(optax.adamw(1e-3)).memory_analysis().temp_size_in_bytes
+  step = compiled(gmjax.diloco(optax.adamw(1e-3), gmjax.DiLoCo(
+      sync_every=4, fragments=fragments, delta_precision=precision)))
+  text = step.as_text()
+  entry = text[text.index("\nENTRY"):]
+  entry = entry[:entry.index("\n}")]
+  assert " conditional(" not in entry and " while(" in entry
+  diloco = step.memory_analysis().temp_size_in_bytes
+  # The updates (one copy of the parameters) and ``extra`` more (before: 1.9 more).
+  assert diloco <= plain + (1 + extra) * size, (diloco, plain, size)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])

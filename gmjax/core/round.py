@@ -154,6 +154,29 @@ def count_non_finite(values: Iterable[jax.Array],
   return total(counts) if counts else jnp.float32(0)
 
 
+def count_non_finite_fused(values: Iterable[jax.Array],
+                           total: Callable[[Iterable[jax.Array]], jax.Array] = _stacked_total
+                           ) -> jax.Array:
+  """Whether ``values`` hold a NaN or Inf, as ``count_non_finite`` tells it (0 exactly
+  when all are finite), in one reduction per shape.
+
+  The arrays of one shape are probed together, ``Σ ((a − a) + (b − b) + …)``, so that XLA
+  fuses everything that computes them into that one reduction: counted apart, a value
+  that two of them read (an outer step's new momentum, read by its own count and by the
+  new master's) is written to the step's scratch first.
+  """
+  groups: dict[tuple, list] = {}
+  for v in values:
+    if jnp.issubdtype(jnp.asarray(v).dtype, jnp.floating):
+      groups.setdefault(jnp.shape(v), []).append(v.astype(jnp.float32))
+  # ``|x| − |x|``: as ``x − x``, 0 or NaN, but not the expression other counts of the
+  # same values use (``non_finite_flag``), which XLA would merge and then write out.
+  probe = lambda x: jnp.abs(x) - jnp.abs(x)
+  flags = [non_finite_flag(sum((probe(x) for x in group[1:]), probe(group[0])))
+           for group in groups.values()]
+  return total(flags) if flags else jnp.float32(0)
+
+
 class OuterRound(NamedTuple):
   """What the outer step of a round produced.
 
@@ -189,6 +212,7 @@ def outer_round(
     total: Callable[[Iterable[jax.Array]], jax.Array] = _stacked_total,
     as_tuple: bool = False,
     any_kept: jax.Array | None = None,
+    count: Callable[..., jax.Array] = count_non_finite,
 ) -> OuterRound:
   """The outer step on the round's outer gradient, Θ published from it, and its health.
 
@@ -209,12 +233,15 @@ def outer_round(
     specs: the fragment's specs (the shapes ``gradient`` has).
     commit_wire: how commits travel (``DiLoCo.commit_wire``).
     publish: Θ from the new masters by another route, and its count of non-finite
-      values (the sharded in-mesh round: each learner publishes its shard); None:
-      ``outer.publish`` on whole leaves.
+      values, or the published values themselves (a list, counted with the rest) (the
+      in-mesh rounds: each learner publishes its part); None: ``outer.publish`` on
+      whole leaves.
     total: how per-array counts are added (explicit meshes need a chain of additions).
     as_tuple: the outer state is over a tuple (see ``state``).
     any_kept: whether the screening kept any delta (None: the caller aggregates only
       kept ones, as the mail closer does).
+    count: how the non-finite values are counted (``count_non_finite`` or
+      ``count_non_finite_fused``), given the arrays and ``total``.
 
   Returns:
     The ``OuterRound``; ``bad`` counts this caller's values (a sharded round adds the
@@ -228,13 +255,16 @@ def outer_round(
   else:
     new_master, new_state = outer.apply_outer(
         tx, {n: gradient[n] for n in names}, state, {n: master[n] for n in names})
+  values = [*gradient.values(), *new_master.values(), *jax.tree.leaves(new_state)]
   if publish is None:
     theta, update = outer.publish(new_master, anchor, specs, commit_wire)
-    published = count_non_finite([*theta.values(), *(update or {}).values()], total)
+    values += [*theta.values(), *(update or {}).values()]
+    published = 0.0
   else:
     (theta, published), update = publish(new_master), None
-  bad = published + count_non_finite(
-      [*gradient.values(), *new_master.values(), *jax.tree.leaves(new_state)], total)
+    if isinstance(published, list):
+      values, published = values + published, 0.0
+  bad = published + count(values, total)
   if any_kept is not None:
     bad = bad + jnp.where(any_kept, 0.0, 1.0)
   return OuterRound(theta, new_master, new_state, update, bad)

@@ -23,7 +23,7 @@ import optax
 from jax import lax
 
 from gmjax.core.diloco import CUSTOM, DiLoCo
-from gmjax.transform import elementwise, explicit, finite, rounds, structure
+from gmjax.transform import control, elementwise, explicit, finite, rounds, structure
 from gmjax.transform import tokens as token_counts
 from gmjax.transform.state import DiLoCoState, RoundState, initial_statistics
 
@@ -217,13 +217,16 @@ def diloco(
   optimizer that is not elementwise (replicated only: global-norm clipping, LAMB) is
   given the fragment's leaves in their own shapes instead.
 
-  The outer work sits under ``lax.cond``/``lax.switch``, and the other steps skip it:
-  under ``vmap`` the (batched) count and the learners' verdicts on their steps (below)
-  are replaced by their maxima over the axis, one all-reduce of two scalars a step, so
-  that the predicate is not batched.
+  The outer work sits in loops that run once or not at all
+  (``gmjax.transform.control.when``), and the other steps skip it; they update the state
+  in place (a ``lax.cond`` would copy the whole state in and out on every step). Under
+  ``vmap`` the (batched) count and the learners' verdicts on their steps (below) are
+  replaced by their maxima over the axis, one all-reduce of two scalars a step, so that
+  the predicate is not batched.
   Between merges the returned updates are exactly the inner optimizer's; on a merge
-  they are ``θ_new − params`` at the updates' dtype, so with 16-bit parameters
-  ``params + updates`` matches Θ up to one rounding, which the next delta absorbs.
+  those of the merged fragment are ``θ_new − params`` at the updates' dtype, so with
+  16-bit parameters ``params + updates`` matches Θ up to one rounding, which the next
+  delta absorbs.
 
   **Non-finite steps** (``gmjax.transform.finite``). A step never makes finite
   parameters non-finite: where a learner's gradients, or ``params + updates`` at the
@@ -335,8 +338,8 @@ def diloco(
     step_tokens, bad_tokens = token_counts.step_tokens(tokens)
     learner = lax.axis_index(axis_name) if sharded else None
     # The inner step takes each learner's own parameters, where its gradients were
-    # taken; on the first step the result is moved onto learner 0's start (in ``rare``),
-    # so the common step carries no alignment at all. A step that would make the
+    # taken; on the first step the result is moved onto learner 0's start
+    # (``rounds.run_round``), so the common step carries no alignment at all. A step that would make the
     # parameters non-finite is dropped (``gmjax.transform.finite``).
     inner_updates, inner_state = inner.update(
         finite.finite_gradients(updates), state.inner_state, params, **extra_args
@@ -355,22 +358,9 @@ def diloco(
     round_state = RoundState(state.anchor, state.master, state.outer_state, state.pending,
                              counts, stats, state.residual, state.delay)
 
-    def common(inner_updates, params, round_state):
-      del params
-      return inner_updates, round_state
-
-    def rare(inner_updates, params, round_state):
-      begin = rounds.start(layout, tx, axis_name, learner)
-      start, begun = lax.cond(first, begin, lambda p, s: (p, s), params, round_state)
-      new_updates, new_state = rounds.run_round(
-          layout, config, tx, axis_name, learner, (start, params, inner_updates), begun,
-          first, sync_index, merge_index, dropped,
-      )
-      return rounds.vary_like((new_updates, new_state), (inner_updates, round_state))
-
-    rare_step = first | (sync_index > 0) | (merge_index > 0) | anyone_dropped
-    new_updates, round_state = lax.cond(
-        rare_step, rare, common, inner_updates, params, round_state
+    new_updates, round_state = rounds.run_round(
+        layout, config, tx, axis_name, learner, (params, inner_updates), round_state,
+        first, sync_index, merge_index, dropped, anyone_dropped,
     )
     return new_updates, DiLoCoState(inner_state, t, *round_state)
 

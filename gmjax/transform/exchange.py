@@ -169,6 +169,7 @@ def publish(
     axis_name: Any,
     learners: int | None,
     learner: Any,
+    gather: bool = True,
 ) -> tuple[dict[str, jax.Array], jax.Array]:
   """The new Θ of every piece from the new master buckets, and a finiteness count.
 
@@ -188,10 +189,12 @@ def publish(
     axis_name: the learners' axis (sharded).
     learners: ``M`` when sharded, else None.
     learner: this learner's index on the axis when sharded.
+    gather: False: only what this learner publishes, to be checked (no collective).
 
   Returns:
     ``(theta, bad)``: Θ by piece at the parameter dtype, and 1 for each published
-    bucket part of this learner holding a NaN or Inf (F32).
+    bucket part of this learner holding a NaN or Inf (F32); without ``gather``,
+    ``({}, parts)``: this learner's published part of each bucket, as it decodes.
   """
   count = learners or 1
   own = (lambda b: b[:, :, 0]) if learners is None else (
@@ -214,6 +217,9 @@ def publish(
     mine = from_wire(wire, code)
     if commit_wire.precision is None:
       mine = mine.astype(JNP_DTYPES[dtype])
+    if not gather:
+      gathered.append(mine)
+      continue
     bad = bad + round_ops.non_finite_flag(mine)
     if learners is None:
       gathered.append(from_wire(wire, code)[:, :, None])
@@ -223,6 +229,8 @@ def publish(
     got = [explicit.pin(g, gathered_spec(w, LEARNER_DIM)) for g, w in
            zip(collectives.all_gather(wire, axis_name, learners, LEARNER_DIM), wire)]
     gathered.append(from_wire(got, code))
+  if not gather:
+    return {}, gathered
   theta, rows = {}, buckets.unpack(gathered)
   for spec in specs:
     dtype = JNP_DTYPES[spec.dtype]

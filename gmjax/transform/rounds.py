@@ -1,7 +1,9 @@
 """The rare steps of ``gmjax.diloco``: the first update, a fragment's sync, its merge.
 
-Everything here runs under ``lax.cond``/``lax.switch`` in the step, so the common step
-pays nothing for it (under ``vmap`` too: the step count it branches on is unbatched).
+Each part runs under ``gmjax.transform.control.when`` on a predicate of the step count,
+so the common step pays nothing for it (under ``vmap`` too: the step count is
+unbatched), and a part writes the state it changes where it lies, passing the rest
+through without a copy.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from gmjax.core import eager, feedback, outer
 from gmjax.core import round as round_ops
 from gmjax.core.codec import BLOCK
 from gmjax.core.schema import ParameterSpec
-from gmjax.transform import exchange, explicit, replicated, shards
+from gmjax.transform import control, exchange, explicit, replicated, shards
 from gmjax.transform import tokens as token_counts
 from gmjax.transform.structure import Layout
 from gmjax.transform.state import MERGE, NOTHING, RESET, DelayState, RoundState
@@ -95,6 +97,11 @@ def _kept_residual(new: dict[str, jax.Array], old: dict[str, jax.Array],
   return {n: explicit.where(ok, v, jnp.zeros_like(old[n])) for n, v in new.items()}
 
 
+def _difference(theta: jax.Array, params: jax.Array, update: jax.Array) -> jax.Array:
+  """The update that takes ``params`` to ``theta``, at ``update``'s dtype."""
+  return (theta.astype(jnp.float32) - params.astype(jnp.float32)).astype(update.dtype)
+
+
 def _own(weights: jax.Array, index: Any) -> jax.Array:
   """``weights[index]`` as a masked sum (an index batched over learners is a gather)."""
   if index is None:
@@ -162,43 +169,81 @@ def _sync(layout, config, tx, axis_name, learner, names, anchor, master, outer_s
         token_counts.withheld(counts))
   # Buckets whose pieces keep no master (F32 Θ published as itself) start from Θ.
   keeps = layout.keeps(buckets)
-  if not all(keeps):
-    current = [layout.own(b, learner) for b in buckets.pack(layout.rows(anchor))]
-  old = [m if keep else current[i] for i, (m, keep) in enumerate(zip(master, keeps))]
   bucket_specs = [ParameterSpec(str(i), "F32", g.shape) for i, g in enumerate(gradient)]
   keys = [s.name for s in bucket_specs]
-  publish = lambda new_master: exchange.publish(
-      buckets, [new_master[k] for k in keys], anchor, specs, config.commit_wire, axis_name,
-      layout.learners, learner)
-  # A round none of whose deltas was kept has no outer step: counted with the non-finite
-  # values, so that whether the round is kept comes out of the (closing) psum, and XLA
-  # does not copy the screening into each bucket's selects.
-  result = round_ops.outer_round(
-      layout.outer_tx(tx, buckets, anchor), dict(zip(keys, gradient)), outer_state,
-      dict(zip(keys, old)), {}, bucket_specs, config.commit_wire, publish=publish,
-      total=explicit.total, as_tuple=True, any_kept=jnp.any(verdict.keep))
+  outer_tx = layout.outer_tx(tx, buckets, anchor)
+
+  def outer_step(anchor, master, outer_state, gather, count=round_ops.count_non_finite):
+    """The round's outer step from the fragment's state (``gmjax.core.round``)."""
+    if not all(keeps):
+      current = [layout.own(b, learner) for b in buckets.pack(layout.rows(anchor))]
+    old = [m if keep else current[i] for i, (m, keep) in enumerate(zip(master, keeps))]
+    publish = lambda new_master: exchange.publish(
+        buckets, [new_master[k] for k in keys], anchor, specs, config.commit_wire,
+        axis_name, layout.learners, learner, gather=gather)
+    # A round none of whose deltas was kept has no outer step: counted with the
+    # non-finite values, so that whether the round is kept comes out of the (closing)
+    # psum, and XLA does not copy the screening into each bucket's selects.
+    return round_ops.outer_round(
+        outer_tx, dict(zip(keys, gradient)), outer_state, dict(zip(keys, old)), {},
+        bucket_specs, config.commit_wire, publish=publish, total=explicit.total,
+        as_tuple=True, any_kept=jnp.any(verdict.keep), count=count)
+
+  def commit(anchor, master, outer_state):
+    """The fragment's new ``(Θ, master, outer state)``, written where the old lie."""
+    result = outer_step(anchor, master, outer_state, gather=True)
+    new_master = [result.master[k] for k in keys]
+    return ({n: result.theta[n] for n in anchor}, layout.masters(buckets, new_master),
+            result.state)
+
+  # The skip rule needs the round's health before anything is written: a first pass
+  # that only counts (its values feed reductions, and no Θ is gathered), then
+  # ``commit`` in place if the round is kept (``run_round``). Two passes of the outer
+  # step on a sync, instead of a second copy of the fragment's state on every step.
+  bad = outer_step(anchor, master, outer_state, gather=False,
+                   count=round_ops.count_non_finite_fused).bad
   squared = explicit.total(jnp.sum(jnp.square(g)) for g in gradient)
-  bad = result.bad
   if layout.learners is not None:
     squared, bad = explicit.psum(jnp.stack([squared, bad]), axis_name)
-  new_master = [result.master[k] for k in keys]
   own = None if not layout.eager else (
       sent, _own(verdict.weights, None if axis_name is None else lax.axis_index(axis_name)))
-  return (result.theta, layout.masters(buckets, new_master), result.state, squared,
-          bad == 0, cosine, verdict, residual, own)
+  return commit, squared, bad == 0, cosine, verdict, residual, own
 
 
 def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState, first,
-              sync_index, merge_index, dropped=False):
-  """The sync of the fragment ``sync_index − 1`` and the merge of ``merge_index − 1``.
+              sync_index, merge_index, dropped=False, anyone_dropped=None):
+  """The first update, the sync of the fragment ``sync_index − 1`` and the merge of
+  ``merge_index − 1``.
 
-  ``inputs`` is ``(start, params, inner_updates)``; the learner's ``θ = start +
-  inner_updates`` is formed leaf by leaf inside each branch, from buffers that exist
-  already, so no branch operand is a new parameter-sized array. Where ``dropped`` (a
-  bool scalar: ``gmjax.transform.finite``), the inner updates count as zeros, selected
-  where they are read. Returns the updates and the new ``RoundState``.
+  ``inputs`` is ``(params, inner_updates)``; the learner's ``θ = params +
+  inner_updates`` is formed leaf by leaf where it is read, from buffers that exist
+  already. Where ``dropped`` (a bool scalar: ``gmjax.transform.finite``), the inner
+  updates count as zeros. Every part is a ``gmjax.transform.control.when`` on the state,
+  which it changes in place. Returns the updates and the new ``RoundState``.
   """
-  flat_start, flat_params, flat_updates = (layout.flatten(x) for x in inputs)
+  flat_params, flat_updates = (layout.flatten(x) for x in inputs)
+  # ``dropped`` is each learner's own (batched under ``vmap``): a select, on the steps
+  # where any learner's is dropped.
+  flat_updates = control.when(
+      dropped if anyone_dropped is None else anyone_dropped,
+      lambda u: vary_like({n: explicit.where(dropped, jnp.zeros_like(v), v)
+                           for n, v in u.items()}, u), flat_updates)
+
+  def begin(x):
+    """Learner 0's parameters as anchor, master and outer state; with learners, the
+    first update moves every learner onto them (``θ = learner 0's params + update``)."""
+    state, updates = x
+    # Learner 0's parameters are read behind a barrier with the loop's state, so that
+    # XLA does not hoist their broadcast (a collective) out of the loop into every step.
+    params, updates = lax.optimization_barrier((inputs[0], updates))
+    shared, state = start(layout, tx, axis_name, learner)(params, state)
+    if axis_name is not None:
+      shared = layout.flatten(shared)
+      updates = {n: _difference((shared[n] + u).astype(shared[n].dtype), flat_params[n], u)
+                 for n, u in updates.items()}
+    return vary_like((state, updates), x)
+
+  state, flat_updates = control.when(first, begin, (state, flat_updates))
   # Without error feedback there is no residual ({}: nothing crosses the branches).
   delay = state.delay
   flat_of = lambda tree, on: layout.flatten(tree) if on else {}
@@ -210,28 +255,18 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
   rest = (state.master, state.outer_state, state.pending, state.tokens, state.stats,
           delay.weight if layout.eager else (), delay.outer if layout.eager else ())
 
-  def update_of(n):
-    """The inner update of leaf ``n``, zeros where the step is dropped."""
-    u = flat_updates[n]
-    return explicit.where(dropped, jnp.zeros_like(u), u)
-
-  def theta_of(n):
-    """``θ`` of leaf ``n``, at the parameter dtype, as ``optax.apply_updates`` forms it."""
-    s = flat_start[n]
-    return (s + update_of(n)).astype(s.dtype)
-
-  def piece_theta(n):
-    """``θ`` of piece ``n``, formed from the pieces of start and updates."""
+  def piece_theta(n, updates=flat_updates):
+    """``θ`` of piece ``n``, at the parameter dtype, as ``optax.apply_updates`` forms it."""
     piece = layout.pieces[n]
-    s = piece.take(flat_start[piece.leaf])
-    return (s + piece.take(update_of(piece.leaf))).astype(s.dtype)
-
-  def no_sync(flat, rest):
-    return flat, rest
+    p = piece.take(flat_params[piece.leaf])
+    return (p + piece.take(updates[piece.leaf])).astype(p.dtype)
 
   def sync_of(fragment, names):
-    def sync(flat, rest):
+    def sync(flat, rest, updates):
       masters, outer_states, pending, counts, stats, weights, own_states = rest
+      # The updates cross the loop (unchanged) behind a barrier, so that XLA forms θ
+      # where the delta reads it instead of hoisting a whole θ out of the loop.
+      updates = lax.optimization_barrier(updates)
       whole = tuple(dict(x) for x in flat)
       # The fragment's pieces of the state shaped like the parameters (with layer
       # blocks, slices of whole leaves; written back below).
@@ -239,8 +274,9 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
           layout.view(x, names) if x else {} for x in whole)
       result = _sync(layout, config, tx, axis_name, learner, names, anchor,
                      masters[fragment], outer_states[fragment], counts[fragment],
-                     piece_theta, residual, start if layout.delay else anchor)
-      theta, new_master, new_state, squared, finite, cosine, verdict, left, own = result
+                     lambda n: piece_theta(n, updates), residual,
+                     start if layout.delay else anchor)
+      commit, squared, finite, cosine, verdict, left, own = result
       # The residual is what this learner's wire did not carry, whatever the round's
       # outcome: a learner does not learn it (the mail runtime's learners cannot).
       residual.update(left)
@@ -268,10 +304,15 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
         weights = weights.at[fragment].set(jnp.where(finite, weight, 0.0))
         own_states = tuple(new_own if f == fragment else x
                            for f, x in enumerate(own_states))
-      # The round's results, or the state before it (one choice: ``explicit.choose``).
+      # The round's results where the state lies, or the state before it.
       old = ({n: anchor[n] for n in names}, masters[fragment], outer_states[fragment])
-      new = vary_like(({n: theta[n] for n in names}, new_master, new_state), old)
-      chosen_anchor, chosen_master, kept = explicit.choose(finite, new, old)
+      if any(explicit.spec(x) is not None for x in jax.tree.leaves(old)):
+        # On an explicit mesh ``finite`` is batched under ``vmap``: a select.
+        chosen_anchor, chosen_master, kept = explicit.choose(
+            finite, vary_like(commit(*old), old), old)
+      else:
+        chosen_anchor, chosen_master, kept = control.when(
+            finite, lambda x: vary_like(commit(*x), x), old)
       anchor.update(chosen_anchor)
       masters = tuple(chosen_master if f == fragment else m for f, m in enumerate(masters))
       outer_states = tuple(kept if f == fragment else s for f, s in enumerate(outer_states))
@@ -292,53 +333,41 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
       for out, values in zip(whole, (anchor, residual, start, correction, previous)):
         layout.write(out, values)
       return vary_like((whole,
-                        (masters, outer_states, pending, counts, stats, weights, own_states)),
-                       (flat, rest))
+                        (masters, outer_states, pending, counts, stats, weights, own_states),
+                        updates), (flat, rest, updates))
 
     return sync
 
-  branches = [no_sync] + [sync_of(f, names) for f, names in enumerate(layout.plan)]
-  flat, rest = lax.switch(sync_index, branches, flat, rest)
+  for fragment, names in enumerate(layout.plan):
+    sync = sync_of(fragment, names)
+    flat, rest, flat_updates = control.when(
+        sync_index == fragment + 1, lambda x, sync=sync: sync(*x), (flat, rest, flat_updates))
   masters, outer_states, pending, counts, stats, weights, own_states = rest
   # With a delay a merge adopts the learner's new start, not the new Θ.
   flat_anchor = flat[2] if layout.delay else flat[0]
 
-  def difference(n, theta):
-    """The update that takes the parameters to ``theta``, at the updates' dtype."""
-    u = flat_updates[n]
-    return (theta.astype(jnp.float32) - flat_params[n].astype(jnp.float32)).astype(u.dtype)
-
-  def no_merge(flat_anchor, pending):
-    if axis_name is None:
-      return {n: update_of(n) for n in flat_updates}, pending
-    # The first update moves every learner onto learner 0's start.
-    updates = {
-        n: explicit.where(first, difference(n, theta_of(n)), update_of(n))
-        for n in flat_updates
-    }
-    return vary_like((updates, pending), (flat_updates, pending))
-
   def merge_of(fragment, names):
-    def merge(flat_anchor, pending):
+    def merge(updates):
       code = pending[fragment]
-      current = {n: piece_theta(n) for n in names}
+      current = {n: piece_theta(n, updates) for n in names}
       target = layout.view(flat_anchor, names)
       mixed = outer.align(current, target, config.mixing)
       reset = outer.align(current, target, 0.0)
-      thetas = {n: theta_of(n) for n in layout.names}
-      layout.write(thetas, {
-          n: explicit.where(code == MERGE, mixed[n],
-                            explicit.where(code == RESET, reset[n], current[n]))
-          for n in names})
-      updates = {n: difference(n, theta) for n, theta in thetas.items()}
-      return vary_like(
-          (updates, pending.at[fragment].set(NOTHING)), (flat_updates, pending)
-      )
+      thetas = {n: explicit.where(code == MERGE, mixed[n],
+                                  explicit.where(code == RESET, reset[n], current[n]))
+                for n in names}
+      params, pieces = layout.view(flat_params, names), layout.view(updates, names)
+      new = dict(updates)
+      layout.write(new, {n: _difference(thetas[n], params[n], pieces[n]) for n in names})
+      return vary_like(new, updates)
 
     return merge
 
-  branches = [no_merge] + [merge_of(f, names) for f, names in enumerate(layout.plan)]
-  flat_updates_out, pending = lax.switch(merge_index, branches, flat_anchor, pending)
+  for fragment, names in enumerate(layout.plan):
+    flat_updates = control.when(merge_index == fragment + 1, merge_of(fragment, names),
+                                flat_updates)
+  pending = jnp.where(
+      jnp.arange(pending.shape[0]) == merge_index - 1, NOTHING, pending).astype(pending.dtype)
   anchor = layout.unflatten(flat[0])
   residual = state.residual if layout.beta is None else layout.unflatten(flat[1])
   if layout.delay:
@@ -347,5 +376,5 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
       delay = delay._replace(correction=layout.unflatten(flat[3]),
                              previous=layout.unflatten(flat[4]), weight=weights,
                              outer=own_states)
-  return layout.unflatten(flat_updates_out), RoundState(
+  return layout.unflatten(flat_updates), RoundState(
       anchor, masters, outer_states, pending, counts, stats, residual, delay)
