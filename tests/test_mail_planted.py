@@ -3,6 +3,7 @@ where a round's folder belongs, odd claim names, junk at a learner's next contri
 path) never stop a learner, never stand for a learner, and the run goes on."""
 
 import os
+import threading
 import time
 
 import numpy as np
@@ -41,12 +42,21 @@ def _plant_folder(run, path):
 
 def _train(url, steps, *, slow=(), wait_timeout=20.0):
   """Two learners ``a0``, ``a1`` train ``steps`` steps; those in ``slow`` sleep a little
-  before each step. Returns their final parameters by name."""
+  before each step. Both have joined and pulled before either steps, so both are live
+  for round 0. Returns their final parameters by name."""
   out = {}
+  # Without it a0 could publish round 0 before a1's join wrote its heartbeat: a0 is then
+  # the only live learner, and closes the round alone (as it should).
+  joined = threading.Barrier(2, timeout=2 * wait_timeout)
 
   def body(name, index):
-    learner = mail.open(url).join(name, poll_interval=ms.POLL, wait_timeout=wait_timeout)
-    params = learner.pull(ms.params0())
+    try:
+      learner = mail.open(url).join(name, poll_interval=ms.POLL, wait_timeout=wait_timeout)
+      params = learner.pull(ms.params0())
+      joined.wait()
+    except BaseException:
+      joined.abort()  # the other learner stops waiting for this one
+      raise
     for _ in range(steps):
       if name in slow:
         time.sleep(0.15)
