@@ -16,7 +16,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import AxisType
+from jax.sharding import AxisType, PartitionSpec
 
 
 def when(condition: Any, fn: Callable[[Any], Any], operand: Any) -> Any:
@@ -31,20 +31,25 @@ def when(condition: Any, fn: Callable[[Any], Any], operand: Any) -> Any:
 
   def body(carry):
     done, value = carry
-    return done + 1, fn(value)
+    return done + 1, _on_mesh(fn(value))
 
-  if _explicit(operand):
-    # ``vmap(..., spmd_axis_name=...)`` cannot batch a loop over values laid out on an
-    # explicit mesh (JAX 0.10 names the learners' axis in a mesh the loop's values do
-    # not carry): there, a ``lax.cond``, which copies what it passes through.
-    return lax.cond(condition, fn, lambda x: x, operand)
-  return lax.while_loop(lambda carry: carry[0] < trips, body, (jnp.int32(0), operand))[1]
+  return lax.while_loop(lambda carry: carry[0] < trips, body,
+                        (jnp.int32(0), _on_mesh(operand)))[1]
 
 
-def _explicit(tree: Any) -> bool:
-  """Whether a value of ``tree`` is laid out on an explicit mesh."""
-  for leaf in jax.tree.leaves(tree):
-    mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
-    if mesh is not None and not mesh.empty and AxisType.Explicit in tuple(mesh.axis_types):
-      return True
-  return False
+def _on_mesh(tree: Any) -> Any:
+  """``tree`` with every value that carries no mesh laid out on the current explicit
+  mesh (replicated): ``vmap(..., spmd_axis_name=...)`` batches a loop's values by
+  naming the learners' axis in their mesh (JAX 0.10), which a value made without one
+  (a scalar count computed in the step) lacks."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or AxisType.Explicit not in tuple(mesh.axis_types):
+    return tree
+
+  def one(x):
+    have = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    if have is not None and have.empty:
+      return jax.sharding.reshard(x, PartitionSpec(*([None] * jnp.ndim(x))))
+    return x
+
+  return jax.tree.map(one, tree)
