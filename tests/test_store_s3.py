@@ -39,7 +39,12 @@ def options():
     try:
       host, port = server.get_host_and_port()
       options = {"endpoint_url": f"http://{host}:{port}", "key": "x", "secret": "x"}
-      s3fs.S3FileSystem(skip_instance_cache=True, **options).mkdir(BUCKET)
+      # moto keeps its buckets in the process, across servers: another module that
+      # uses this fixture (tests/test_mail_retention.py) may have made the bucket.
+      try:
+        s3fs.S3FileSystem(skip_instance_cache=True, **options).mkdir(BUCKET)
+      except FileExistsError:
+        pass
       yield options
     finally:
       server.stop()
