@@ -37,9 +37,8 @@ import numpy as np
 from gmjax.core import payload
 from gmjax.core.records import FragmentState
 from gmjax.mail import layout
-from gmjax.mail import store_local
 from gmjax.mail.errors import CorruptRecord
-from gmjax.mail.store import Store
+from gmjax.mail.store import Store, fsync_dir
 # The commit records, here for the modules that read states and commits together.
 from gmjax.mail.commits import DamagedCommit as DamagedCommit  # pylint: disable=g-bad-import-order
 from gmjax.mail.commits import commit_slots as commit_slots
@@ -144,8 +143,8 @@ def _fsync_tree(directory: str) -> None:
     for name in files:
       with open(os.path.join(root, name), "rb") as f:
         os.fsync(f.fileno())
-    store_local.fsync_dir(root)
-  store_local.fsync_dir(os.path.dirname(directory))
+    fsync_dir(root)
+  fsync_dir(os.path.dirname(directory))
 
 
 def save_state(store: Store, fragment: int, state: FragmentState, nonce: str

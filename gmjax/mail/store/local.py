@@ -17,7 +17,7 @@ import stat
 import uuid
 from typing import Any
 
-from gmjax.mail.store import _CHUNK, BadObject, Store
+from gmjax.mail.store.base import _CHUNK, BadObject, Store
 
 log = logging.getLogger(__name__)
 

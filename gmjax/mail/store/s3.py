@@ -24,7 +24,7 @@ import uuid
 from typing import Any
 
 from gmjax.mail.errors import UnsupportedStorage
-from gmjax.mail.store_fsspec import FsspecStore
+from gmjax.mail.store.fsspec import FsspecStore
 
 _PROBED: set[tuple[str, str]] = set()
 _PROBE_LOCK = threading.Lock()

@@ -1,13 +1,13 @@
 """A run's store on an fsspec filesystem: ``memory://`` and ``gs://`` (gcsfs).
 
 ``gmjax.mail.store.open_store`` admits only protocols whose exclusive create is atomic;
-S3 has its own store (``gmjax.mail.store_s3``). In ``memory://``, as on a disk, a file
+S3 has its own store (``gmjax.mail.store.s3``). In ``memory://``, as on a disk, a file
 stands in the way of a folder of its name and a folder reads as no object: a write
 removes a file planted where its folders belong (logging a warning), and ``read`` of a
 folder raises ``BadObject``.
 
 On an asynchronous filesystem (gcsfs, s3fs) each request runs under the deadline of its
-attempt (``gmjax.mail.store.attempt_deadline``): fsspec cancels the request when it
+attempt (``gmjax.mail.store.base.attempt_deadline``): fsspec cancels the request when it
 passes, and the store retries it.
 
 fsspec's ``MemoryFileSystem`` is one dict shared by the process and takes no lock: its
@@ -28,7 +28,7 @@ from typing import Any
 
 import fsspec
 
-from gmjax.mail.store import BadObject, Store, attempt_deadline
+from gmjax.mail.store.base import BadObject, Store, attempt_deadline
 
 log = logging.getLogger(__name__)
 # Serializes every memory:// call (see the module docstring); reentrant, as a create

@@ -1,4 +1,4 @@
-"""Object storage for a run: a local directory, ``memory://`` or any fsspec URL.
+"""The ``Store`` every backend implements: atomic operations, retries, deadlines.
 
 A ``Store`` offers the few operations the mail protocol needs, each atomic: ``put``
 (the object appears complete or not at all), ``create`` (exclusive: exactly one of any
@@ -30,7 +30,7 @@ Exclusive create, by backend:
   ``os.link`` it to the final name, which fails if the name exists; the name never
   shows a partial file.
 * ``gs://`` (gcsfs): one upload request with ``ifGenerationMatch=0``.
-* ``s3://`` (s3fs, ``gmjax.mail.store_s3``): one ``PutObject`` with ``If-None-Match: *``.
+* ``s3://`` (s3fs, ``gmjax.mail.store.s3``): one ``PutObject`` with ``If-None-Match: *``.
 * ``memory://``: a lock around check-and-write (the memory filesystem lives in one
   process).
 
@@ -39,10 +39,6 @@ folder, or a folder where a ``put`` writes its object, would stop the write. Nei
 ever the run's own (the run's layout never puts an object where it keeps a folder), so
 the write removes it, logs a warning, and goes on; on object stores a key and a prefix of
 one name never collide.
-
-Other fsspec URLs are refused (``UnsupportedStorage``): fsspec's generic
-``mode="create"`` is an ``exists()`` followed by a write, so two closers could both
-commit one version.
 """
 
 from __future__ import annotations
@@ -59,7 +55,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from gmjax.mail.errors import CorruptRecord, StorageUnavailable, UnsupportedStorage
+from gmjax.mail.errors import CorruptRecord, StorageUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +69,6 @@ _TRANSIENT_ERRNOS = frozenset(
 )
 _TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
 _CHUNK = 4 << 20  # read and hash in 4 MiB pieces: each is hashed while still in cache
-# URL schemes whose exclusive create is atomic and tested against a real server.
-SUPPORTED_PROTOCOLS = ("file", "memory", "gs", "gcs", "s3", "s3a")
 # An attempt's deadline: never under MIN_ATTEMPT_SECONDS (a healthy request takes well
 # under a second), and its bytes at MIN_BYTES_PER_SECOND on top (a slow uplink still
 # publishes a large delta; a hung one is found within that).
@@ -356,43 +350,3 @@ class Store(abc.ABC):
 
   def __repr__(self) -> str:
     return f"{type(self).__name__}({self.url!r})"
-
-
-def open_store(url: str, *, retry_seconds: float = 30.0,
-               storage_options: dict[str, Any] | None = None) -> Store:
-  """The store for ``url``: a local directory (a path or ``file://``) or an fsspec URL.
-
-  Args:
-    url: ``/path/to/run``, ``file:///path``, ``memory://run``, ``gs://bucket/run``, ...
-    retry_seconds: how long transient errors are retried while no retry budget is set
-      (a learner sets the run's timeout as its budget).
-    storage_options: passed to the fsspec filesystem (e.g. ``{"token": ...}`` for gcsfs).
-
-  Raises:
-    TypeError: ``url`` is not a string.
-    UnsupportedStorage: the URL's protocol has no atomic exclusive create
-      (``SUPPORTED_PROTOCOLS`` lists those that do).
-  """
-  if not isinstance(url, (str, os.PathLike)):
-    raise TypeError(f"url must be a path or URL string, got {type(url).__name__}: {url!r}")
-  url = os.fspath(url)
-  if "://" not in url and "::" not in url or url.startswith("file://"):
-    return LocalStore(url, retry_seconds=retry_seconds)
-  protocol = url.split("://", 1)[0] if "://" in url else url.split("::", 1)[0]
-  if protocol not in SUPPORTED_PROTOCOLS:
-    raise UnsupportedStorage(
-        f"url={url!r}: protocol {protocol!r} is not supported for a run, because its"
-        " exclusive create (the commit of each version) is not known to be atomic:"
-        " fsspec's generic create is an exists() check then a write, which two closers"
-        f" can both pass. Use one of {', '.join(p + '://' for p in SUPPORTED_PROTOCOLS)}"
-        " or a local directory.")
-  if protocol in ("s3", "s3a"):
-    from gmjax.mail.store_s3 import S3Store  # pylint: disable=g-import-not-at-top
-
-    return S3Store(url, retry_seconds=retry_seconds, storage_options=storage_options)
-  return FsspecStore(url, retry_seconds=retry_seconds, storage_options=storage_options)
-
-
-# The backends build on Store above (they import it from here), so they come last.
-from gmjax.mail.store_fsspec import FsspecStore  # noqa: E402  pylint: disable=wrong-import-position
-from gmjax.mail.store_local import LocalStore  # noqa: E402  pylint: disable=wrong-import-position

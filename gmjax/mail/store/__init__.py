@@ -1,0 +1,67 @@
+"""Object storage for a run: a local directory, ``memory://``, ``gs://`` or ``s3://``.
+
+``open_store(url)`` picks the backend. Each implements ``base.Store`` (atomic ``put``,
+exclusive ``create``, bounded ``read``, ``list_marked``, retries and per-attempt
+deadlines; its docstring says how):
+
+* ``local``: a directory (a path or ``file://``);
+* ``fsspec``: ``memory://`` and ``gs://`` (gcsfs);
+* ``s3``: ``s3://`` (s3fs), imported only when a run on S3 is opened.
+
+Other fsspec URLs are refused (``UnsupportedStorage``): fsspec's generic
+``mode="create"`` is an ``exists()`` followed by a write, so two closers could both
+commit one version.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from gmjax.mail.errors import UnsupportedStorage
+from gmjax.mail.store.base import (MIN_ATTEMPT_SECONDS, MIN_BYTES_PER_SECOND, BadObject,
+                                   Store, attempt_deadline, is_transient)
+from gmjax.mail.store.fsspec import FsspecStore
+from gmjax.mail.store.local import LocalStore, fsync_dir
+
+__all__ = ["MIN_ATTEMPT_SECONDS", "MIN_BYTES_PER_SECOND", "SUPPORTED_PROTOCOLS", "BadObject",
+           "FsspecStore", "LocalStore", "Store", "attempt_deadline", "fsync_dir",
+           "is_transient", "open_store"]
+
+# URL schemes whose exclusive create is atomic and tested against a real server.
+SUPPORTED_PROTOCOLS = ("file", "memory", "gs", "gcs", "s3", "s3a")
+
+
+def open_store(url: str, *, retry_seconds: float = 30.0,
+               storage_options: dict[str, Any] | None = None) -> Store:
+  """The store for ``url``: a local directory (a path or ``file://``) or an fsspec URL.
+
+  Args:
+    url: ``/path/to/run``, ``file:///path``, ``memory://run``, ``gs://bucket/run``, ...
+    retry_seconds: how long transient errors are retried while no retry budget is set
+      (a learner sets the run's timeout as its budget).
+    storage_options: passed to the fsspec filesystem (e.g. ``{"token": ...}`` for gcsfs).
+
+  Raises:
+    TypeError: ``url`` is not a string.
+    UnsupportedStorage: the URL's protocol has no atomic exclusive create
+      (``SUPPORTED_PROTOCOLS`` lists those that do).
+  """
+  if not isinstance(url, (str, os.PathLike)):
+    raise TypeError(f"url must be a path or URL string, got {type(url).__name__}: {url!r}")
+  url = os.fspath(url)
+  if "://" not in url and "::" not in url or url.startswith("file://"):
+    return LocalStore(url, retry_seconds=retry_seconds)
+  protocol = url.split("://", 1)[0] if "://" in url else url.split("::", 1)[0]
+  if protocol not in SUPPORTED_PROTOCOLS:
+    raise UnsupportedStorage(
+        f"url={url!r}: protocol {protocol!r} is not supported for a run, because its"
+        " exclusive create (the commit of each version) is not known to be atomic:"
+        " fsspec's generic create is an exists() check then a write, which two closers"
+        f" can both pass. Use one of {', '.join(p + '://' for p in SUPPORTED_PROTOCOLS)}"
+        " or a local directory.")
+  if protocol in ("s3", "s3a"):
+    from gmjax.mail.store.s3 import S3Store  # pylint: disable=g-import-not-at-top
+
+    return S3Store(url, retry_seconds=retry_seconds, storage_options=storage_options)
+  return FsspecStore(url, retry_seconds=retry_seconds, storage_options=storage_options)
