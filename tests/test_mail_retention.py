@@ -22,13 +22,6 @@ from gmjax.mail import states
 
 import mail_support as ms
 
-try:
-  from test_store_s3 import options  # pylint: disable=unused-import  # moto on loopback
-except BaseException:  # pylint: disable=broad-except  # moto or s3fs missing: skipped
-  @pytest.fixture
-  def options():
-    pytest.skip("moto[server] and s3fs are needed for S3")
-
 CONFIG = gmjax.DiLoCo(sync_every=2, fragments=2, quorum_size=2)
 KEEP = 2
 
@@ -121,7 +114,7 @@ def test_keep_versions_is_stored_and_older_manifests_keep_everything(tmp_path):
 
 @pytest.mark.parametrize("kind", ["local", "memory", "s3"])
 def test_storage_stays_bounded_and_restarted_learners_rejoin(tmp_path, kind, request):
-  url, storage_options = _url(kind, tmp_path, request.getfixturevalue("options")
+  url, storage_options = _url(kind, tmp_path, request.getfixturevalue("s3_options")
                               if kind == "s3" else None)
   run = mail.create(url, ms.params0(), CONFIG, keep_versions=KEEP,
                     storage_options=storage_options)

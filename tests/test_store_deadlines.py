@@ -6,7 +6,6 @@ never sends a byte, and a proxy in front of the moto S3 server that turns into o
 """
 
 import contextlib
-import logging
 import os
 import socket
 import threading
@@ -21,7 +20,6 @@ from gmjax.mail import store as store_lib
 
 import mail_support as ms
 
-moto_server = pytest.importorskip("moto.server")
 s3fs = pytest.importorskip("s3fs")
 gcsfs = pytest.importorskip("gcsfs")
 
@@ -80,20 +78,11 @@ def black_hole():
   proxy.close()
 
 
-@pytest.fixture(scope="module")
-def moto():
-  logging.getLogger("werkzeug").setLevel(logging.ERROR)
-  with pytest.MonkeyPatch.context() as env:
-    for name, value in (("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "x"),
-                        ("AWS_DEFAULT_REGION", "us-east-1")):
-      env.setenv(name, value)
-    env.delenv("AWS_PROFILE", raising=False)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-      yield server.get_host_and_port()
-    finally:
-      server.stop()
+@pytest.fixture
+def moto(s3_options):
+  """The moto S3 server's (host, port); its credentials are in the environment."""
+  host, port = s3_options["endpoint_url"].removeprefix("http://").split(":")
+  return host, int(port)
 
 
 def _s3_options(port):

@@ -5,7 +5,6 @@ through ``endpoint_url``. Nothing is mocked: requests go over HTTP to the server
 keeps the objects and enforces ``If-None-Match: *`` on ``PutObject``.
 """
 
-import logging
 import threading
 import time
 import uuid
@@ -19,35 +18,14 @@ from gmjax.mail import store as store_lib
 
 import mail_support as ms
 
-moto_server = pytest.importorskip("moto.server")
 s3fs = pytest.importorskip("s3fs")
 
-BUCKET = "gmjax-test"
+BUCKET = "gmjax-test"  # made by conftest's s3_options
 
 
-@pytest.fixture(scope="module")
-def options():
-  logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-  with pytest.MonkeyPatch.context() as env:
-    # Dummies so botocore never looks for real credentials or a region.
-    for name, value in (("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "x"),
-                        ("AWS_DEFAULT_REGION", "us-east-1")):
-      env.setenv(name, value)
-    env.delenv("AWS_PROFILE", raising=False)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-      host, port = server.get_host_and_port()
-      options = {"endpoint_url": f"http://{host}:{port}", "key": "x", "secret": "x"}
-      # moto keeps its buckets in the process, across servers: another module that
-      # uses this fixture (tests/test_mail_retention.py) may have made the bucket.
-      try:
-        s3fs.S3FileSystem(skip_instance_cache=True, **options).mkdir(BUCKET)
-      except FileExistsError:
-        pass
-      yield options
-    finally:
-      server.stop()
+@pytest.fixture
+def options(s3_options):
+  return s3_options
 
 
 def _url():
