@@ -121,6 +121,13 @@ def test_storage_stays_bounded_and_restarted_learners_rejoin(tmp_path, kind, req
   first, then = (8, 16) if kind != "s3" else (4, 4)  # S3 on moto is slow
   _train_pair(url, first, storage_options)  # 3 or 4 versions a fragment: some pruned
   short = _usage(run.store)
+  # What a kill mid-write leaves in a local directory: temporary files of old versions.
+  torn = [f"{layout.fragment_dir(f)}/1{rest}.{uuid.uuid4().hex}.tmp" for f in range(2)
+          for rest in (".commit.json", "-0123abcd.update.safetensors")]
+  if kind == "local":
+    for path in torn:
+      with open(os.path.join(url, path), "wb") as f:
+        f.write(b"torn")
   # The same learners join again (restarted, after their run was pruned) and train
   # longer.
   out = _train_pair(url, then, storage_options)
@@ -135,6 +142,9 @@ def test_storage_stays_bounded_and_restarted_learners_rejoin(tmp_path, kind, req
     assert kept == [version - 1, version]
     entries = run.store.list(layout.fragment_dir(fragment))
     assert all(int(e.split(".")[0].split("-")[0]) >= version - 1 for e in entries), entries
+  if kind == "local":  # pruned with their versions
+    assert not any(os.path.exists(os.path.join(url, path)) for path in torn)
+    assert all(run.store.temporaries(layout.fragment_dir(f)) == [] for f in range(2))
   rounds = [int(r) for r in run.store.list("rounds")]
   assert len(rounds) <= KEEP * len(run.plan)
   assert [r["version"] for r in run.rounds()][-4:] == sorted(
@@ -220,12 +230,15 @@ def test_dead_heartbeats_claims_and_junk_are_compacted(tmp_path, monkeypatch):
     run.store.put(f"learners/{name}.claims/1", f"{i:032x}".encode())
   for i in range(20):
     run.store.put(f"learners/junk-{i}.txt", b"x")
+  with open(os.path.join(url, "learners", f"gone-0.json.{uuid.uuid4().hex}.tmp"), "wb") as f:
+    f.write(b"torn")  # a heartbeat write a kill tore
     run.store.put(f"learners/bad-{i}.json", b"{not json")
   _train_pair(url, 4)
   own = {"a0.json", "a0.claims", "a1.json", "a1.claims"}
 
   def compacted():
     return (set(run.store.list("learners")) <= own
+            and not run.store.temporaries("learners")
             and run.store.list("learners/a0.claims") == ["2"])
 
   # Joined again: the first joins' claims are old. A closer deletes a planted entry at a
@@ -236,6 +249,7 @@ def test_dead_heartbeats_claims_and_junk_are_compacted(tmp_path, monkeypatch):
   _train_pair_until(url, compacted, min_steps=12)
   entries = run.store.list("learners")
   assert set(entries) <= own, entries[:10]
+  assert run.store.temporaries("learners") == []
   assert run.store.list("learners/a0.claims") == ["2"]  # the first join's claim went
 
 

@@ -20,7 +20,7 @@ The closer also keeps ``learners/`` short (``Compactor``): a heartbeat unchanged
 ``DEAD_TIMEOUTS`` liveness timeouts (by the observer's clock; on first sight, by its
 ``last_seen``) belongs to a dead incarnation and is deleted with its claims; so are
 heartbeats that stayed malformed or forged that long, claims without a heartbeat, and
-anything else planted there. A live name's claims of earlier incarnations go too. A
+anything else planted there, and temporary files a kill tore mid-write. A live name's claims of earlier incarnations go too. A
 round record lists every rejected contribution of a learner with a heartbeat, and at
 most ``MAX_LISTED_STRANGERS`` of the others (files planted under names that never
 joined), counting the rest: planted files cannot grow the records.
@@ -170,11 +170,13 @@ def prune(store: Store, manifest, fragment: int, newest: int) -> list[str]:
   if below == 0:
     return []
   files, records = [], []
-  for entry in store.list(layout.fragment_dir(fragment)):
+  folder = layout.fragment_dir(fragment)
+  # A kill mid-write leaves a temporary file named after its version ("3.theta...tmp").
+  for entry in store.list(folder) + store.temporaries(folder):
     match = _LEADING_VERSION.match(entry)
     if match is None or int(match.group(1)) >= below:
       continue
-    path = f"{layout.fragment_dir(fragment)}/{entry}"
+    path = f"{folder}/{entry}"
     # Records go last: a record kept always names files that are kept.
     (records if layout.slot_version(entry) is not None else files).append(path)
   schedule = manifest.schedule
@@ -265,6 +267,10 @@ class Compactor:
         removed.append(f"learners/{entry}")
     for name in sorted(dead):
       removed += self._drop_name(name, roster.records.get(name))
+    for entry in self._store.temporaries("learners"):
+      if self._stale(entry, None, now, dead_after):  # a write a kill tore, long ago
+        self._store.delete(f"learners/{entry}")
+        removed.append(f"learners/{entry}")
     for name, record in roster.records.items():
       incarnation = record.get("incarnation")
       if name not in dead and isinstance(incarnation, str) and (

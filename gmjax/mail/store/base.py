@@ -333,6 +333,16 @@ class Store(abc.ABC):
     """Names (not paths) of the entries directly under ``prefix``, sorted; [] if none."""
     return self._retry("list", prefix, lambda: sorted(self._list(prefix.strip("/"))))
 
+  def temporaries(self, prefix: str) -> list[str]:
+    """Names of this store's own temporary files directly under ``prefix``, sorted.
+
+    A local directory writes each object beside its name first (``<name>.<hex>.tmp``);
+    a kill mid-write leaves that file behind. ``list`` never shows them; whoever prunes
+    a folder asks for them here. Object stores write none: [].
+    """
+    del prefix
+    return []
+
   def list_marked(self, prefix: str) -> dict[str, str | None]:
     """Names directly under ``prefix``, sorted, each with a change marker.
 

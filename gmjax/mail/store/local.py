@@ -150,6 +150,13 @@ class LocalStore(Store):
       return []
     return [n for n in names if not n.endswith(".tmp")]
 
+  def temporaries(self, prefix: str) -> list[str]:
+    try:
+      names = os.listdir(self._path(prefix.strip("/")))
+    except (FileNotFoundError, NotADirectoryError):
+      return []
+    return sorted(n for n in names if n.endswith(".tmp"))
+
   def _list_marked(self, prefix: str) -> dict[str, str]:
     marked = {}
     try:
