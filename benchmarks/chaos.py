@@ -8,7 +8,10 @@ storage calls fail transiently at a given rate, torn temporary files appear, and
 hostile file of each kind is planted at the run's normal paths: a deeply nested payload
 header, a malformed heartbeat, a huge finite delta, absurd reported fields, a FIFO, a
 huge sparse file, a megabyte of attacker text, hundreds of dead learners' heartbeats and
-claims, and hundreds of files under names that never joined in one round. Two kinds are
+claims, hundreds of files under names that never joined in one round, a one-byte file
+where a round's folder goes, a folder at a future commit record's path, junk at a live
+learner's next contribution path (no key needed), and claim files named ``²`` and with 240
+digits under the names restarted learners will take. Two kinds are
 acted out rather than planted: ``replayed-heartbeats`` captures two heartbeats of a
 learner, kills it, and writes them back in turn every 0.1 s to the end of the run, and
 ``late-learner`` adds a learner that publishes at 0.8x the run's current timeout for
@@ -50,7 +53,7 @@ import numpy as np
 HOSTILE = "evil"  # every planted learner name starts with this
 KINDS = ("deep-header", "bad-heartbeat", "huge-delta", "huge-fields", "fifo", "sparse",
          "long-text", "torn", "dead-heartbeats", "strangers", "replayed-heartbeats",
-         "late-learner")
+         "late-learner", "round-file", "commit-dir", "honest-junk", "odd-claims")
 PLANTED_MANY = 300  # dead heartbeats, or strangers' files in one round
 REPLAY_GRACE = 10.0  # seconds a replayed learner may still count as live after its death
 LATE_ROUNDS = 4  # rounds the late learner publishes late in, then it leaves
@@ -219,6 +222,18 @@ def _contribution(run, round_: int, learner: str, scale: float, **fields: Any) -
 
 def plant(run, root: str, kind: str, round_: int) -> list[str]:
   """Plants one hostile file of ``kind`` aimed at ``round_``; returns the paths."""
+  schedule = run.config.schedule(len(run.plan))
+  if kind == "round-file":  # where the next round's folder goes
+    path = os.path.join(root, "rounds", str(round_ + 1))
+    if not os.path.exists(path):
+      with open(path, "wb") as f:
+        f.write(b"x")
+    return [path]
+  if kind == "commit-dir":  # where the round's commit record goes
+    path = os.path.join(root, "fragments", str(schedule.fragment_of(round_)),
+                        f"{schedule.version_after(round_)}.commit.json")
+    os.makedirs(os.path.join(path, "inside"), exist_ok=True)
+    return [path]
   rounds = os.path.join(root, "rounds", str(round_))
   os.makedirs(rounds, exist_ok=True)
   learners = os.path.join(root, "learners")
@@ -279,6 +294,22 @@ def plant(run, root: str, kind: str, round_: int) -> list[str]:
       with open(paths[-1], "wb") as f:
         f.write(b"junk")
     return paths
+  elif kind == "honest-junk":
+    # Junk where a live learner's contribution to the round goes, before it gets there.
+    live = []
+    for entry in sorted(os.listdir(learners)):
+      if entry.endswith(".json") and entry.startswith("w"):
+        try:
+          with open(os.path.join(learners, entry)) as f:
+            if json.load(f).get("status") == "live":
+              live.append(entry[: -len(".json")])
+        except (OSError, ValueError):
+          continue
+    if not live:
+      return []
+    path = os.path.join(rounds, f"{live[0]}.safetensors")
+    with open(path, "wb") as f:
+      f.write(os.urandom(64))
   elif kind == "torn":
     path = os.path.join(rounds, f"w0.safetensors.{random.getrandbits(64):016x}.tmp")
     with open(path, "wb") as f:
@@ -380,6 +411,7 @@ class Report:
   ledger: Ledger | None = None
   samples: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (round, objects, bytes)
   planted_at: dict[str, float] = dataclasses.field(default_factory=dict)
+  killed_at: dict[str, float] = dataclasses.field(default_factory=dict)  # wall clock
   ended: float = 0.0
   rounds: int = 0
   kills: int = 0
@@ -440,6 +472,7 @@ def chaos(root: str, *, rounds: int = 30, learners: int = 4, seed: int = 0,
     name, proc = procs[i]
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    report.killed_at[name] = time.time()
     report.kills += 1
     generation[i] += 1
     procs[i] = start(i, generation[i])
@@ -480,6 +513,15 @@ def chaos(root: str, *, rounds: int = 30, learners: int = 4, seed: int = 0,
           victim = rng.randrange(learners)
           report.replay = Replay(url, procs[victim][0])
           report.planted[kind] = [report.replay.path]
+        elif kind == "odd-claims":
+          report.planted[kind] = []
+          for i in range(learners):
+            folder = os.path.join(url, "learners", f"w{i}-{generation[i] + 1}.claims")
+            os.makedirs(folder, exist_ok=True)
+            for odd in ("\u00b2", "9" * 240):
+              with open(os.path.join(folder, odd), "w") as f:
+                f.write("0" * 32)
+              report.planted[kind].append(os.path.join(folder, odd))
         elif kind == "late-learner":
           generation[learners] = 0
           procs[learners] = start(learners, 0)
@@ -503,6 +545,7 @@ def chaos(root: str, *, rounds: int = 30, learners: int = 4, seed: int = 0,
           continue
         if code == -signal.SIGKILL:
           report.self_kills += 1
+          report.killed_at[name] = time.time()
         elif code == 0 and i == learners:  # the late learner left
           del procs[i]
           continue
@@ -591,6 +634,15 @@ def check(report: Report) -> list[str]:
   for kind in set(report.planted) & set(REJECTED_KINDS):
     if f"{HOSTILE}-{kind}" not in rejected:
       problems.append(f"the hostile {kind} contribution is in no round's rejected list")
+  for path in report.planted.get("honest-junk", []):
+    round_, name = int(path.split(os.sep)[-2]), os.path.basename(path).split(".")[0]
+    record = next((r for r in records if r["round"] == round_), None)
+    if record is None or name in report.killed_at:
+      continue  # the round was pruned from the ledger's view, or the learner died
+    if name in {r["learner"] for r in record["rejected"]} and name not in {
+        p["learner"] for p in record["participants"]}:
+      problems.append(f"round {round_}: junk planted at {name}'s path stood for its"
+                      " contribution")
   if "strangers" in report.planted and not any(
       r.get("unlisted_rejections", 0) >= PLANTED_MANY - retention.MAX_LISTED_STRANGERS
       for r in records):
