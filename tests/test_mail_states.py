@@ -115,3 +115,19 @@ def test_learner_retries_are_bounded_by_the_run_timeout(tmp_path):
     assert run.store.retry_budget() == run.store.retry_seconds  # no learner: the default
   finally:
     learner.close(None)
+
+
+def test_a_damaged_version_is_logged_once_not_at_every_poll(tmp_path, caplog):
+  import logging  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+
+  from gmjax.mail import commits  # pylint: disable=g-import-not-at-top
+
+  run = _run(tmp_path)
+  os.makedirs(os.path.join(str(tmp_path / "run"), layout.commit(0, 1)))  # a planted folder
+  with caplog.at_level(logging.DEBUG, logger="gmjax.mail.commits"):
+    for _ in range(5):  # a reader waiting for version 1 polls it
+      with pytest.raises(commits.DamagedCommit, match="not a regular file"):
+        commits.read_commit(run.store, 0, 1, None)
+  levels = [r.levelno for r in caplog.records if "is damaged" in r.getMessage()]
+  assert levels == [logging.WARNING] + [logging.DEBUG] * 4

@@ -66,6 +66,9 @@ def record_problem(record: Any, fragment: int, version: int, key: bytes | None) 
   return None
 
 
+_WARNED: set[tuple[Any, ...]] = set()  # damaged versions already logged
+
+
 def commit_slots(store: Store, fragment: int, version: int, key: bytes | None
                  ) -> list[tuple[str, dict[str, Any] | None, str | None]]:
   """Every record of ``version``, in slot order: ``(path, record or None, problem)``.
@@ -108,8 +111,12 @@ def read_commit(store: Store, fragment: int, version: int, key: bytes | None
     if record is not None:
       return record
   problems = {path: problem for path, _, problem in slots}
-  log.warning("every record of version %d of fragment %d is damaged: %s", version,
-              fragment, problems)
+  # Readers poll a version until it commits: say so once per damage, not once per poll.
+  seen = (store.url, fragment, version, tuple(sorted(problems)))
+  (log.debug if seen in _WARNED else log.warning)(
+      "every record of version %d of fragment %d is damaged: %s", version, fragment,
+      problems)
+  _WARNED.add(seen)
   raise DamagedCommit(f"every record of version {version} of fragment {fragment} is"
                       f" damaged: {problems}", problems)
 
