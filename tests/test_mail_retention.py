@@ -261,5 +261,7 @@ def test_files_planted_under_strangers_names_are_counted_not_listed(tmp_path):
   _train_pair(url, 6)
   record = next(r for r in run.rounds() if r["round"] == 1)
   assert len(record["rejected"]) == retention.MAX_LISTED_STRANGERS
+  # Rejected from the listing, unread (a read would have found junk, not a payload).
+  assert all("never joined" in r["reason"] for r in record["rejected"]), record["rejected"]
   assert record["unlisted_rejections"] == 30 - retention.MAX_LISTED_STRANGERS
   assert sorted(p["learner"] for p in record["participants"]) == ["a0", "a1"]

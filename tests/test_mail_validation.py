@@ -35,8 +35,9 @@ def test_planted_payloads_are_rejected_and_the_run_goes_on(tmp_path):
   config = gmjax.DiLoCo(sync_every=2, quorum_size=2)
   url = str(tmp_path / "run")
   run = mail.create(url, ms.params0(), config)
-  mole = run.join("mole", poll_interval=0.02)  # a learner that joined and left
-  mole.close(mole.pull(ms.params0()))
+  for name in ("mole", "stale"):  # learners that joined and left
+    mole = run.join(name, poll_interval=0.02)
+    mole.close(mole.pull(ms.params0()))
   names = run.plan[0]
   nan = {n: np.full(ms.params0()[n].shape, np.nan, np.float32) for n in names}
   good = _payload(run, 1, "mole")
@@ -56,7 +57,7 @@ def test_planted_payloads_are_rejected_and_the_run_goes_on(tmp_path):
   rounds = run.rounds()
   assert [r["round"] for r in rounds] == [0, 1, 2]
   reasons = {r["round"]: {x["learner"]: x["reason"] for x in r["rejected"]} for r in rounds}
-  assert "unreadable payload" in reasons[0]["garbage"]
+  assert "never joined" in reasons[0]["garbage"]  # unread: its name never joined
   assert "NaN or Inf" in reasons[0]["mole"]
   assert "unknown learner" in reasons[0]["intruder"]
   assert "not a .safetensors" in reasons[0]["notes.txt"]
@@ -72,7 +73,7 @@ def test_planted_payloads_are_rejected_and_the_run_goes_on(tmp_path):
   for learner in ("a0", "a1"):
     for name in names:
       np.testing.assert_array_equal(out[learner][name], expected[learner][name])
-  assert "garbage(unreadable payload" in mail.format_status(run)
+  assert "garbage(unknown learner" in mail.format_status(run)
 
 
 @pytest.mark.timeout(120)

@@ -215,7 +215,7 @@ class Closer:
 
   def _validate(self, watch: Watch, entry: str, known: set[str]) -> Contribution:
     """Reads (within the size the layout implies) and checks one contribution."""
-    name = contributions.label(contributions.learner_of(entry))
+    name = contributions.check_name(entry, known)
     try:
       data = self.store.read(f"{layout.round_dir(watch.round)}/{entry}",
                              self._max_bytes[watch.fragment])

@@ -112,6 +112,26 @@ def _int(metadata: Mapping[str, str], field: str, learner: str, minimum: int = 0
   return value
 
 
+def check_name(file_name: str, known: Container[str]) -> str:
+  """The learner a contribution's file name names, if it may be read at all.
+
+  A file under a name that never joined is rejected unread: files planted under a
+  thousand such names cost the round a listing, not a thousand reads.
+
+  Raises:
+    ContributionRejected: not a contribution's name, or its learner never joined.
+  """
+  if not file_name.endswith(layout.CONTRIBUTION_SUFFIX):
+    raise ContributionRejected(label(file_name), "not a .safetensors contribution")
+  learner = learner_of(file_name)
+  if not layout.is_valid_name(learner):
+    raise ContributionRejected(label(learner), "learner name does not match"
+                               f" {layout.NAME_PATTERN.pattern}")
+  if learner not in known:
+    raise ContributionRejected(learner, "unknown learner: it never joined the run")
+  return learner
+
+
 def check(data: bytes, *, file_name: str, round_: int, fragment: int, base_version: int,
           schema: Schema, wire: Wire, known: Container[str],
           key: bytes | None, max_steps: int, base_lag: int = 0) -> Checked:
@@ -144,12 +164,7 @@ def check(data: bytes, *, file_name: str, round_: int, fragment: int, base_versi
     ContributionRejected: with the reason the round record lists (hostile text in it
       quoted short and escaped).
   """
-  if not file_name.endswith(layout.CONTRIBUTION_SUFFIX):
-    raise ContributionRejected(label(file_name), "not a .safetensors contribution")
-  learner = learner_of(file_name)
-  if not layout.is_valid_name(learner):
-    raise ContributionRejected(label(learner), "learner name does not match"
-                               f" {layout.NAME_PATTERN.pattern}")
+  learner = check_name(file_name, known)
   precision, topk, chunk = wire.precision, wire.topk, wire.chunk
   payload_schema = wire.layout(schema)
   try:
@@ -195,8 +210,6 @@ def check(data: bytes, *, file_name: str, round_: int, fragment: int, base_versi
                                f" {BLOCK}")
   if key is not None and not signing.payload_signature_ok(key, entries, metadata):
     raise ContributionRejected(learner, "bad or missing HMAC-SHA256 signature")
-  if learner not in known:
-    raise ContributionRejected(learner, "unknown learner: it never joined the run")
   expected = {spec.name: spec for spec in payload_schema.parameters}
   if set(entries) != set(expected):
     missing = sorted(set(expected) - set(entries))
