@@ -10,8 +10,8 @@ Which rounds a learner contributes to, and at which base version:
   the learner aligns ``f`` with that version if it does not hold it yet.
 * With ``error_feedback = β`` it publishes ``encode(β·e_f + Δ)`` instead, and keeps the
   residual ``e_f ← β·e_f + Δ − decode(...)`` (``gmjax.core.feedback``) in host memory,
-  F32, one per fragment. The residuals are not stored: a learner that restarts (joins
-  again) starts from zero residuals, which loses at most what they held.
+  F32, one per fragment. A learner that restarts (joins again) starts from zero
+  residuals, which loses at most what they held, unless it keeps its state (below).
 * With ``outer_delay = 1`` (``gmjax.mail.delayed``) the delta of round ``r`` is taken
   from the start of the learner's phase (base version ``r div P − 1``, or the version it
   joined at), and right after publishing it the learner starts its next phase from the
@@ -22,6 +22,13 @@ Which rounds a learner contributes to, and at which base version:
   ``step`` after it lands. At most ``in_flight`` rounds stay outstanding. If the round was
   committed before the learner got to it (it was late), it publishes nothing and merges
   the commit.
+
+What a learner that restarts gets back: ``pull`` gives the newest committed Θ and sets
+``step_count`` to its step; nothing of the learner's own survives (its optimizer state,
+data position, residuals, delayed phase starts, steps past that commit). With
+``join(name, state_dir=...)`` it saves, at each ``step`` that applies a commit, the
+``state`` and ``position`` handed to ``step`` with its counters, versions and residuals
+(``gmjax.mail.learner_state``), and ``restore`` gives them back after ``pull``.
 
 Three parts, each the only owner of its state: this API (the training thread's own
 anchors, versions and counters), a ``worker.Worker`` that alone owns the closer, the
@@ -147,9 +154,14 @@ class Learner:
     self._beats: HeartbeatWriter | None = None
     if self.primary:
       incarnation = uuid.uuid4().hex
-      names.claim(self.store, self.name, incarnation=incarnation,
-                  liveness_timeout=self._worker.liveness_timeout(),
-                  poll_interval=self.poll_interval, key=self.key)
+      try:
+        names.claim(self.store, self.name, incarnation=incarnation,
+                    liveness_timeout=self._worker.liveness_timeout(),
+                    poll_interval=self.poll_interval, key=self.key)
+      except BaseException:
+        if self._state_dir is not None:
+          self._state_dir.close()
+        raise
       self._beats = HeartbeatWriter.joined(
           self.store, self.name, incarnation,
           Beat(heartbeats.LIVE, self.step_count, self.first_round),

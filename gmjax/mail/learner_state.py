@@ -112,7 +112,7 @@ def check_state_dir(state_dir: Any) -> str:
                      f" {state_dir!r}.")
   if "://" in path:
     protocol = path.split("://", 1)[0]
-    if protocol not in ("gs", "file"):
+    if protocol != "gs":
       raise ValueError(
           f"state_dir={path!r}: Orbax saves a learner's state to a local directory or"
           f" gs://, not {protocol}://; pass a local path (e.g. on the learner's disk) or a"
