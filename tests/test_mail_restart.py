@@ -245,3 +245,49 @@ def test_error_feedback_residuals_come_back_with_the_state(tmp_path):
   for f in residuals:
     _assert_bits_equal(learner._residuals[f], residuals[f])
   learner.close(None)
+
+
+# Saves states numbered 1, 2, ... and SIGKILLs itself inside Orbax's save of DIE_AT, after
+# the save's files are written and before the rename that completes it.
+_SAVER = """
+import os, signal, sys
+import numpy as np
+from orbax.checkpoint._src.path import atomicity
+from gmjax.mail import learner_state
+path, die_at = sys.argv[1], int(sys.argv[2])
+saving = 0
+finalize = atomicity.AtomicRenameTemporaryPath.finalize
+async def finalize_or_die(self, *args, **kwargs):
+  if saving == die_at:
+    print("dying", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+  return await finalize(self, *args, **kwargs)
+atomicity.AtomicRenameTemporaryPath.finalize = finalize_or_die
+state_dir = learner_state.StateDir(path, ("run-id", "url"), "a")
+for saving in range(1, die_at + 1):
+  counters = learner_state.SavedCounters(saving, saving, {0: saving}, (0,), (0,))
+  state_dir.save(saving, counters, {"m": np.full((256, 64), saving, np.float32)}, saving, None)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_process_killed_during_a_save_leaves_the_previous_one(tmp_path):
+  from gmjax.mail import learner_state  # pylint: disable=g-import-not-at-top
+
+  path = str(tmp_path / "state")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  saver = subprocess.run([sys.executable, "-c", _SAVER, path, "3"], capture_output=True,
+                         text=True, env=env, timeout=100, check=False)
+  assert saver.returncode == -signal.SIGKILL and "dying" in saver.stdout, saver.stderr[-2000:]
+  assert [n for n in os.listdir(path) if n.startswith("3.orbax-checkpoint-tmp")]  # torn
+  like = {"m": np.zeros((256, 64), np.float32)}
+  state_dir = learner_state.StateDir(path, ("run-id", "url"), "a")
+  assert state_dir.latest_step() == 2
+  counters, state, position, _ = state_dir.restore(like, None)
+  assert (counters.local_step, position, counters.versions) == (2, 2, {0: 2})
+  _assert_bits_equal(state, {"m": np.full((256, 64), 2, np.float32)})
+  # Saving goes on over the torn save.
+  state_dir.save(3, counters, {"m": np.full((256, 64), 3, np.float32)}, 3, None)
+  _, state, position, _ = state_dir.restore(like, None)
+  assert position == 3 and np.all(state["m"] == 3)
+  state_dir.close()
