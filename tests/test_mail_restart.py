@@ -265,7 +265,7 @@ async def finalize_or_die(self, *args, **kwargs):
 atomicity.AtomicRenameTemporaryPath.finalize = finalize_or_die
 state_dir = learner_state.StateDir(path, ("run-id", "url"), "a")
 for saving in range(1, die_at + 1):
-  counters = learner_state.SavedCounters(saving, saving, {0: saving}, (0,), (0,))
+  counters = learner_state.SavedCounters(saving, saving, {0: saving}, (0,), (0,), 0)
   state_dir.save(saving, counters, {"m": np.full((256, 64), saving, np.float32)}, saving, None)
 """
 
@@ -291,3 +291,24 @@ def test_a_process_killed_during_a_save_leaves_the_previous_one(tmp_path):
   _, state, position, _ = state_dir.restore(like, None)
   assert position == 3 and np.all(state["m"] == 3)
   state_dir.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_save_counts_the_rounds_in_flight(tmp_path):
+  from gmjax.mail import learner_state  # pylint: disable=g-import-not-at-top
+
+  url, state_dir = str(tmp_path / "run"), tmp_path / "state"
+  # Round 1 (fragment 1, step 4) may not be published while round 0 (step 2) is in flight
+  # (in_flight = 1): round 0 is merged at step 4 (a save), and round 1 is in flight then.
+  run = mail.create(url, ms.params0(),
+                    gmjax.DiLoCo(sync_every=4, fragments=2, overlap_steps=3))
+  learner = run.join("a", poll_interval=ms.POLL, state_dir=state_dir)
+  params, given = _train(learner, learner.pull(ms.params0()), 5, 1)
+  own = learner._state_dir
+  saved = learner_state.StateDir(own.path, (own.run_id, own.run_url), "a")
+  counters, state, position, _ = saved.restore(_state(0), None)
+  saved.close()
+  assert (counters.step_count, counters.outstanding, position) == (4, 1, {"offset": 5})
+  assert counters.versions == {0: 1, 1: 0}
+  _assert_bits_equal(state, given[3])
+  learner.close(params)

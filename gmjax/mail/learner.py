@@ -321,10 +321,10 @@ class Learner:
     """The state this learner saved in its ``state_dir``, and its counters back.
 
     Call it after ``pull`` and before the first ``step``. The learner's ``local_step``,
-    and (when the run has not moved past the versions it held at the save) its
-    ``step_count`` and its steps and tokens since each fragment's last round, continue
-    from the save; so do its error-feedback residuals. When newer versions committed
-    meanwhile, ``pull`` gave their Θ, ``step_count`` stays at the run's step, and the
+    and (when the run has not moved past the versions it held at the save, and none of
+    its rounds was in flight then) its ``step_count``, its steps and tokens since each
+    fragment's last round and its error-feedback residuals continue from the save.
+    Otherwise ``pull`` gave the newer Θ, ``step_count`` stays at the run's step, and the
     saved state comes back anyway (``exact=False``, logged as a warning): its moments
     are still closer than zeros.
 
@@ -372,7 +372,7 @@ class Learner:
     if self._state_dir.latest_step() is None:
       return None
     counters, state, position, residuals = self._state_dir.restore(like, self._residuals)
-    exact = counters.versions == self._versions
+    exact = counters.versions == self._versions and not counters.outstanding
     self.local_step = counters.local_step
     if exact:
       self.step_count = counters.step_count
@@ -382,11 +382,15 @@ class Learner:
       if residuals is not None:
         self._residuals = residuals
       self._beat(step=self.step_count, first_round=self.first_round)
-    else:
+    elif counters.versions != self._versions:
       log.warning(
           "learner %r: the run moved on while it was away (it held versions %s at its"
           " save, the run has %s): its saved state is restored next to the newer Θ",
           self.name, counters.versions, self._versions)
+    else:
+      log.warning("learner %r: %d round(s) of it were in flight at its save: its saved"
+                  " state is restored, and it goes on from the run's step",
+                  self.name, counters.outstanding)
     return learner_state.Restored(state, position, exact)
 
   def step(self, params: Any, *, tokens: int | None = None, loss: float | None = None,
@@ -454,7 +458,8 @@ class Learner:
   def _save(self, state: Any, position: Any) -> None:
     counters = learner_state.SavedCounters(
         step_count=self.step_count, local_step=self.local_step, versions=dict(self._versions),
-        steps_since=tuple(self._steps_since), tokens_since=tuple(self._tokens_since))
+        steps_since=tuple(self._steps_since), tokens_since=tuple(self._tokens_since),
+        outstanding=len(self._outstanding) + len(self._unadopted))
     self._state_dir.save(self.local_step, counters, state, position, self._residuals)
 
   def _publish_round(self, flat: dict[str, Any], round_: int, *, final: bool,

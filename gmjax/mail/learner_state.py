@@ -19,7 +19,8 @@ kept. After ``pull``, ``Learner.restore(like)`` reads the newest one back.
 
 A learner of several processes (``jax.distributed``) saves with all of them (Orbax's
 multi-process save: every process calls ``step`` in lockstep and passes the same
-``state_dir``, which must then be storage all of them see).
+``state_dir``, which must then be storage all of them see; ``state`` may hold global
+``jax.Array``s).
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ class Restored(NamedTuple):
       the tree given to ``restore``.
     position: the ``position`` saved with it (JSON: tuples come back as lists).
     exact: True when the run had not moved past the versions the learner held at the
-      save, so the learner goes on exactly where it was; False when newer versions had
-      committed meanwhile (the state is restored anyway, next to the newer Θ).
+      save and no round of the learner was in flight then, so the learner goes on where
+      it was; False otherwise (the state is restored anyway, next to the Θ ``pull``
+      gave).
   """
 
   state: Any
@@ -69,6 +71,9 @@ class SavedCounters:
     versions: fragment -> the committed version it held.
     steps_since: per fragment, the steps since it last published that fragment.
     tokens_since: per fragment, the tokens since then.
+    outstanding: rounds it had published and not merged yet (with ``outer_delay``, also
+      those no phase had started from): a restart does not wait for them as it would
+      have, so a restore from such a save is not exact.
   """
 
   step_count: int
@@ -76,18 +81,21 @@ class SavedCounters:
   versions: dict[int, int]
   steps_since: tuple[int, ...]
   tokens_since: tuple[int, ...]
+  outstanding: int
 
   def to_json(self) -> dict[str, Any]:
     return {"step_count": self.step_count, "local_step": self.local_step,
             "versions": {str(f): v for f, v in self.versions.items()},
-            "steps_since": list(self.steps_since), "tokens_since": list(self.tokens_since)}
+            "steps_since": list(self.steps_since), "tokens_since": list(self.tokens_since),
+            "outstanding": self.outstanding}
 
   @classmethod
   def from_json(cls, record: dict[str, Any]) -> SavedCounters:
     return cls(step_count=int(record["step_count"]), local_step=int(record["local_step"]),
                versions={int(f): int(v) for f, v in record["versions"].items()},
                steps_since=tuple(int(s) for s in record["steps_since"]),
-               tokens_since=tuple(int(t) for t in record["tokens_since"]))
+               tokens_since=tuple(int(t) for t in record["tokens_since"]),
+               outstanding=int(record["outstanding"]))
 
 
 def run_id(manifest_json: dict[str, Any]) -> str:
