@@ -13,9 +13,9 @@ or starts a delayed phase from one) the learner saves, synchronously and before
   error-feedback residuals when the run has ``error_feedback``,
 * ``run`` (a digest of the run's manifest) and ``name``, checked on every later join.
 
-Each save is an Orbax checkpoint written to a temporary directory and renamed into place,
-so a process killed during a save leaves the previous one restorable; the newest two are
-kept. After ``pull``, ``Learner.restore(like)`` reads the newest one back.
+Each save is an Orbax checkpoint that completes atomically (locally a temporary directory
+renamed into place; on ``gs://`` a commit marker written last), so a process killed
+during a save leaves the previous one restorable; the newest two are kept. After ``pull``, ``Learner.restore(like)`` reads the newest one back.
 
 A learner of several processes (``jax.distributed``) saves with all of them (Orbax's
 multi-process save: every process calls ``step`` in lockstep and passes the same
