@@ -20,6 +20,7 @@ EXAMPLES = {
     "gmjax.decode": gmjax.decode,
     "gmjax.mail.create": gmjax.mail.create,
     "gmjax.mail.Run.join": gmjax.mail.Run.join,
+    "gmjax.mail.Learner.restore": gmjax.mail.Learner.restore,
 }
 OPTIONS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 

@@ -93,3 +93,32 @@ def test_a_two_process_jax_job_is_one_learner(tmp_path, settings):
     for name in expected:
       np.testing.assert_allclose(got[name], expected[name], rtol=1e-6, atol=1e-7,
                                  err_msg=f"{name} at version {version}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_two_process_job_keeps_its_state_in_a_state_dir(tmp_path):
+  url, state_dir = str(tmp_path / "run"), str(tmp_path / "state")
+  mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  seen = []
+  for steps in (4, 0):  # trains 4 steps (saves at 2 and 4), then rejoins and restores
+    port = _free_port()
+    outs = [str(tmp_path / f"p{i}-{steps}.json") for i in range(2)]
+    jobs = [subprocess.Popen([sys.executable, JOB, url, str(port), str(i), str(steps),
+                              outs[i], state_dir],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                             text=True) for i in range(2)]
+    try:
+      logs = [j.communicate(timeout=240)[0] for j in jobs]
+    finally:
+      for j in jobs:
+        ms.kill(j)
+    assert [j.returncode for j in jobs] == [0, 0], logs
+    seen.append([json.load(open(o)) for o in outs])
+  assert all("restored" not in s for s in seen[0])
+  for s in seen[1]:  # both processes get the state handed at step 4, sharded as given
+    assert s["restored"]["position"] == 4 and s["restored"]["exact"]
+    assert s["restored"]["step_count"] == 4 and s["restored"]["sharding"]
+    assert s["restored"]["m"] == seen[0][0]["handed"]

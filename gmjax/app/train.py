@@ -33,6 +33,8 @@ from gmjax.mail import heartbeats, layout
 
 CONFIG = "config.json"
 """The config a run was started with, in ``<out>``: ``--resume`` must match it."""
+STATE = "state"
+"""``<out>/state/<learner>``: each learner's own ``state_dir`` (Adam state, data position)."""
 _NOT_SETTINGS = ("name", "out", "source")  # where a config came from, not what it runs
 
 
@@ -210,7 +212,8 @@ def _train_learners(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
     processes.append(subprocess.Popen(  # pylint: disable=consider-using-with
         [sys.executable, "-m", "gmjax.app.worker", "--config", cfg.source, "--run",
          str(run_dir), "--name", name, "--index", str(index), "--metrics", str(metrics),
-         "--since", since, *(["--resume"] if resume else [])],
+         "--since", since, "--state-dir", str(out / STATE / name),
+         *(["--resume"] if resume else [])],
         stdout=log, stderr=subprocess.STDOUT, env=env))
   bars = [tqdm(total=cfg.steps, initial=start, desc=name, position=i,
                disable=not show_progress, leave=True, dynamic_ncols=True)
@@ -292,6 +295,8 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("metrics*.jsonl"):
       old.unlink()
+    if (out / STATE).exists():  # the learners' states of a run that is gone
+      shutil.rmtree(out / STATE)
     (out / CONFIG).write_text(json.dumps(cfg.to_json(), indent=2), encoding="utf-8")
     # Every version kept: the metrics and plots read every round's record at the end.
     gmjax.mail.create(str(run_dir), params, cfg.diloco, keep_versions=None)

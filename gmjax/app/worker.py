@@ -2,8 +2,15 @@
 
 It opens the run, joins, trains its shard with AdamW, hands its parameters to
 ``learner.step`` after every inner step, and writes one JSON line of metrics per step.
-A learner that rejoins a run (``gmjax train --resume``) starts at the step of the run's
-newest committed round, with the learning-rate schedule and its data from that step on.
+With ``--state-dir`` it hands ``step`` its AdamW state and its data position too, which
+the learner saves there at each commit it applies (``Run.join(..., state_dir=...)``).
+
+A learner that rejoins a run (``gmjax train --resume``) pulls Θ at the step of the run's
+newest committed round and restores what it saved in its state dir: its Adam moments,
+the schedule's position and its data position go on from the step of its save, which is
+that step unless the run moved on while it was stopped (then it trains on from the run's
+step with the moments it saved). Without a saved state its moments start from zero and
+the schedule and data go on from the run's step.
 """
 
 from __future__ import annotations
@@ -27,8 +34,9 @@ def inner_optimizer(cfg: config_lib.TrainConfig, start: int = 0) -> optax.Gradie
 
   Args:
     cfg: the job's config.
-    start: the step training begins at: the schedule goes on from there (a rejoining
-      learner's Adam moments start again from zero).
+    start: the global step at the optimizer state's count 0: the schedule is at step
+      ``count + start`` (a learner that rejoins with fresh Adam moments passes the step
+      it starts at).
   """
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, cfg.learning_rate, max(cfg.warmup_steps, 1), max(cfg.steps, cfg.warmup_steps + 1),
@@ -82,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
                       " this ISO time (default: for as many heartbeats as learners)")
   parser.add_argument("--resume", action="store_true",
                       help="the learner rejoins a run it trained in before")
+  parser.add_argument("--state-dir", help="the learner's own directory, where it keeps its"
+                      " Adam state and data position across restarts")
   args = parser.parse_args(argv)
 
   cfg = config_lib.load(args.config)
@@ -93,13 +103,24 @@ def main(argv: list[str] | None = None) -> None:
   graphdef, params = model.build(cfg.model, seed=cfg.seed + 1 + args.index)
 
   run = gmjax.mail.open(args.run)
-  learner = run.join(args.name, poll_interval=cfg.poll_interval)
+  learner = run.join(args.name, poll_interval=cfg.poll_interval, state_dir=args.state_dir)
   params = learner.pull(params)
-  start = learner.step_count  # the newest committed round's step: 0 in a new run
+  # The schedule is at step count + offset; the offset is kept with the state, since a
+  # state saved after a resume without one counts from that resume's step.
+  restored = None
+  if args.state_dir is not None:
+    restored = learner.restore(inner_optimizer(cfg).init(params))
+  start = learner.step_count  # the newest committed round's step (0 in a new run) or the save's
+  if restored is None:
+    offset = start
+  else:
+    # Exact: the save's step is start. Moved on: the count goes on from the save's, and
+    # the schedule is brought to the run's step.
+    offset = restored.position["schedule_offset"] + start - restored.position["step"]
   batches.skip(start)
-  optimizer = inner_optimizer(cfg, start)
+  optimizer = inner_optimizer(cfg, offset)
   train_step, evaluate_fn = model.make_train_step(graphdef, optimizer)
-  opt_state = optimizer.init(params)
+  opt_state = optimizer.init(params) if restored is None else restored.state
   # The job's learners start together: a round closes with the learners live at the time,
   # so one that is still starting up would miss the first rounds.
   deadline = time.monotonic() + 300
@@ -116,14 +137,17 @@ def main(argv: list[str] | None = None) -> None:
       out.write(json.dumps({"learner": args.name, "time": time.time(), **record}) + "\n")
       out.flush()
 
-    log(event="resume" if args.resume else "start", step=start,
+    kept = {} if restored is None else {"restored": "exact" if restored.exact else "moved on"}
+    log(event="resume" if args.resume else "start", step=start, **kept,
         val_loss=evaluate(evaluate_fn, params, valid, cfg.eval_batches))
     for step in range(start + 1, cfg.steps + 1):
       batch = batches.next()
       started = time.perf_counter()
       params, opt_state, loss = train_step(params, opt_state, batch)
       loss = float(loss)
-      params = learner.step(params, tokens=int(batch[:, 1:].size), loss=loss)
+      own = {} if args.state_dir is None else {
+          "state": opt_state, "position": {"step": step, "schedule_offset": offset}}
+      params = learner.step(params, tokens=int(batch[:, 1:].size), loss=loss, **own)
       record = {"event": "step", "step": step, "loss": loss,
                 "seconds": time.perf_counter() - started}
       if step % cfg.eval_every == 0 or step == cfg.steps:

@@ -14,9 +14,11 @@ from gmjax.mail.errors import NameTaken as NameTaken
 from gmjax.mail.errors import RoundTimeout as RoundTimeout
 from gmjax.mail.errors import RunExists as RunExists
 from gmjax.mail.errors import RunNotFound as RunNotFound
+from gmjax.mail.errors import StateDirMismatch as StateDirMismatch
 from gmjax.mail.errors import StorageUnavailable as StorageUnavailable
 from gmjax.mail.errors import UnsupportedStorage as UnsupportedStorage
 from gmjax.mail.learner import Learner as Learner
+from gmjax.mail.learner_state import Restored as Restored
 from gmjax.mail.run import Run as Run
 from gmjax.mail.run import create as create
 from gmjax.mail.run import open as open  # pylint: disable=redefined-builtin
@@ -32,10 +34,12 @@ __all__ = (
     "Learner",
     "LearnerClosed",
     "NameTaken",
+    "Restored",
     "RoundTimeout",
     "Run",
     "RunExists",
     "RunNotFound",
+    "StateDirMismatch",
     "StorageUnavailable",
     "Store",
     "UnsupportedStorage",

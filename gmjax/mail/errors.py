@@ -53,3 +53,7 @@ class RoundTimeout(TimeoutError):
 
 class LearnerClosed(RuntimeError):
   """A learner was used after ``close`` or after its background work failed."""
+
+
+class StateDirMismatch(ValueError):
+  """A learner's ``state_dir`` holds the saved state of another run or learner name."""

@@ -10,8 +10,8 @@ Which rounds a learner contributes to, and at which base version:
   the learner aligns ``f`` with that version if it does not hold it yet.
 * With ``error_feedback = β`` it publishes ``encode(β·e_f + Δ)`` instead, and keeps the
   residual ``e_f ← β·e_f + Δ − decode(...)`` (``gmjax.core.feedback``) in host memory,
-  F32, one per fragment. The residuals are not stored: a learner that restarts (joins
-  again) starts from zero residuals, which loses at most what they held.
+  F32, one per fragment. A learner that restarts (joins again) starts from zero
+  residuals, which loses at most what they held, unless it keeps its state (below).
 * With ``outer_delay = 1`` (``gmjax.mail.delayed``) the delta of round ``r`` is taken
   from the start of the learner's phase (base version ``r div P − 1``, or the version it
   joined at), and right after publishing it the learner starts its next phase from the
@@ -22,6 +22,13 @@ Which rounds a learner contributes to, and at which base version:
   ``step`` after it lands. At most ``in_flight`` rounds stay outstanding. If the round was
   committed before the learner got to it (it was late), it publishes nothing and merges
   the commit.
+
+What a learner that restarts gets back: ``pull`` gives the newest committed Θ and sets
+``step_count`` to its step; nothing of the learner's own survives (its optimizer state,
+data position, residuals, delayed phase starts, steps past that commit). With
+``join(name, state_dir=...)`` it saves, at each ``step`` that applies a commit, the
+``state`` and ``position`` handed to ``step`` with its counters, versions and residuals
+(``gmjax.mail.learner_state``), and ``restore`` gives them back after ``pull``.
 
 Three parts, each the only owner of its state: this API (the training thread's own
 anchors, versions and counters), a ``worker.Worker`` that alone owns the closer, the
@@ -51,6 +58,7 @@ from gmjax.core.schema import Schema
 from gmjax.mail import delayed
 from gmjax.mail import heartbeats
 from gmjax.mail import layout
+from gmjax.mail import learner_state
 from gmjax.mail import names
 from gmjax.mail import placement
 from gmjax.mail import retention
@@ -75,7 +83,8 @@ class Learner:
 
   def __init__(self, run, name: str, *, poll_interval: float = 0.05,
                wait_timeout: float | None = None, startup_timeout: float = 60.0,
-               process_index: int | None = None, process_count: int | None = None):
+               process_index: int | None = None, process_count: int | None = None,
+               state_dir: Any = None):
     for argument, value in (("poll_interval", poll_interval),
                             ("startup_timeout", startup_timeout)):
       if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -91,6 +100,17 @@ class Learner:
     self.run = run
     self.name = layout.check_name(name)
     self.manifest = run.manifest
+    self._state_dir: learner_state.StateDir | None = None
+    if state_dir is not None:
+      path = learner_state.check_state_dir(state_dir)
+      if self.process_count != jax.process_count():
+        raise ValueError(
+            f"state_dir={path!r} with process_count={self.process_count}: a learner of"
+            f" several processes saves its state with Orbax across a jax.distributed job,"
+            f" and this one has {jax.process_count()} JAX process(es); start the processes"
+            " with jax.distributed.initialize, or leave state_dir out.")
+      self._state_dir = learner_state.StateDir(
+          path, (learner_state.run_id(self.manifest.to_json()), run.url), self.name)
     self.config = self.manifest.config
     self.schedule = self.manifest.schedule
     if self.process_count > 1 and self.schedule.overlap_steps is None:
@@ -125,6 +145,8 @@ class Learner:
     self._step_seconds: float | None = None
     self._last_step_end: float | None = None
     self._last_flat: dict[str, Any] | None = None
+    self._applied = 0  # commits applied (merged, or a phase started from), ever
+    self._restore_checked = self._state_dir is None or not self._state_dir.saved
     self.local_step = 0
     self._pulled = self._closed = False
     self.step_count = self._newest_step()
@@ -132,9 +154,14 @@ class Learner:
     self._beats: HeartbeatWriter | None = None
     if self.primary:
       incarnation = uuid.uuid4().hex
-      names.claim(self.store, self.name, incarnation=incarnation,
-                  liveness_timeout=self._worker.liveness_timeout(),
-                  poll_interval=self.poll_interval, key=self.key)
+      try:
+        names.claim(self.store, self.name, incarnation=incarnation,
+                    liveness_timeout=self._worker.liveness_timeout(),
+                    poll_interval=self.poll_interval, key=self.key)
+      except BaseException:
+        if self._state_dir is not None:
+          self._state_dir.close()
+        raise
       self._beats = HeartbeatWriter.joined(
           self.store, self.name, incarnation,
           Beat(heartbeats.LIVE, self.step_count, self.first_round),
@@ -192,6 +219,7 @@ class Learner:
       flat[n] = placement.like(merged[n], flat[n])
     self._anchors[fragment] = theta
     self._versions[fragment] = version
+    self._applied += 1
     for key in [k for k in self._futures if k[0] == fragment and k[1] <= version]:
       del self._futures[key]
     if self._pulled and version > 0:
@@ -289,13 +317,94 @@ class Learner:
     self._last_flat = flat
     return schema.unflatten(flat)
 
-  def step(self, params: Any, *, tokens: int | None = None, loss: float | None = None) -> Any:
+  def restore(self, like: Any) -> learner_state.Restored | None:
+    """The state this learner saved in its ``state_dir``, and its counters back.
+
+    Call it after ``pull`` and before the first ``step``. The learner's ``local_step``,
+    and (when the run has not moved past the versions it held at the save, and none of
+    its rounds was in flight then) its ``step_count``, its steps and tokens since each
+    fragment's last round and its error-feedback residuals continue from the save.
+    Otherwise ``pull`` gave the newer Θ, ``step_count`` stays at the run's step, and the
+    saved state comes back anyway (``exact=False``, logged as a warning): its moments
+    are still closer than zeros.
+
+    Args:
+      like: a pytree shaped like the state handed to ``step(..., state=...)`` (e.g.
+        ``optimizer.init(params)``); its leaves' shardings place the restored ones.
+
+    Returns:
+      ``Restored(state, position, exact)``, or None when the state_dir holds nothing.
+
+    Raises:
+      ValueError: no ``state_dir`` was given to ``join``, ``pull`` was not called, or
+        ``step`` was.
+      StateDirMismatch: the state_dir's state is another run's or learner's.
+
+    Example:
+      >>> import tempfile
+      >>> import numpy as np
+      >>> import gmjax
+      >>> params = {"w": np.ones((4, 2), np.float32)}
+      >>> run = gmjax.mail.create(tempfile.mkdtemp(), params, gmjax.DiLoCo(sync_every=2))
+      >>> state_dir = tempfile.mkdtemp()  # the learner's own, e.g. on its local disk
+      >>> learner = run.join("worker-0", poll_interval=0.01, state_dir=state_dir)
+      >>> params = learner.pull(params)
+      >>> print(learner.restore({"m": np.zeros((4, 2), np.float32)}))  # nothing saved yet
+      None
+      >>> for position in range(1, 5):  # saves at steps 2 and 4, where it merges commits
+      ...   state = {"m": params["w"] * position}  # e.g. the inner optimizer's state
+      ...   params = learner.step({"w": params["w"] - 0.1}, state=state, position=position)
+      >>> _ = learner.close(params)
+      >>> learner = run.join("worker-0", poll_interval=0.01, state_dir=state_dir)  # restart
+      >>> params = learner.pull(params)
+      >>> restored = learner.restore({"m": np.zeros((4, 2), np.float32)})
+      >>> restored.position, restored.exact, learner.step_count, learner.local_step
+      (4, True, 4, 4)
+      >>> _ = learner.close(params)
+    """
+    self._check_open("restore")
+    if self._state_dir is None:
+      raise ValueError(f"learner {self.name!r}: restore() needs join(..., state_dir=...).")
+    if not self._pulled or self.local_step:
+      raise ValueError(f"learner {self.name!r}: call restore(state) after pull() and before"
+                       " the first step().")
+    self._restore_checked = True
+    if self._state_dir.latest_step() is None:
+      return None
+    counters, state, position, residuals = self._state_dir.restore(like, self._residuals)
+    exact = counters.versions == self._versions and not counters.outstanding
+    self.local_step = counters.local_step
+    if exact:
+      self.step_count = counters.step_count
+      self.first_round = self.schedule.first_round_after(self.step_count)
+      self._steps_since = list(counters.steps_since)
+      self._tokens_since = list(counters.tokens_since)
+      if residuals is not None:
+        self._residuals = residuals
+      self._beat(step=self.step_count, first_round=self.first_round)
+    elif counters.versions != self._versions:
+      log.warning(
+          "learner %r: the run moved on while it was away (it held versions %s at its"
+          " save, the run has %s): its saved state is restored next to the newer Θ",
+          self.name, counters.versions, self._versions)
+    else:
+      log.warning("learner %r: %d round(s) of it were in flight at its save: its saved"
+                  " state is restored, and it goes on from the run's step",
+                  self.name, counters.outstanding)
+    return learner_state.Restored(state, position, exact)
+
+  def step(self, params: Any, *, tokens: int | None = None, loss: float | None = None,
+           state: Any = None, position: Any = None) -> Any:
     """Counts one inner step; publishes, merges and waits as the schedule says.
 
     Args:
       params: the parameters after this inner step.
       tokens: tokens trained in this step (weights the learner's deltas); 1 if None.
       loss: the step's loss, shown in the heartbeat.
+      state: with ``join(..., state_dir=...)``, required: the learner's own state after
+        this step (the inner optimizer's), saved when this step applies a commit.
+      position: with a ``state_dir``, a JSON value saved with ``state`` (where the data
+        stream goes on from after this step).
 
     Returns:
       ``params``, with fragments whose commits were merged replaced by
@@ -304,6 +413,19 @@ class Learner:
     self._check_open("step")
     if not self._pulled:
       raise ValueError(f"learner {self.name!r}: call pull(params) before step().")
+    if self._state_dir is not None:
+      if state is None:
+        raise ValueError(f"learner {self.name!r} has state_dir={self._state_dir.path!r}:"
+                         " pass step(params, state=opt_state, position=...) to save it.")
+      if not self._restore_checked:
+        raise ValueError(
+            f"learner {self.name!r}: state_dir={self._state_dir.path!r} holds a saved"
+            " state; call learner.restore(opt_state) after pull() to continue from it, or"
+            " join with an empty state_dir to start afresh.")
+      learner_state.check_position(position)
+    elif state is not None or position is not None:
+      raise ValueError(f"learner {self.name!r}: step(state=..., position=...) needs"
+                       " join(..., state_dir=...) to save them.")
     if tokens is not None and (isinstance(tokens, bool) or int(tokens) != tokens or tokens < 0):
       raise ValueError(f"tokens must be a non-negative int or None, got {tokens!r}.")
     # A step's seconds are the caller's, from the end of the last step() to this one:
@@ -321,14 +443,24 @@ class Learner:
     for f in range(self.fragments):
       self._steps_since[f] += 1
       self._tokens_since[f] += count
+    applied = self._applied
     self._merge_due(flat)
     round_ = self.schedule.round_at(self.step_count)
     if round_ is not None and round_ >= self.first_round:
       self._publish_round(flat, round_, final=False)
       self._merge_due(flat)
+    if self._state_dir is not None and self._applied != applied:
+      self._save(state, position)
     self._beat(step=self.step_count, **({} if loss is None else {"loss": float(loss)}))
     self._last_step_end = time.perf_counter()
     return self._tree_schema.unflatten(flat)
+
+  def _save(self, state: Any, position: Any) -> None:
+    counters = learner_state.SavedCounters(
+        step_count=self.step_count, local_step=self.local_step, versions=dict(self._versions),
+        steps_since=tuple(self._steps_since), tokens_since=tuple(self._tokens_since),
+        outstanding=len(self._outstanding) + len(self._unadopted))
+    self._state_dir.save(self.local_step, counters, state, position, self._residuals)
 
   def _publish_round(self, flat: dict[str, Any], round_: int, *, final: bool,
                      deadline: float | None = None) -> None:
@@ -414,6 +546,7 @@ class Learner:
       flat[n] = placement.like(start[n].astype(theta[n].dtype), flat[n])
     self._anchors[fragment] = theta
     self._versions[fragment] = max(version, self._versions[fragment])
+    self._applied += 1
     self._unadopted = [(r, v, due) for r, v, due in self._unadopted
                        if self.schedule.fragment_of(r) != fragment or v > version]
     for key in [k for k in self._futures if k[0] == fragment and k[1] <= version]:
@@ -454,6 +587,8 @@ class Learner:
           self._flush(flat)
     finally:
       self._closed = True
+      if self._state_dir is not None:
+        self._state_dir.close()
       self._worker.stop(timeout=max(10.0, 3 * self._worker.timeout()))
       if self._beats is not None:
         self._beats.stop()

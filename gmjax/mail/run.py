@@ -65,7 +65,8 @@ class Run:
 
   def join(self, name: str, *, poll_interval: float = 0.05,
            wait_timeout: float | None = None, startup_timeout: float = 60.0,
-           process_index: int | None = None, process_count: int | None = None):
+           process_index: int | None = None, process_count: int | None = None,
+           state_dir: Any = None):
     """Joins the run as learner ``name``.
 
     Args:
@@ -81,13 +82,17 @@ class Run:
         learner (default ``jax.process_index()``): process 0 claims the name, beats,
         publishes and closes rounds; every process reads the commits and gets Θ.
       process_count: the job's number of processes (default ``jax.process_count()``).
+      state_dir: None, or the learner's own directory (local path or ``gs://``) where it
+        keeps the state handed to ``step(..., state=, position=)`` at each commit it
+        applies (``gmjax.mail.learner_state``); after ``pull``, ``restore`` gets it back.
 
     Returns:
       A ``Learner``: call ``pull(params)`` first.
 
     Raises:
-      ValueError/TypeError: a bad name, poll interval or timeout.
+      ValueError/TypeError: a bad name, poll interval, timeout or state_dir.
       NameTaken: a live learner of the run has this name.
+      StateDirMismatch: ``state_dir`` holds another run's or another learner's state.
 
     Example:
       >>> import tempfile
@@ -116,7 +121,7 @@ class Run:
             " run again.")
     return Learner(self, name, poll_interval=poll_interval, wait_timeout=wait_timeout,
                    startup_timeout=startup_timeout, process_index=process_index,
-                   process_count=process_count)
+                   process_count=process_count, state_dir=state_dir)
 
   def newest_versions(self) -> dict[int, int]:
     """The newest committed version of each fragment."""

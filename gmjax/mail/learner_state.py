@@ -1,0 +1,256 @@
+"""A learner's own state, kept across restarts in its ``state_dir`` with Orbax.
+
+``Run.join(name, state_dir=...)`` gives a learner a directory of its own (local, or
+``gs://`` through Orbax). At every ``step`` that applies a commit (merges Θ of a round,
+or starts a delayed phase from one) the learner saves, synchronously and before
+``step`` returns:
+
+* ``state``: the pytree handed to ``step(..., state=...)`` (the inner optimizer's
+  state, its count included, so schedules continue),
+* ``position``: the JSON value handed to ``step(..., position=...)`` (where the data
+  stream is),
+* the learner's counters and the versions it holds (``SavedCounters``), and its
+  error-feedback residuals when the run has ``error_feedback``,
+* ``run`` (a digest of the run's manifest) and ``name``, checked on every later join.
+
+Each save is an Orbax checkpoint that completes atomically (locally a temporary directory
+renamed into place; on ``gs://`` a commit marker written last), so a process killed
+during a save leaves the previous one restorable; the newest two are kept. After ``pull``, ``Learner.restore(like)`` reads the newest one back.
+
+A learner of several processes (``jax.distributed``) saves with all of them (Orbax's
+multi-process save: every process calls ``step`` in lockstep and passes the same
+``state_dir``, which must then be storage all of them see; ``state`` may hold global
+``jax.Array``s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import threading
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from gmjax.mail.errors import StateDirMismatch
+
+# A learner's checkpoints are its own, but Orbax is not documented as thread-safe and
+# learners may share a process: they take turns.
+_LOCK = threading.Lock()
+_MAX_TO_KEEP = 2
+
+
+class Restored(NamedTuple):
+  """What ``Learner.restore`` gives back.
+
+  Attributes:
+    state: the state last handed to ``step(..., state=...)`` before a save, shaped like
+      the tree given to ``restore``.
+    position: the ``position`` saved with it (JSON: tuples come back as lists).
+    exact: True when the run had not moved past the versions the learner held at the
+      save and no round of the learner was in flight then, so the learner goes on where
+      it was; False otherwise (the state is restored anyway, next to the Θ ``pull``
+      gave).
+  """
+
+  state: Any
+  position: Any
+  exact: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedCounters:
+  """The learner's counters at a save.
+
+  Attributes:
+    step_count: the global step the learner had reached.
+    local_step: the steps it had trained since it first joined with this state_dir.
+    versions: fragment -> the committed version it held.
+    steps_since: per fragment, the steps since it last published that fragment.
+    tokens_since: per fragment, the tokens since then.
+    outstanding: rounds it had published and not merged yet (with ``outer_delay``, also
+      those no phase had started from): a restart does not wait for them as it would
+      have, so a restore from such a save is not exact.
+  """
+
+  step_count: int
+  local_step: int
+  versions: dict[int, int]
+  steps_since: tuple[int, ...]
+  tokens_since: tuple[int, ...]
+  outstanding: int
+
+  def to_json(self) -> dict[str, Any]:
+    return {"step_count": self.step_count, "local_step": self.local_step,
+            "versions": {str(f): v for f, v in self.versions.items()},
+            "steps_since": list(self.steps_since), "tokens_since": list(self.tokens_since),
+            "outstanding": self.outstanding}
+
+  @classmethod
+  def from_json(cls, record: dict[str, Any]) -> SavedCounters:
+    return cls(step_count=int(record["step_count"]), local_step=int(record["local_step"]),
+               versions={int(f): int(v) for f, v in record["versions"].items()},
+               steps_since=tuple(int(s) for s in record["steps_since"]),
+               tokens_since=tuple(int(t) for t in record["tokens_since"]),
+               outstanding=int(record["outstanding"]))
+
+
+def run_id(manifest_json: dict[str, Any]) -> str:
+  """A run's identity: sha256 of its manifest as stored (salt and creation time included),
+  so a run created again at the same URL is another run."""
+  return hashlib.sha256(json.dumps(manifest_json, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def check_state_dir(state_dir: Any) -> str:
+  """``state_dir`` as a string, or a ``ValueError``/``TypeError`` naming the fix.
+
+  Raises:
+    TypeError: not a string or path.
+    ValueError: empty, a protocol Orbax does not write here, or an existing file.
+  """
+  if not isinstance(state_dir, (str, os.PathLike)):
+    raise TypeError(f"state_dir must be a directory path or a gs:// URL, got"
+                    f" {type(state_dir).__name__} {state_dir!r}.")
+  path = os.fspath(state_dir)
+  if not isinstance(path, str) or not path.strip():
+    raise ValueError(f"state_dir must be a non-empty directory path or gs:// URL, got"
+                     f" {state_dir!r}.")
+  if "://" in path:
+    protocol = path.split("://", 1)[0]
+    if protocol != "gs":
+      raise ValueError(
+          f"state_dir={path!r}: Orbax saves a learner's state to a local directory or"
+          f" gs://, not {protocol}://; pass a local path (e.g. on the learner's disk) or a"
+          " gs:// URL.")
+    return path
+  path = os.path.abspath(os.path.expanduser(path))
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise ValueError(f"state_dir={path!r} is a file; pass a directory (it is created if"
+                     " missing).")
+  return path
+
+
+def check_position(position: Any) -> None:
+  """Raises ``ValueError`` unless ``position`` is JSON (what a save can hold)."""
+  try:
+    json.dumps(position, allow_nan=False)
+  except (TypeError, ValueError) as error:
+    raise ValueError(f"step(position=...): the position must be JSON (numbers, strings,"
+                     f" lists, dicts), got {position!r} ({error}); pass e.g. the data"
+                     " stream's step or offset as an int.") from error
+
+
+class StateDir:
+  """The Orbax checkpoints of one learner's state in its ``state_dir``.
+
+  Args:
+    path: the checked directory (``check_state_dir``).
+    run: the run's identity (``run_id``) and url, to check and to name in errors.
+    name: the learner's name.
+  """
+
+  def __init__(self, path: str, run: tuple[str, str], name: str):
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+    self.path = path
+    self.run_id, self.run_url = run
+    self.name = name
+    options = ocp.CheckpointManagerOptions(max_to_keep=_MAX_TO_KEEP, create=True,
+                                           enable_async_checkpointing=False)
+    with _LOCK:
+      self._manager = ocp.CheckpointManager(path, options=options)
+    self._meta: dict[str, Any] | None = None
+    latest = self.latest_step()
+    if latest is not None:
+      self._meta = self._read_meta(latest)
+      self._check_owner(self._meta, latest)
+
+  def latest_step(self) -> int | None:
+    """The local step of the newest complete save, or None."""
+    with _LOCK:
+      self._manager.reload()
+      return self._manager.latest_step()
+
+  @property
+  def saved(self) -> bool:
+    return self._meta is not None
+
+  def _read_meta(self, step: int) -> dict[str, Any]:
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+    with _LOCK:
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          meta=ocp.args.JsonRestore()))
+    return restored.meta
+
+  def _check_owner(self, meta: dict[str, Any], step: int) -> None:
+    if meta.get("run") != self.run_id or meta.get("name") != self.name:
+      raise StateDirMismatch(
+          f"state_dir={self.path!r} holds the state of learner {meta.get('name')!r} of run"
+          f" {meta.get('url')!r} (id {meta.get('run')}, saved at local step {step}), not of"
+          f" learner {self.name!r} of run {self.run_url!r} (id {self.run_id}); give each"
+          " learner of each run its own state_dir, or delete this one to start afresh.")
+
+  def save(self, step: int, counters: SavedCounters, state: Any, position: Any,
+           residuals: dict[int, dict[str, np.ndarray]] | None) -> None:
+    """Saves one checkpoint at local step ``step`` (synchronously, atomically)."""
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+    meta = {"run": self.run_id, "url": self.run_url, "name": self.name,
+            "counters": counters.to_json(), "position": position,
+            "residuals": residuals is not None}
+    items = {"meta": ocp.args.JsonSave(meta)}
+    if jax.tree.leaves(state):
+      items["state"] = ocp.args.StandardSave(state)
+    if residuals:
+      items["residuals"] = ocp.args.StandardSave(_residual_tree(residuals))
+    with _LOCK:
+      self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+      self._manager.wait_until_finished()
+    self._meta = meta
+
+  def restore(self, like: Any, residuals_like: dict[int, dict[str, np.ndarray]] | None
+              ) -> tuple[SavedCounters, Any, Any, dict[int, dict[str, np.ndarray]] | None]:
+    """``(counters, state, position, residuals)`` of the newest save.
+
+    Raises:
+      FileNotFoundError: nothing is saved.
+    """
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+    step = self.latest_step()
+    if step is None:
+      raise FileNotFoundError(f"state_dir={self.path!r} holds no saved state.")
+    meta = self._read_meta(step)
+    self._check_owner(meta, step)
+    items = {}
+    if jax.tree.leaves(like):
+      items["state"] = ocp.args.StandardRestore(like)
+    keep_residuals = bool(meta.get("residuals")) and residuals_like is not None
+    if keep_residuals:
+      items["residuals"] = ocp.args.StandardRestore(_residual_tree(residuals_like))
+    state, residuals = like, None
+    if items:
+      with _LOCK:
+        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+      if "state" in items:
+        # Orbax gives containers back as plain tuples and dicts: rebuild like's types.
+        state = jax.tree.unflatten(jax.tree.structure(like), jax.tree.leaves(restored.state))
+      if keep_residuals:
+        residuals = {f: dict(zip(sorted(leaves), (np.asarray(a) for a in
+                                                  restored.residuals[f"f{f}"])))
+                     for f, leaves in residuals_like.items()}
+    self._meta = meta
+    return SavedCounters.from_json(meta["counters"]), state, meta["position"], residuals
+
+  def close(self) -> None:
+    with _LOCK:
+      self._manager.close()
+
+
+def _residual_tree(residuals: dict[int, dict[str, np.ndarray]]) -> dict[str, Any]:
+  # Lists in name order: parameter names may hold "/" or ".", which Orbax reads as paths.
+  return {f"f{f}": [leaves[n] for n in sorted(leaves)] for f, leaves in residuals.items()}

@@ -1,0 +1,314 @@
+"""A learner that keeps its own state in a state_dir across a kill and a restart."""
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import gmjax
+from gmjax import mail
+from gmjax.mail import states
+
+import mail_restart_worker as rw
+import mail_support as ms
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mail_restart_worker.py")
+
+
+def _spawn(url, name, state_dir, steps, pause_at, out):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  return subprocess.Popen(
+      [sys.executable, WORKER, url, name, str(state_dir), str(steps), str(pause_at), str(out)],
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+
+
+def _read_until(process, prefix):
+  """The process's first output line starting with ``prefix`` (its output as an error)."""
+  seen = []
+  for line in process.stdout:
+    seen.append(line)
+    if line.startswith(prefix):
+      return line.strip()
+  process.wait(timeout=30)
+  raise AssertionError(f"no {prefix!r} line; exit {process.returncode}:\n{''.join(seen)}")
+
+
+def _finish(process):
+  out, _ = process.communicate(timeout=120)
+  assert process.returncode == 0, out
+  return out
+
+
+def _theta(url):
+  run = mail.open(url)
+  version = run.newest_versions()[0]
+  return version, states.load_theta(run.store, run.commit(0, version))
+
+
+def _assert_bits_equal(a, b):
+  assert sorted(a) == sorted(b)
+  for name in a:
+    x, y = np.asarray(a[name]), np.asarray(b[name])
+    assert x.dtype == y.dtype and x.shape == y.shape
+    assert x.tobytes() == y.tobytes(), (name, x, y)
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_and_restarted_learner_ends_bit_identical_to_an_uninterrupted_one(tmp_path):
+  config = gmjax.DiLoCo(sync_every=3)
+  reference, killed = str(tmp_path / "reference"), str(tmp_path / "killed")
+  for url in (reference, killed):
+    mail.create(url, rw.params0(), config)
+  state_dir = tmp_path / "state"
+  uninterrupted = _spawn(reference, "a", tmp_path / "state-ref", 12, -1, tmp_path / "ref.npz")
+  first = _spawn(killed, "a", state_dir, 12, 8, tmp_path / "unused.npz")
+  try:
+    # Rounds commit at steps 3 and 6; steps 7 and 8 die with the process.
+    assert _read_until(first, "paused") == "paused 8"
+  finally:
+    ms.kill(first)
+  assert first.returncode == -signal.SIGKILL
+  second = _spawn(killed, "a", state_dir, 12, -1, tmp_path / "killed.npz")
+  assert _read_until(second, "restored") == "restored 6 exact=True step=6"
+  _finish(second)
+  _finish(uninterrupted)
+
+  ref_params, killed_params = np.load(tmp_path / "ref.npz"), np.load(tmp_path / "killed.npz")
+  _assert_bits_equal(dict(ref_params), dict(killed_params))
+  (ref_version, ref_theta), (version, theta) = _theta(reference), _theta(killed)
+  assert ref_version == version == 4
+  _assert_bits_equal(ref_theta, theta)
+  _assert_bits_equal(theta, dict(killed_params))  # mixing 0: the learner ends on Θ
+  # Every round had the learner: the restarted process trained round 2 again.
+  rounds = mail.open(killed).rounds()
+  assert [[p["learner"] for p in r["participants"]] for r in rounds] == [["a"]] * 4
+
+
+def _state(seed):
+  rng = np.random.default_rng(seed)
+  return {"mu": rng.standard_normal((4, 3)).astype(np.float32),
+          "count": np.asarray(seed, np.int32)}
+
+
+def _train(learner, params, steps, first_seed):
+  states_ = []
+  for i in range(steps):
+    state = _state(first_seed + i)
+    states_.append(state)
+    params = learner.step(ms.inner(params, ms.target(0)), state=state,
+                          position={"offset": first_seed + i + 1})
+  return params, states_
+
+
+@pytest.mark.timeout(120)
+def test_saves_at_each_applied_commit_and_restores_the_newest(tmp_path):
+  url, state_dir = str(tmp_path / "run"), tmp_path / "state"
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  learner = run.join("a", poll_interval=ms.POLL, state_dir=state_dir)
+  params = learner.pull(ms.params0())
+  assert learner.restore(_state(0)) is None  # nothing saved yet
+  params, given = _train(learner, params, 4, 10)
+  learner.close(params)
+  assert sorted(os.listdir(state_dir)) == ["2", "4"]  # the steps of the rounds it merged
+
+  # A process killed during a save leaves a temporary directory: it is not a save.
+  os.makedirs(state_dir / "6.orbax-checkpoint-tmp-1234" / "state")
+  (state_dir / "6.orbax-checkpoint-tmp-1234" / "state" / "junk").write_bytes(b"torn")
+
+  learner = run.join("a", poll_interval=ms.POLL, state_dir=state_dir)
+  params = learner.pull(ms.params0())
+  with pytest.raises(ValueError, match=r"holds a saved state; call learner.restore"):
+    learner.step(params, state=_state(0))
+  restored = learner.restore(_state(0))
+  assert restored.exact and restored.position == {"offset": 14}
+  _assert_bits_equal(restored.state, given[3])
+  assert isinstance(restored.state["mu"], np.ndarray)
+  assert (learner.step_count, learner.local_step) == (4, 4)
+  params, _ = _train(learner, params, 2, 20)
+  learner.close(params)
+  assert [r["round"] for r in run.rounds()] == [0, 1, 2]
+  assert sorted(n for n in os.listdir(state_dir) if n.isdigit()) == ["4", "6"]
+
+
+@pytest.mark.timeout(120)
+def test_two_learners_keep_their_own_state_and_refuse_each_others(tmp_path):
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  learners = [run.join(f"a{i}", poll_interval=ms.POLL, state_dir=tmp_path / f"s{i}")
+              for i in range(2)]
+  params = [learner.pull(ms.params0()) for learner in learners]
+  given, errors = {}, []
+
+  def train(i):
+    try:
+      out, given[i] = _train(learners[i], params[i], 4, 100 * (i + 1))
+      learners[i].close(out)
+    except Exception as error:  # pylint: disable=broad-except
+      errors.append(error)
+
+  threads = [threading.Thread(target=train, args=(i,)) for i in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=100)
+  assert not errors, errors
+  assert [[p["learner"] for p in r["participants"]] for r in run.rounds()] == [["a0", "a1"]] * 2
+  for i in range(2):
+    learner = run.join(f"a{i}", poll_interval=ms.POLL, state_dir=tmp_path / f"s{i}")
+    learner.pull(ms.params0())
+    restored = learner.restore(_state(0))
+    _assert_bits_equal(restored.state, given[i][3])
+    learner.close(None)
+
+  with pytest.raises(mail.StateDirMismatch, match=r"learner 'a0' of run .*not of learner 'a1'"):
+    run.join("a1", poll_interval=ms.POLL, state_dir=tmp_path / "s0")
+  other = mail.create(str(tmp_path / "other"), ms.params0(), gmjax.DiLoCo(sync_every=2))
+  with pytest.raises(mail.StateDirMismatch, match=r"give each learner of each run its own"):
+    other.join("a0", poll_interval=ms.POLL, state_dir=tmp_path / "s0")
+  # The same URL created again is another run.
+  import shutil  # pylint: disable=g-import-not-at-top
+  shutil.rmtree(url)
+  again = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  with pytest.raises(mail.StateDirMismatch):
+    again.join("a0", poll_interval=ms.POLL, state_dir=tmp_path / "s0")
+
+
+@pytest.mark.timeout(120)
+def test_a_run_that_moved_on_gets_the_state_back_with_a_warning(tmp_path, caplog):
+  url, state_dir = str(tmp_path / "run"), tmp_path / "state"
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  learner = run.join("a", poll_interval=ms.POLL, state_dir=state_dir)
+  params, given = _train(learner, learner.pull(ms.params0()), 2, 1)
+  learner.close(params)
+  ms.train(run, "b", 1, 2)  # version 2 commits while a is away
+  learner = run.join("a", poll_interval=ms.POLL, state_dir=state_dir)
+  learner.pull(ms.params0())
+  with caplog.at_level(logging.WARNING, logger="gmjax.mail.learner"):
+    restored = learner.restore(_state(0))
+  assert not restored.exact and restored.position == {"offset": 3}
+  _assert_bits_equal(restored.state, given[1])
+  assert "moved on" in caplog.text
+  assert (learner.step_count, learner.local_step) == (4, 2)
+  learner.close(None)
+
+
+def test_bad_state_dirs_and_arguments_are_refused(tmp_path):
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  (tmp_path / "file").write_text("x")
+  with pytest.raises(ValueError, match=r"state_dir=.*file.* is a file; pass a directory"):
+    run.join("a", state_dir=tmp_path / "file")
+  with pytest.raises(ValueError, match=r"state_dir='s3://b/x'.*not s3://"):
+    run.join("a", state_dir="s3://b/x")
+  with pytest.raises(ValueError, match=r"non-empty"):
+    run.join("a", state_dir="")
+  with pytest.raises(TypeError, match=r"state_dir must be"):
+    run.join("a", state_dir=3)
+  with pytest.raises(ValueError, match=r"process_count=2"):
+    run.join("a", state_dir=tmp_path / "s", process_index=0, process_count=2)
+  learner = run.join("a", poll_interval=ms.POLL, state_dir=tmp_path / "s")
+  params = learner.pull(ms.params0())
+  with pytest.raises(ValueError, match=r"pass step\(params, state=opt_state"):
+    learner.step(params)
+  learner.step(params, state=_state(1))
+  with pytest.raises(ValueError, match=r"the position must be JSON"):
+    learner.step(params, state=_state(1), position=object())
+  learner.close(None)
+  plain = run.join("b", poll_interval=ms.POLL)
+  params = plain.pull(ms.params0())
+  with pytest.raises(ValueError, match=r"needs join\(\.\.\., state_dir=\.\.\.\)"):
+    plain.step(params, state=_state(1))
+  with pytest.raises(ValueError, match=r"restore\(\) needs join"):
+    plain.restore(_state(1))
+  plain.close(None)
+
+
+@pytest.mark.timeout(120)
+def test_error_feedback_residuals_come_back_with_the_state(tmp_path):
+  url, state_dir = str(tmp_path / "run"), tmp_path / "state"
+  config = gmjax.DiLoCo(sync_every=2, delta_precision="I4", error_feedback=0.9)
+  run = mail.create(url, ms.params0(), config)
+  learner = run.join("a", poll_interval=ms.POLL, state_dir=state_dir)
+  params, _ = _train(learner, learner.pull(ms.params0()), 4, 1)
+  residuals = {f: {n: a.copy() for n, a in r.items()} for f, r in learner._residuals.items()}
+  assert any(np.any(a != 0) for r in residuals.values() for a in r.values())
+  learner.close(params)
+  learner = run.join("a", poll_interval=ms.POLL, state_dir=state_dir)
+  learner.pull(ms.params0())
+  assert learner.restore(_state(0)).exact
+  assert sorted(learner._residuals) == sorted(residuals)
+  for f in residuals:
+    _assert_bits_equal(learner._residuals[f], residuals[f])
+  learner.close(None)
+
+
+# Saves states numbered 1, 2, ... and SIGKILLs itself inside Orbax's save of DIE_AT, after
+# the save's files are written and before the rename that completes it.
+_SAVER = """
+import os, signal, sys
+import numpy as np
+from orbax.checkpoint._src.path import atomicity
+from gmjax.mail import learner_state
+path, die_at = sys.argv[1], int(sys.argv[2])
+saving = 0
+finalize = atomicity.AtomicRenameTemporaryPath.finalize
+async def finalize_or_die(self, *args, **kwargs):
+  if saving == die_at:
+    print("dying", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+  return await finalize(self, *args, **kwargs)
+atomicity.AtomicRenameTemporaryPath.finalize = finalize_or_die
+state_dir = learner_state.StateDir(path, ("run-id", "url"), "a")
+for saving in range(1, die_at + 1):
+  counters = learner_state.SavedCounters(saving, saving, {0: saving}, (0,), (0,), 0)
+  state_dir.save(saving, counters, {"m": np.full((256, 64), saving, np.float32)}, saving, None)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_process_killed_during_a_save_leaves_the_previous_one(tmp_path):
+  from gmjax.mail import learner_state  # pylint: disable=g-import-not-at-top
+
+  path = str(tmp_path / "state")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  saver = subprocess.run([sys.executable, "-c", _SAVER, path, "3"], capture_output=True,
+                         text=True, env=env, timeout=100, check=False)
+  assert saver.returncode == -signal.SIGKILL and "dying" in saver.stdout, saver.stderr[-2000:]
+  assert [n for n in os.listdir(path) if n.startswith("3.orbax-checkpoint-tmp")]  # torn
+  like = {"m": np.zeros((256, 64), np.float32)}
+  state_dir = learner_state.StateDir(path, ("run-id", "url"), "a")
+  assert state_dir.latest_step() == 2
+  counters, state, position, _ = state_dir.restore(like, None)
+  assert (counters.local_step, position, counters.versions) == (2, 2, {0: 2})
+  _assert_bits_equal(state, {"m": np.full((256, 64), 2, np.float32)})
+  # Saving goes on over the torn save.
+  state_dir.save(3, counters, {"m": np.full((256, 64), 3, np.float32)}, 3, None)
+  _, state, position, _ = state_dir.restore(like, None)
+  assert position == 3 and np.all(state["m"] == 3)
+  state_dir.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_save_counts_the_rounds_in_flight(tmp_path):
+  from gmjax.mail import learner_state  # pylint: disable=g-import-not-at-top
+
+  url, state_dir = str(tmp_path / "run"), tmp_path / "state"
+  # Round 1 (fragment 1, step 4) may not be published while round 0 (step 2) is in flight
+  # (in_flight = 1): round 0 is merged at step 4 (a save), and round 1 is in flight then.
+  run = mail.create(url, ms.params0(),
+                    gmjax.DiLoCo(sync_every=4, fragments=2, overlap_steps=3))
+  learner = run.join("a", poll_interval=ms.POLL, state_dir=state_dir)
+  params, given = _train(learner, learner.pull(ms.params0()), 5, 1)
+  own = learner._state_dir
+  saved = learner_state.StateDir(own.path, (own.run_id, own.run_url), "a")
+  counters, state, position, _ = saved.restore(_state(0), None)
+  saved.close()
+  assert (counters.step_count, counters.outstanding, position) == (4, 1, {"offset": 5})
+  assert counters.versions == {0: 1, 1: 0}
+  _assert_bits_equal(state, given[3])
+  learner.close(params)
