@@ -105,7 +105,8 @@ class Learner:
     self.fragments = len(self.manifest.plan)
     self._worker = Worker(name=self.name, store=self.store, manifest=self.manifest,
                           key=self.key, poll_interval=self.poll_interval,
-                          on_failure=self._background_failed)
+                          on_failure=self._background_failed,
+                          startup_timeout=self.startup_timeout)
     self._tree_schema: Schema | None = None
     self._anchors: dict[int, dict[str, np.ndarray]] = {}
     self._versions: dict[int, int] = {}

@@ -76,7 +76,10 @@ class Run:
         ``RoundTimeout``; None is ``max(120 s, 10·timeout)``.
       startup_timeout: how long transient storage errors are retried until the
         learner's first round commits (the run's timeout is only a few polls then);
-        afterwards the run's timeout bounds them.
+        afterwards the run's timeout bounds them. It is also how long this learner,
+        as a closer, waits past the quorum for the other live learners in the rounds
+        before the run's first commit (round 0): a learner that joined but is slow to
+        start is waited for, not left out.
       process_index: this process's index in a multi-process JAX job that is one
         learner (default ``jax.process_index()``): process 0 claims the name, beats,
         publishes and closes rounds; every process reads the commits and gets Θ.
