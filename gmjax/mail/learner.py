@@ -126,6 +126,7 @@ class Learner:
     self._step_seconds: float | None = None
     self._last_step_end: float | None = None
     self._last_flat: dict[str, Any] | None = None
+    self._idle_seconds = 0.0  # step() and close() waiting for commits (pull's not counted)
     self.local_step = 0
     self._pulled = self._closed = False
     self.step_count = self._newest_step()
@@ -181,8 +182,13 @@ class Learner:
     return self._futures[key]
 
   def _wait(self, fragment: int, version: int, deadline: float) -> Commit:
-    return self._worker.wait(self._future(fragment, version), deadline,
-                             f"version {version} of fragment {fragment}")
+    started = time.monotonic()
+    try:
+      return self._worker.wait(self._future(fragment, version), deadline,
+                               f"version {version} of fragment {fragment}")
+    finally:
+      if self._pulled:
+        self._idle_seconds += time.monotonic() - started
 
   def _align(self, flat: dict[str, Any], fragment: int, version: int,
              theta: dict[str, np.ndarray]) -> None:
@@ -327,9 +333,15 @@ class Learner:
     if round_ is not None and round_ >= self.first_round:
       self._publish_round(flat, round_, final=False)
       self._merge_due(flat)
-    self._beat(step=self.step_count, **({} if loss is None else {"loss": float(loss)}))
+    self._beat(step=self.step_count, **self._pace(),
+               **({} if loss is None else {"loss": float(loss)}))
     self._last_step_end = time.perf_counter()
     return self._tree_schema.unflatten(flat)
+
+  def _pace(self) -> dict[str, Any]:
+    """The heartbeat's pace fields: seconds per step, steps trained, seconds idle."""
+    return {"step_seconds": self._step_seconds, "trained": self.local_step,
+            "idle_seconds": round(self._idle_seconds, 6)}
 
   def _publish_round(self, flat: dict[str, Any], round_: int, *, final: bool,
                      deadline: float | None = None) -> None:
@@ -458,7 +470,8 @@ class Learner:
       self._worker.stop(timeout=max(10.0, 3 * self._worker.timeout()))
       if self._beats is not None:
         self._beats.stop()
-        self._beat(status=heartbeats.CLOSED, step=self.step_count, closed_at=utc_now())
+        self._beat(status=heartbeats.CLOSED, step=self.step_count, closed_at=utc_now(),
+                   **self._pace())
         try:
           self._beats.write().result()
         except Exception as error:  # pylint: disable=broad-except

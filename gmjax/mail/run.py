@@ -184,10 +184,12 @@ class Run:
     return heartbeats.read_all(self.store, self.signing_key)
 
   def status(self) -> dict[str, Any]:
-    """A summary: fragments and their versions, rounds, estimates and learners."""
+    """A summary: fragments and their versions, rounds, estimates and learners (each
+    with its heartbeat's fields and its pace: ``gmjax.mail.status.pace``)."""
     rounds = self.round_records()
     estimates = rounds[-1].estimates.to_json() if rounds else {}
     from gmjax.core.schedule import Estimates  # pylint: disable=g-import-not-at-top
+    from gmjax.mail.status import pace  # pylint: disable=g-import-not-at-top
 
     now = datetime.datetime.now(datetime.timezone.utc)
     learners = []
@@ -203,6 +205,7 @@ class Run:
           "first_round": record.get("first_round"), "versions": record.get("versions"),
           "loss": record.get("loss"), "last_seen": record.get("last_seen"),
           "seconds_since_seen": None if age is None else round(age, 3),
+          **pace(name, record, rounds, len(self.plan)),
       })
     schedule = self.manifest.schedule
     return {
