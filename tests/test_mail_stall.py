@@ -59,7 +59,10 @@ def test_survivor_of_a_killed_peer_closes_alone_and_records_its_wait(tmp_path):
   try:
     ms.wait_for(lambda: run.store.exists(layout.heartbeat("a")), 60, "a to join")
     out, threads = {}, ms.Threads()
-    threads.start(ms.train, mail.open(url), "s", 0, 16, out=out)
+    # s polls every 0.1 s: its grace is 30 polls (3 s) and a dead learner stays live
+    # for it 50 polls (5 s) after its last heartbeat, so the round after the kill
+    # reaches the end of its grace while "a" still counts as live.
+    threads.start(ms.train, mail.open(url), "s", 0, 16, out=out, poll=0.1)
     ms.wait_for(lambda: run.store.exists(layout.commit(0, 2)), 60, "round 1's commit")
     ms.kill(victim)
     threads.join(timeout=90)
