@@ -35,9 +35,10 @@ def inner(params, goal, lr=0.1):
 
 
 def train(run, name, index, steps, *, tokens=None, out=None, poll=POLL, close=True,
-          started=None, wait_timeout=60.0):
+          started=None, wait_timeout=60.0, startup_timeout=60.0):
   """A learner's training loop: pull, ``steps`` inner steps, close; the result in ``out``."""
-  learner = run.join(name, poll_interval=poll, wait_timeout=wait_timeout)
+  learner = run.join(name, poll_interval=poll, wait_timeout=wait_timeout,
+                     startup_timeout=startup_timeout)
   params = learner.pull(params0())
   if started is not None:
     started.set()

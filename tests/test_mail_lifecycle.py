@@ -69,11 +69,11 @@ def test_quorum_time_excludes_the_grace_period(tmp_path):
   run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2),
                     keep_versions=None)  # every round's record is checked
   # A live learner that never trains: every round closes on the quorum of one, after
-  # the grace period (at least 30 polls).
+  # the grace period (at least 30 polls; in round 0 busy's start-up timeout, 2 s).
   idle = mail.open(url).join("idle", poll_interval=ms.POLL)
   idle.pull(ms.params0())
   try:
-    ms.train(mail.open(url), "busy", 0, 12)
+    ms.train(mail.open(url), "busy", 0, 12, startup_timeout=2.0)
   finally:
     idle.close(ms.params0())
   rounds = run.rounds()

@@ -15,9 +15,11 @@ ROUND_KEYS = [
     "round", "fragment", "version", "step", "participants", "rejected", "final",
     "outer_step", "cosine", "estimates", "live", "closer", "state", "update", "theta",
     "sha256", "state_files", "state_names", "theta_sha256", "opened_at", "quorum_seconds",
-    "sync_seconds", "committed_at",
+    "sync_seconds", "wait_seconds", "grace_seconds", "takeover_seconds", "committed_at",
 ]
-CREATE_KEYS = [k for k in ROUND_KEYS if k not in ("opened_at", "quorum_seconds", "sync_seconds")]
+CREATE_KEYS = [k for k in ROUND_KEYS if k not in (
+    "opened_at", "quorum_seconds", "sync_seconds", "wait_seconds", "grace_seconds",
+    "takeover_seconds")]
 
 
 @pytest.fixture(scope="module", params=[None, "secret"], ids=["plain", "keyed"])

@@ -4,6 +4,8 @@ import json
 
 import gmjax
 from gmjax import mail
+from gmjax.mail import heartbeats
+from gmjax.mail import layout
 
 import mail_support as ms
 
@@ -30,6 +32,62 @@ def test_status_tables(tmp_path):
     assert column in header
   assert sum(1 for line in lines if "w0:0.500 w1:0.500" in line) >= 2
   assert any(line.startswith("w1") and "closed" in line for line in lines)
+  for column in ("grace_s", "takeover_s", "wait_s"):
+    assert column in header
+  learners_header = next(line for line in lines if line.startswith("learner "))
+  for column in ("steps/s", "steps/round", "idle", "goodput"):
+    assert column in learners_header
+  rounds = run.rounds()
+  assert all(r["wait_seconds"] >= r["quorum_seconds"] for r in rounds)
+  for learner in status["learners"]:
+    name = learner["name"]
+    # Each learner trained 4 steps; its contributions, one fragment at a time, carried
+    # each step once per fragment: rounds 0 (fragment 0, 2 steps), 1 (fragment 1, 4)
+    # and the final flush 2 (fragment 0, 2), all committed.
+    steps = [p["steps"] for r in rounds for p in r["participants"] if p["learner"] == name]
+    assert steps == [2, 4, 2]
+    assert learner["trained"] == 4 and learner["committed_steps"] == 8
+    assert learner["goodput"] == 8 / (4 * 2)
+    assert learner["steps_per_round_last"] == 2
+    assert learner["steps_per_round_mean"] == sum(steps) / 3
+    assert learner["step_seconds"] > 0
+    assert learner["steps_per_second"] == 1 / learner["step_seconds"]
+    assert 0 <= learner["idle_fraction"] <= 1 and learner["idle_seconds"] >= 0
+  assert any(line.startswith("w0") and "100.0%" in line for line in lines)
+
+
+def test_status_reads_heartbeats_without_pace_fields(tmp_path):
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  ms.train(mail.open(url), "w0", 0, 4)
+  # A learner of an older version (no pace fields), and one whose fields are junk.
+  old = {"name": "old", "status": "closed", "seq": 3, "step": 2, "first_round": 0}
+  junk = dict(old, name="junk", step_seconds="fast", trained=-1, idle_seconds=float("nan"))
+  for record in (old, junk):
+    run.store.put(layout.heartbeat(record["name"]), heartbeats.dumps(record, None))
+  status = run.status()
+  json.dumps(status)
+  by_name = {l["name"]: l for l in status["learners"]}
+  for name in ("old", "junk"):
+    learner = by_name[name]
+    assert learner["step_seconds"] is None and learner["steps_per_second"] is None
+    assert learner["trained"] is None and learner["goodput"] is None
+    assert learner["idle_seconds"] is None and learner["idle_fraction"] is None
+    assert learner["committed_steps"] == 0 and learner["steps_per_round_mean"] is None
+  assert by_name["w0"]["trained"] == 4 and by_name["w0"]["goodput"] == 1.0
+  text = mail.format_status(run)
+  assert any(line.startswith("old ") for line in text.splitlines())
+
+
+def test_goodput_is_unknown_once_rounds_since_the_join_are_pruned(tmp_path):
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2), keep_versions=2)
+  ms.train(mail.open(url), "w0", 0, 12)
+  status = run.status()
+  assert status["rounds"] < 6  # rounds 0..5 committed, the oldest pruned
+  (learner,) = status["learners"]
+  assert learner["trained"] == 12 and learner["goodput"] is None
+  assert learner["steps_per_round_last"] == 2
 
 
 def test_status_of_a_new_run():

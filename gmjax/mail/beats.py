@@ -42,6 +42,9 @@ class Beat:
   final_rounds: tuple[int, ...] = ()
   loss: float | None = None
   closed_at: str | None = None
+  step_seconds: float | None = None  # EMA seconds per step, waits excluded
+  trained: int = 0  # steps trained since this learner joined (its local_step)
+  idle_seconds: float = 0.0  # seconds step()/close() spent waiting for commits
 
 
 class HeartbeatWriter:
@@ -154,6 +157,9 @@ class HeartbeatWriter:
         "first_round": beat.first_round,
         "final_rounds": list(beat.final_rounds),
         "versions": {str(f): v for f, v in beat.versions},
+        "step_seconds": beat.step_seconds,
+        "trained": beat.trained,
+        "idle_seconds": beat.idle_seconds,
         "last_seen": utc_now(),
     }
     if beat.loss is not None:

@@ -19,7 +19,27 @@ when it is about to take over (and then decides again on what it validated):
   from the round and the live set, and the same learner for every round of a fragment
   while the live set holds, so it keeps the fragment's state in memory;
 * a **follower** closes the round itself once it has been closable for
-  ``Estimates.timeout(poll_interval)`` without a commit.
+  ``Estimates.timeout(poll_interval)`` without a commit, and at once when the designated
+  closer has no contribution in the round: a learner watches only the rounds it
+  contributed to, so a designated closer that sent nothing (dead before it could, or
+  still starting) would never close it, and waiting for it would stack a second timeout
+  on the grace period;
+* before the run's first round commits (round 0, and every round of another fragment
+  based on version 0) the grace period is the closer's start-up timeout
+  (``Run.join(startup_timeout=...)``) instead: the run's timeout is only its floor of 30
+  polls then, shorter than a learner that joined may need to compile its first step, and
+  a round 0 closed without it would leave it out silently. A learner that dies still
+  drops out of the live set after the liveness timeout, and the round closes then.
+
+A survivor therefore waits for a round at most the grace period after the round
+reached its quorum (plus a few polls to read the roster), or until every live learner
+is in, whichever comes first; when the designated closer has contributed and died, the
+follower takes over a timeout after the round became closable, or at once when the
+dead learner drops out of the live set (its heartbeat unchanged for the liveness
+timeout), whichever comes first. The round record carries the waits: ``wait_seconds``
+(from the round's opening here to the close), ``grace_seconds`` (from the quorum to
+closable: waiting past the quorum for the rest) and ``takeover_seconds`` (from closable
+to the close: a follower waiting on the designated closer).
 
 Closing first screens the round's valid contributions (``screen``): a delta whose norm
 per step is an outlier (``gmjax.core.guards.outliers``: more than ``OUTLIER_FACTOR``
@@ -120,12 +140,13 @@ class Closer:
   """
 
   def __init__(self, store: Store, manifest: Manifest, key: bytes | None, name: str,
-               poll_interval: float):
+               poll_interval: float, startup_timeout: float | None = None):
     self.store = store
     self.manifest = manifest
     self.key = key
     self.name = name
     self.poll_interval = poll_interval
+    self.startup_timeout = startup_timeout
     self.schedule = manifest.schedule
     self.states: dict[int, FragmentState] = {}
     self.estimates = Estimates()
@@ -144,6 +165,14 @@ class Closer:
 
   def timeout(self) -> float:
     return self.estimates.timeout(self.poll_interval)
+
+  def grace(self) -> float:
+    """How long a round waits past its quorum for the learners live for it: the run's
+    timeout, or the start-up timeout while no round of the run has been seen committed
+    (see the module docstring)."""
+    if not self.observed_round and self.startup_timeout is not None:
+      return max(self.timeout(), self.startup_timeout)
+    return self.timeout()
 
   def liveness_timeout(self) -> float:
     """How long a heartbeat may stay unchanged before its learner is presumed dead.
@@ -290,7 +319,7 @@ class Closer:
     if complete and watch.complete_since is None:
       watch.complete_since = now
     closable = complete or (
-        watch.quorum_seen is not None and now - watch.quorum_seen >= timeout)
+        watch.quorum_seen is not None and now - watch.quorum_seen >= self.grace())
     if not closable:
       watch.closable_since = None
       return False
@@ -298,7 +327,8 @@ class Closer:
       watch.closable_since = now
     candidates = sorted(live | {self.name})
     designated = candidates[watch.fragment % len(candidates)]
-    if designated == self.name:
+    if designated == self.name or designated not in contributors:
+      # A learner without a contribution here does not watch the round: it never closes it.
       return True
     return now - watch.closable_since >= timeout
 
@@ -362,6 +392,7 @@ class Closer:
     reached = watch.complete_since if watch.complete_since is not None else watch.quorum_seen
     if watch.opened is not None and reached is not None:
       quorum_seconds = max(0.0, reached - watch.opened)
+    waits = _waits(watch, started)
     # The lower median: one learner's report cannot move the run's timeouts.
     step_seconds = sorted(c.step_seconds for c in valid if c.step_seconds > 0)
     estimates = self.estimates.updated(
@@ -401,6 +432,7 @@ class Closer:
         opened_at=watch.opened_at,
         quorum_seconds=quorum_seconds,
         sync_seconds=sync_seconds,
+        **waits,
         committed_at=utc_now(),
         note=None if valid else "no valid contribution: no outer step, the fragment is unchanged",
         extra=extra,
@@ -451,3 +483,21 @@ def arrival_spread(watch: Watch, valid: list[Contribution]) -> float | None:
   if not times:
     return None
   return times[(len(times) - 1) // 2] - times[0]
+
+
+def _waits(watch: Watch, decided: float) -> dict[str, float | None]:
+  """The round's waits as this closer saw them, up to ``decided`` (when it closed).
+
+  Returns:
+    ``wait_seconds`` (from the round's opening here, the first contribution this closer
+    listed, to the close), ``grace_seconds`` (from the quorum to closable: the wait past
+    the quorum for the rest, until they were all in or the grace ran out) and
+    ``takeover_seconds`` (from closable to the close: a follower waiting on the
+    designated closer); None where this closer did not see the moment.
+  """
+  def between(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else max(0.0, end - start)
+
+  return {"wait_seconds": between(watch.opened, decided),
+          "grace_seconds": between(watch.quorum_seen, watch.closable_since),
+          "takeover_seconds": between(watch.closable_since, decided)}

@@ -125,7 +125,8 @@ class Learner:
     self.fragments = len(self.manifest.plan)
     self._worker = Worker(name=self.name, store=self.store, manifest=self.manifest,
                           key=self.key, poll_interval=self.poll_interval,
-                          on_failure=self._background_failed)
+                          on_failure=self._background_failed,
+                          startup_timeout=self.startup_timeout)
     self._tree_schema: Schema | None = None
     self._anchors: dict[int, dict[str, np.ndarray]] = {}
     self._versions: dict[int, int] = {}
@@ -147,6 +148,7 @@ class Learner:
     self._last_flat: dict[str, Any] | None = None
     self._applied = 0  # commits applied (merged, or a phase started from), ever
     self._restore_checked = self._state_dir is None or not self._state_dir.saved
+    self._idle_seconds = 0.0  # step() and close() waiting for commits (pull's not counted)
     self.local_step = 0
     self._pulled = self._closed = False
     self.step_count = self._newest_step()
@@ -207,8 +209,13 @@ class Learner:
     return self._futures[key]
 
   def _wait(self, fragment: int, version: int, deadline: float) -> Commit:
-    return self._worker.wait(self._future(fragment, version), deadline,
-                             f"version {version} of fragment {fragment}")
+    started = time.monotonic()
+    try:
+      return self._worker.wait(self._future(fragment, version), deadline,
+                               f"version {version} of fragment {fragment}")
+    finally:
+      if self._pulled:
+        self._idle_seconds += time.monotonic() - started
 
   def _align(self, flat: dict[str, Any], fragment: int, version: int,
              theta: dict[str, np.ndarray]) -> None:
@@ -451,9 +458,15 @@ class Learner:
       self._merge_due(flat)
     if self._state_dir is not None and self._applied != applied:
       self._save(state, position)
-    self._beat(step=self.step_count, **({} if loss is None else {"loss": float(loss)}))
+    self._beat(step=self.step_count, **self._pace(),
+               **({} if loss is None else {"loss": float(loss)}))
     self._last_step_end = time.perf_counter()
     return self._tree_schema.unflatten(flat)
+
+  def _pace(self) -> dict[str, Any]:
+    """The heartbeat's pace fields: seconds per step, steps trained, seconds idle."""
+    return {"step_seconds": self._step_seconds, "trained": self.local_step,
+            "idle_seconds": round(self._idle_seconds, 6)}
 
   def _save(self, state: Any, position: Any) -> None:
     counters = learner_state.SavedCounters(
@@ -592,7 +605,8 @@ class Learner:
       self._worker.stop(timeout=max(10.0, 3 * self._worker.timeout()))
       if self._beats is not None:
         self._beats.stop()
-        self._beat(status=heartbeats.CLOSED, step=self.step_count, closed_at=utc_now())
+        self._beat(status=heartbeats.CLOSED, step=self.step_count, closed_at=utc_now(),
+                   **self._pace())
         try:
           self._beats.write().result()
         except Exception as error:  # pylint: disable=broad-except

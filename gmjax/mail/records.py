@@ -11,7 +11,9 @@ the closer writes:
   ``cosine``, ``estimates`` (``{}`` for version 0), ``live``, ``closer``, ``state``,
   ``update``, ``theta``, ``sha256`` (``{state, update}``), ``state_files``,
   ``state_names``, ``theta_sha256``;
-* rounds only: ``opened_at``, ``quorum_seconds``, ``sync_seconds``;
+* rounds only: ``opened_at``, ``quorum_seconds``, ``sync_seconds``, then
+  ``wait_seconds``, ``grace_seconds`` and ``takeover_seconds`` when known (records
+  written before these existed have none of them, and read as None);
 * every record: ``committed_at``, then ``note`` when there is one, then any fields this
   version does not know (kept as they came, so a newer closer's fields survive a read
   and re-write), the signature included.
@@ -32,10 +34,12 @@ from gmjax.core.schedule import Estimates
 from gmjax.mail.errors import CorruptRecord
 
 _ROUND_ONLY = ("opened_at", "quorum_seconds", "sync_seconds")
+_WAITS = ("wait_seconds", "grace_seconds", "takeover_seconds")  # optional, rounds only
 _KNOWN = frozenset((
     "round", "fragment", "version", "step", "participants", "rejected", "final",
     "outer_step", "cosine", "estimates", "live", "closer", "state", "update", "theta",
-    "sha256", "state_files", "state_names", "theta_sha256", *_ROUND_ONLY, "committed_at",
+    "sha256", "state_files", "state_names", "theta_sha256", *_ROUND_ONLY, *_WAITS,
+    "committed_at",
     "note",
 ))
 
@@ -80,6 +84,13 @@ class RoundRecord:
     quorum_seconds: seconds from the first contribution to the set that closed the
       round (never including the grace period), rounds only.
     sync_seconds: seconds from closing to the saved state, rounds only.
+    wait_seconds: seconds from the round's opening at the closer (the first contribution
+      it listed) to its decision to close; None if unknown (older records).
+    grace_seconds: seconds from the quorum to the round being closable: the wait past
+      the quorum for the other live learners, until all were in or the grace period
+      ran out; None if unknown.
+    takeover_seconds: seconds from closable to the close: a follower's wait for the
+      designated closer (about 0 when the closer was designated); None if unknown.
     committed_at: UTC ISO time of the commit.
     note: a remark (e.g. why no outer step was taken), or None.
     extra: fields this version does not know, kept in their order.
@@ -109,6 +120,9 @@ class RoundRecord:
   opened_at: str | None = None
   quorum_seconds: float | None = None
   sync_seconds: float | None = None
+  wait_seconds: float | None = None
+  grace_seconds: float | None = None
+  takeover_seconds: float | None = None
   note: str | None = None
   extra: Mapping[str, Any] = dataclasses.field(
       default_factory=lambda: types.MappingProxyType({}))
@@ -153,6 +167,8 @@ class RoundRecord:
     if self.round is not None:
       record.update(opened_at=self.opened_at, quorum_seconds=self.quorum_seconds,
                     sync_seconds=self.sync_seconds)
+      record.update({name: getattr(self, name) for name in _WAITS
+                     if getattr(self, name) is not None})
     record["committed_at"] = self.committed_at
     if self.note is not None:
       record["note"] = self.note
@@ -211,6 +227,7 @@ class RoundRecord:
         quorum_seconds=read.field("quorum_seconds", float, optional=True,
                                   absent=round_ is None),
         sync_seconds=read.field("sync_seconds", float, optional=True, absent=round_ is None),
+        **{name: read.field(name, float, optional=True, absent=True) for name in _WAITS},
         note=read.field("note", str, optional=True, absent=True),
         extra={k: v for k, v in record.items() if k not in _KNOWN},
     )

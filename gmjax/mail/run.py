@@ -77,7 +77,10 @@ class Run:
         ``RoundTimeout``; None is ``max(120 s, 10·timeout)``.
       startup_timeout: how long transient storage errors are retried until the
         learner's first round commits (the run's timeout is only a few polls then);
-        afterwards the run's timeout bounds them.
+        afterwards the run's timeout bounds them. It is also how long this learner,
+        as a closer, waits past the quorum for the other live learners in the rounds
+        before the run's first commit (round 0): a learner that joined but is slow to
+        start is waited for, not left out.
       process_index: this process's index in a multi-process JAX job that is one
         learner (default ``jax.process_index()``): process 0 claims the name, beats,
         publishes and closes rounds; every process reads the commits and gets Θ.
@@ -186,10 +189,12 @@ class Run:
     return heartbeats.read_all(self.store, self.signing_key)
 
   def status(self) -> dict[str, Any]:
-    """A summary: fragments and their versions, rounds, estimates and learners."""
+    """A summary: fragments and their versions, rounds, estimates and learners (each
+    with its heartbeat's fields and its pace: ``gmjax.mail.status.pace``)."""
     rounds = self.round_records()
     estimates = rounds[-1].estimates.to_json() if rounds else {}
     from gmjax.core.schedule import Estimates  # pylint: disable=g-import-not-at-top
+    from gmjax.mail.status import pace  # pylint: disable=g-import-not-at-top
 
     now = datetime.datetime.now(datetime.timezone.utc)
     learners = []
@@ -205,6 +210,7 @@ class Run:
           "first_round": record.get("first_round"), "versions": record.get("versions"),
           "loss": record.get("loss"), "last_seen": record.get("last_seen"),
           "seconds_since_seen": None if age is None else round(age, 3),
+          **pace(name, record, rounds, len(self.plan)),
       })
     schedule = self.manifest.schedule
     return {

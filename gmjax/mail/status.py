@@ -1,11 +1,92 @@
-"""``gmjax status RUN``: a run's rounds and learners as plain-text tables."""
+"""``gmjax status RUN``: a run's rounds and learners as plain-text tables.
+
+Besides each learner's heartbeat, ``Run.status()`` shows how it spends its time
+(``pace``): its seconds per step and steps per second, the steps it put in each round
+(from the round records' participants), the share of its time ``step()`` and ``close()``
+spent waiting for commits, and its goodput, the share of the steps it trained that
+reached a committed aggregate.
+"""
 
 from __future__ import annotations
 
+import datetime
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 from gmjax.mail.errors import CorruptRecord
 
-from collections.abc import Sequence
-from typing import Any
+RECENT_ROUNDS = 10
+"""``steps_per_round_mean`` is over a learner's last this many committed contributions."""
+
+
+def _nonnegative(value: Any) -> float | None:
+  """A heartbeat's number (untrusted): a finite non-negative number, else None."""
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    return None
+  return float(value) if math.isfinite(value) and value >= 0 else None
+
+
+def _span(record: Mapping[str, Any]) -> float | None:
+  """Seconds from the heartbeat's ``joined_at`` to its ``last_seen``: both by the
+  learner's own clock, so no clocks are compared across machines."""
+  try:
+    joined = datetime.datetime.fromisoformat(record["joined_at"])
+    seen = datetime.datetime.fromisoformat(record["last_seen"])
+    span = (seen - joined).total_seconds()
+  except (KeyError, TypeError, ValueError):
+    return None
+  return span if math.isfinite(span) and span > 0 else None
+
+
+def pace(name: str, record: Mapping[str, Any], rounds: Sequence[Any],
+         fragments: int) -> dict[str, Any]:
+  """How one learner trains and waits, from its heartbeat and the round records.
+
+  Args:
+    name: the learner.
+    record: its heartbeat (``step_seconds``, ``trained``, ``idle_seconds`` may be
+      missing: a learner of an older version writes none, and each is then None).
+    rounds: the run's round records (``RoundRecord``), ordered by round.
+    fragments: the run's number of fragments.
+
+  Returns:
+    ``step_seconds`` (its moving average of seconds per step, waits excluded) and
+    ``steps_per_second`` (its inverse); ``trained`` (steps since it joined) and
+    ``idle_seconds`` (seconds ``step()``/``close()`` waited for commits since);
+    ``idle_fraction`` (``idle_seconds`` over the seconds from its join to its last
+    heartbeat); ``steps_per_round_mean`` and ``steps_per_round_last`` (the ``steps`` of
+    its last ``RECENT_ROUNDS`` contributions that committed rounds aggregated, since it
+    joined: rounds from its ``first_round`` on); ``committed_steps`` (their sum over
+    every such round); ``goodput``: ``committed_steps / (trained · fragments)`` (each
+    fragment's contributions carry each step once), None when the run no longer keeps
+    every round since the learner joined or it has trained nothing.
+  """
+  step_seconds = _nonnegative(record.get("step_seconds"))
+  trained = record.get("trained")
+  trained = trained if type(trained) is int and trained >= 0 else None
+  idle = _nonnegative(record.get("idle_seconds"))
+  span = _span(record)
+  first = record.get("first_round")
+  first = first if type(first) is int else 0
+  steps = [p.steps for r in rounds if r.round is not None and r.round >= first
+           for p in r.participants if p.learner == name]
+  recent = steps[-RECENT_ROUNDS:]
+  kept_all = not rounds or rounds[0].round <= first
+  goodput = None
+  if trained and kept_all:
+    goodput = sum(steps) / (trained * max(1, fragments))
+  return {
+      "step_seconds": step_seconds,
+      "steps_per_second": 1.0 / step_seconds if step_seconds else None,
+      "trained": trained,
+      "idle_seconds": idle,
+      "idle_fraction": None if idle is None or span is None else min(1.0, idle / span),
+      "steps_per_round_mean": sum(recent) / len(recent) if recent else None,
+      "steps_per_round_last": recent[-1] if recent else None,
+      "committed_steps": sum(steps),
+      "goodput": goodput,
+  }
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
@@ -26,6 +107,17 @@ def _seconds(value: Any) -> str | None:
   return _number(value, 2)
 
 
+def _percent(value: Any) -> str | None:
+  number = _number(value, 1) if value is None else _number(100 * value, 1)
+  return None if number is None else f"{number}%"
+
+
+def _steps_per_round(mean: Any, last: Any) -> str | None:
+  if mean is None:
+    return None
+  return f"{_number(mean, 1)} (last {last})"
+
+
 def format_status(run, *, last: int | None = 50, problems: Sequence[str] | None = None
                   ) -> str:
   """The run's summary, its rounds (the ``last`` ones; None for all) and its learners.
@@ -38,8 +130,12 @@ def format_status(run, *, last: int | None = 50, problems: Sequence[str] | None 
 
   Returns:
     Text: a header, a rounds table (round, fragment, version, step, participants with
-    their weights, rejected, cosine, quorum and sync seconds, closer, commit time) and a
-    learners table (status, step, versions, loss, seconds since the last heartbeat).
+    their weights, rejected, cosine, the seconds to the quorum, past it (``grace_s``),
+    waiting for the designated closer (``takeover_s``), in all (``wait_s``) and to save
+    the state (``sync_s``), closer, commit time) and a learners table (status, step,
+    versions, loss, seconds since the last heartbeat, steps per second, steps per round
+    (the mean of the last ten, and the last), the share of time waiting for commits, and
+    goodput: see ``pace``).
   """
   if problems is None:
     from gmjax.mail.verify import verify  # pylint: disable=g-import-not-at-top
@@ -72,13 +168,15 @@ def format_status(run, *, last: int | None = 50, problems: Sequence[str] | None 
         r.round, r.fragment, r.version, r.step, len(r.participants),
         participants or "(none: no outer step)", rejected or None,
         _number(r.cosine, 4),
-        _seconds(r.quorum_seconds), _seconds(r.sync_seconds), r.closer, r.committed_at,
+        _seconds(r.quorum_seconds), _seconds(r.grace_seconds), _seconds(r.takeover_seconds),
+        _seconds(r.wait_seconds), _seconds(r.sync_seconds), r.closer, r.committed_at,
     ])
   if rows:
     if len(shown) < len(rounds):
       lines.append(f"(the last {len(shown)} of {len(rounds)} rounds)")
     lines += _table(["round", "frag", "ver", "step", "n", "weights", "rejected", "cosine",
-                     "quorum_s", "sync_s", "closer", "committed_at"], rows)
+                     "quorum_s", "grace_s", "takeover_s", "wait_s", "sync_s", "closer",
+                     "committed_at"], rows)
   else:
     lines.append("no rounds committed yet")
   lines.append("")
@@ -86,12 +184,16 @@ def format_status(run, *, last: int | None = 50, problems: Sequence[str] | None 
       [l["name"], l["status"], l["step"], l["first_round"],
        " ".join(f"{f}:{v}" for f, v in sorted((l.get("versions") or {}).items())) or None,
        _number(l.get("loss"), 4),
-       _seconds(l["seconds_since_seen"])]
+       _seconds(l["seconds_since_seen"]),
+       _number(l.get("steps_per_second"), 2),
+       _steps_per_round(l.get("steps_per_round_mean"), l.get("steps_per_round_last")),
+       _percent(l.get("idle_fraction")), _percent(l.get("goodput"))]
       for l in status["learners"]
   ]
   if learner_rows:
     lines += _table(["learner", "status", "step", "first_round", "versions", "loss",
-                     "seen_s_ago"], learner_rows)
+                     "seen_s_ago", "steps/s", "steps/round", "idle", "goodput"],
+                    learner_rows)
   else:
     lines.append("no learners have joined")
   return "\n".join(lines)

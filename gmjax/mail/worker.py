@@ -88,13 +88,14 @@ class Worker:
   """
 
   def __init__(self, *, name: str, store, manifest, key: bytes | None, poll_interval: float,
-               on_failure: Callable[[BaseException], None]):
+               on_failure: Callable[[BaseException], None],
+               startup_timeout: float | None = None):
     self.name = name
     self.store = store
     self.manifest = manifest
     self.key = key
     self.poll_interval = poll_interval
-    self.closer = Closer(store, manifest, key, name, poll_interval)
+    self.closer = Closer(store, manifest, key, name, poll_interval, startup_timeout)
     self.fragment_schemas = [manifest.schema.subset(n) for n in manifest.plan]
     self._on_failure = on_failure
     self._roster = Roster(store, key)
