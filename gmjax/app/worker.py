@@ -2,6 +2,13 @@
 
 It opens the run, joins, trains its shard with AdamW, hands its parameters to
 ``learner.step`` after every inner step, and writes one JSON line of metrics per step.
+With ``[train] learner_speeds`` a slower learner sleeps after each inner step (but its
+first, which compiles) so that the step takes ``max(speeds) / speed`` times its compute.
+Each record says how long the learner was blocked in the run (``blocked``: seconds in
+``run.join``, ``learner.pull`` and waiting for the job's other learners to join for the
+``start``/``resume`` record, which also says when the join began, ``joined``; in
+``learner.step`` for a step; in ``learner.close`` for ``closed``): the goodput figure's
+idle fraction.
 A learner that rejoins a run (``gmjax train --resume``) starts at the step of the run's
 newest committed round, with the learning-rate schedule and its data from that step on.
 """
@@ -92,9 +99,11 @@ def main(argv: list[str] | None = None) -> None:
                        seed=cfg.seed + 1)
   graphdef, params = model.build(cfg.model, seed=cfg.seed + 1 + args.index)
 
+  joined_at, joining = time.time(), time.perf_counter()
   run = gmjax.mail.open(args.run)
   learner = run.join(args.name, poll_interval=cfg.poll_interval)
   params = learner.pull(params)
+  slowdown = cfg.slowdown(args.index)
   start = learner.step_count  # the newest committed round's step: 0 in a new run
   batches.skip(start)
   optimizer = inner_optimizer(cfg, start)
@@ -111,26 +120,34 @@ def main(argv: list[str] | None = None) -> None:
     if time.monotonic() > deadline:
       raise TimeoutError(f"only {joined()} of {cfg.learners} learners joined in 300 s")
     time.sleep(cfg.poll_interval)
+  joined_seconds = time.perf_counter() - joining
   with _open_metrics(args.metrics) as out:
     def log(**record):
       out.write(json.dumps({"learner": args.name, "time": time.time(), **record}) + "\n")
       out.flush()
 
-    log(event="resume" if args.resume else "start", step=start,
-        val_loss=evaluate(evaluate_fn, params, valid, cfg.eval_batches))
+    log(event="resume" if args.resume else "start", step=start, joined=joined_at,
+        blocked=joined_seconds, val_loss=evaluate(evaluate_fn, params, valid, cfg.eval_batches))
     for step in range(start + 1, cfg.steps + 1):
       batch = batches.next()
       started = time.perf_counter()
       params, opt_state, loss = train_step(params, opt_state, batch)
       loss = float(loss)
+      computed = time.perf_counter() - started
+      slept = computed * (slowdown - 1.0) if step > start + 1 else 0.0
+      time.sleep(slept)
+      stepping = time.perf_counter()
       params = learner.step(params, tokens=int(batch[:, 1:].size), loss=loss)
+      blocked = time.perf_counter() - stepping
       record = {"event": "step", "step": step, "loss": loss,
-                "seconds": time.perf_counter() - started}
+                "seconds": time.perf_counter() - started, "slept": slept, "blocked": blocked}
       if step % cfg.eval_every == 0 or step == cfg.steps:
         record["val_loss"] = evaluate(evaluate_fn, params, valid, cfg.eval_batches)
       log(**record)
+    closing = time.perf_counter()
     params = learner.close(params)
-    log(event="closed", step=cfg.steps, val_loss=evaluate(evaluate_fn, params, valid, cfg.eval_batches))
+    log(event="closed", step=cfg.steps, blocked=time.perf_counter() - closing,
+        val_loss=evaluate(evaluate_fn, params, valid, cfg.eval_batches))
 
 
 if __name__ == "__main__":
