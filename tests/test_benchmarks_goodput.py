@@ -4,6 +4,7 @@ local run; the figures it reports agree with the run's round records and with ea
 No timing thresholds: the machine's load sets the figures, not the code.
 """
 
+import argparse
 import dataclasses
 import importlib.util
 import json
@@ -72,7 +73,7 @@ def test_quick_straggler_run_reports_figures_consistent_with_its_round_records(t
 
 
 def test_data_parallel_reference_is_plain_sgd_on_the_learners_batches():
-  args = goodput.main.__globals__["argparse"].Namespace(
+  args = argparse.Namespace(
       rounds=2, sync_every=3, base_ms=10.0, seed=0, dp_gbps=10.0, dp_latency_ms=1.0)
   reference = goodput.data_parallel(args, (1.0, 1.0, 1.0, 1.0))
   w, b = np.zeros(goodput.DIM), 0.0
@@ -81,7 +82,8 @@ def test_data_parallel_reference_is_plain_sgd_on_the_learners_batches():
     x = np.concatenate([p[0] for p in parts]).astype(np.float64)
     y = np.concatenate([p[1] for p in parts]).astype(np.float64)
     r = x @ w + b - y
-    w, b = w - 4 * goodput.LEARNING_RATE * x.T @ r / len(y), b - 4 * goodput.LEARNING_RATE * r.mean()
+    lr = 4 * goodput.LEARNING_RATE  # the linear scaling rule for 4 learners' batches
+    w, b = w - lr * x.T @ r / len(y), b - lr * r.mean()
   x, y = goodput.held_out()
   expected = 0.5 * np.mean((x.astype(np.float64) @ w + b - y) ** 2)
   np.testing.assert_allclose(reference["final_loss"], expected, rtol=1e-4)
