@@ -1,10 +1,12 @@
 """The demo job's TOML configuration: the shipped configs load, bad ones are refused."""
 
+import dataclasses
 import pathlib
 
 import pytest
 
 from gmjax.app import config as config_lib
+from gmjax.core.diloco import DiLoCo
 
 ROOT = pathlib.Path(__file__).parent.parent
 
@@ -148,3 +150,47 @@ def test_train_refuses_before_starting_anything(tmp_path):
   assert result.stderr.startswith("gmjax train: config [model] seq_len = 100000")
   assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
   assert not out.exists()  # no file written, no learner started
+
+
+@pytest.mark.parametrize("speeds, message", [
+    ("[1]", r"learner_speeds = \[1\] has 1 values for learners = 2; give one speed per"),
+    ("[1, 0]", r"learner_speeds = \[1, 0\]: 0 is not a finite number > 0"),
+    ("[1, -0.5]", r"-0.5 is not a finite number > 0"),
+    ("[1, nan]", r"nan is not a finite number > 0"),
+    ("[1, true]", r"True is not a finite number > 0"),
+    ("[1, '0.5']", r"'0.5' is not a finite number > 0"),
+    ("0.5", r"\[train\] learner_speeds = 0.5 must be a list"),
+])
+def test_learner_speeds_are_checked_with_a_fix(tmp_path, speeds, message):
+  text = BASE.replace("steps = 4", f"steps = 4\nlearner_speeds = {speeds}")
+  with pytest.raises(ValueError, match=message) as error:
+    config_lib.load(_write(tmp_path, text))
+  assert "\n" not in str(error.value)
+
+
+def test_learner_speeds_set_each_learners_slowdown_against_the_fastest(tmp_path):
+  cfg = config_lib.load(_write(tmp_path, BASE.replace(
+      "learners = 2", "learners = 3\nlearner_speeds = [2, 1, 0.5]")))
+  assert cfg.learner_speeds == (2.0, 1.0, 0.5)
+  assert [cfg.slowdown(i) for i in range(3)] == [1.0, 2.0, 4.0]
+  assert cfg.to_json()["learner_speeds"] == [2.0, 1.0, 0.5]
+  plain = config_lib.load(_write(tmp_path, BASE))
+  assert plain.learner_speeds is None and plain.slowdown(1) == 1.0
+  # A config without speeds records as configs did before the key (--resume compares).
+  assert "learner_speeds" not in plain.to_json()
+
+
+_ADAPTIVE = "adaptive_steps" in {f.name for f in dataclasses.fields(DiLoCo)}
+
+
+@pytest.mark.skipif(_ADAPTIVE, reason="this gmjax.DiLoCo has adaptive_steps")
+def test_adaptive_steps_is_refused_by_a_gmjax_without_it(tmp_path):
+  text = BASE.replace("sync_every = 2", "sync_every = 2\nadaptive_steps = true")
+  with pytest.raises(ValueError, match=r"\[diloco\]: unknown key 'adaptive_steps'"):
+    config_lib.load(_write(tmp_path, text))
+
+
+@pytest.mark.skipif(not _ADAPTIVE, reason="this gmjax.DiLoCo has no adaptive_steps")
+def test_adaptive_steps_reaches_diloco(tmp_path):
+  text = BASE.replace("sync_every = 2", "sync_every = 2\nadaptive_steps = true")
+  assert config_lib.load(_write(tmp_path, text)).diloco.adaptive_steps is True

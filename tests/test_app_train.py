@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 TINY = """
@@ -39,7 +40,9 @@ overlap_steps = 1
 @pytest.mark.timeout(300)
 def test_train_writes_metrics_plots_and_a_run(tmp_path):
   config = tmp_path / "tiny.toml"
-  config.write_text(TINY)
+  # learner-1 runs at half speed: it sleeps as long as it computed after each step.
+  config.write_text(TINY.replace("poll_interval = 0.02",
+                                 "poll_interval = 0.02\nlearner_speeds = [1, 0.5]"))
   out = tmp_path / "out"
   result = subprocess.run(
       [sys.executable, "-m", "gmjax.app.cli", "train", str(config), "--out", str(out), "--quiet"],
@@ -62,7 +65,7 @@ def test_train_writes_metrics_plots_and_a_run(tmp_path):
   for part in ("2 learners x 8 steps", "sync_every 4", "fragments 2", "deltas F8_E4M3",
                "overlap 1", "outer sgd η 0.7 μ 0.9 Nesterov"):
     assert part in settings, (part, settings)
-  for name in ("loss.png", "bytes.png", "cosine.png"):
+  for name in ("loss.png", "bytes.png", "cosine.png", "goodput.png"):
     assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
   steps = [r for r in records if r.get("event") == "step" and r["learner"] == "learner-0"]
@@ -75,6 +78,28 @@ def test_train_writes_metrics_plots_and_a_run(tmp_path):
   assert all(1 <= len(r["participants"]) <= 2 for r in rounds)
   for name in ("learner-0", "learner-1"):
     assert sum(name in {p["learner"] for p in r["participants"]} for r in rounds) >= 3
+
+  # Goodput: steps trained (step records) against the round records' participants' steps;
+  # the idle fraction from the records' blocked seconds.
+  for name in ("learner-0", "learner-1"):
+    mine = [r for r in records if r.get("learner") == name]
+    stats = summary["goodput"][name]
+    assert stats["trained"] == sum(r.get("event") == "step" for r in mine) == 8
+    # Each step is sent with both fragments: a fragment's round carries half of its steps.
+    assert stats["committed"] == sum(p["steps"] for r in rounds for p in r["participants"]
+                                     if p["learner"] == name) / 2
+    assert 0 < stats["committed"] <= stats["trained"]
+    assert stats["goodput"] == stats["committed"] / stats["trained"]
+    start = next(r for r in mine if r["event"] == "start")
+    closed = next(r for r in mine if r["event"] == "closed")
+    blocked = sum(r["blocked"] for r in mine if "blocked" in r)
+    wall = closed["time"] - start["joined"]
+    np.testing.assert_allclose(stats["idle"], blocked / wall)
+    assert 0 <= stats["idle"] <= 1
+    steps = [r for r in mine if r.get("event") == "step"]
+    slept = [r["slept"] for r in steps[1:]]  # the first step compiles: no sleep
+    assert steps[0]["slept"] == 0
+    assert all(s > 0 for s in slept) if name == "learner-1" else not any(slept)
 
   status = subprocess.run([sys.executable, "-m", "gmjax.app.cli", "status", str(out / "run")],
                           capture_output=True, text=True, timeout=120, check=False)

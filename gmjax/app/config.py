@@ -34,24 +34,37 @@ class TrainConfig:
   corpus_bytes: int | None
   model: ModelConfig
   diloco: DiLoCo
+  learner_speeds: tuple[float, ...] | None = None
   source: str = ""
 
   def to_json(self) -> dict[str, Any]:
     record = dataclasses.asdict(self)
     record["model"] = dataclasses.asdict(self.model)
     record["diloco"] = self.diloco.to_json()
+    if self.learner_speeds is None:
+      del record["learner_speeds"]  # as configs without it were recorded
+    else:
+      record["learner_speeds"] = list(self.learner_speeds)
     return record
+
+  def slowdown(self, index: int) -> float:
+    """How many times longer learner ``index``'s steps take than the fastest learner's:
+    ``max(learner_speeds) / learner_speeds[index]`` (1 without ``learner_speeds``)."""
+    if self.learner_speeds is None:
+      return 1.0
+    return max(self.learner_speeds) / self.learner_speeds[index]
 
 
 _RUN_KEYS = {
     "name": str, "out": str, "learners": int, "steps": int, "seed": int,
     "batch_size": int, "learning_rate": float, "weight_decay": float,
     "warmup_steps": int, "eval_every": int, "eval_batches": int,
-    "poll_interval": float, "baseline": bool, "corpus_bytes": int,
+    "poll_interval": float, "baseline": bool, "corpus_bytes": int, "learner_speeds": list,
 }
 _DEFAULTS = {
     "seed": 0, "weight_decay": 0.1, "warmup_steps": 0, "eval_every": 50,
     "eval_batches": 4, "poll_interval": 0.05, "baseline": True, "corpus_bytes": None,
+    "learner_speeds": None,
 }
 
 
@@ -104,6 +117,19 @@ def _check_train(train: dict[str, Any]) -> None:
     if not train[key].strip():
       raise ValueError(f"config [train] {key} = {train[key]!r} must not be empty; leave it"
                        " out for the config file's name")
+  speeds = train["learner_speeds"]
+  if speeds is not None:
+    if len(speeds) != train["learners"]:
+      raise ValueError(f"config [train] learner_speeds = {speeds!r} has {len(speeds)}"
+                       f" values for learners = {train['learners']}; give one speed per"
+                       " learner, e.g. learner_speeds = [1, 1, 0.5, 0.25] for 4 learners")
+    for speed in speeds:
+      if (isinstance(speed, bool) or not isinstance(speed, (int, float))
+          or not math.isfinite(speed) or speed <= 0):
+        raise ValueError(f"config [train] learner_speeds = {speeds!r}: {speed!r} is not a"
+                         " finite number > 0; a learner at speed s takes 1/s of the"
+                         " fastest's step time (e.g. 0.5 is twice as slow)")
+    train["learner_speeds"] = tuple(float(s) for s in speeds)
 
 
 def _model(raw: dict[str, Any]) -> ModelConfig:

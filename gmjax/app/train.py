@@ -335,6 +335,9 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
     for record in rounds:
       f.write(json.dumps({"event": "round", **record}) + "\n")
   figures = plots.plot_all(_latest(metrics), rounds, _bytes_sent(cfg, params, rounds), str(out))
+  learner_goodput = plots.goodput(metrics, rounds, names,
+                                  len(cfg.diloco.plan(schema)))
+  figures.append(plots.plot_goodput(learner_goodput, str(out), cfg.learner_speeds))
 
   def final(name):
     values = [r["val_loss"] for r in metrics if r["learner"] == name and "val_loss" in r]
@@ -348,6 +351,7 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
       "final_val_loss": {n: final(n) for n in [*names, *(["baseline"] if cfg.baseline else [])]},
       "bytes_sent": bytes_by_learner(cfg, params, rounds, names),
       "mean_cosine": sum(cosines) / len(cosines) if cosines else None,
+      "goodput": learner_goodput,
       "diloco_seconds": round(diloco_seconds, 1),
       "baseline_seconds": None if baseline_seconds is None else round(baseline_seconds, 1),
       "figures": figures,

@@ -11,6 +11,14 @@ the schedule's position and its data position go on from the step of its save, w
 that step unless the run moved on while it was stopped (then it trains on from the run's
 step with the moments it saved). Without a saved state its moments start from zero and
 the schedule and data go on from the run's step.
+
+With ``[train] learner_speeds`` a slower learner sleeps after each inner step (but its
+first, which compiles) so that the step takes ``max(speeds) / speed`` times its compute.
+Each record says how long the learner was blocked in the run (``blocked``: seconds in
+``run.join``, ``learner.pull`` and waiting for the job's other learners to join for the
+``start``/``resume`` record, which also says when the join began, ``joined``; in
+``learner.step`` for a step; in ``learner.close`` for ``closed``): the goodput figure's
+idle fraction.
 """
 
 from __future__ import annotations
@@ -102,9 +110,11 @@ def main(argv: list[str] | None = None) -> None:
                        seed=cfg.seed + 1)
   graphdef, params = model.build(cfg.model, seed=cfg.seed + 1 + args.index)
 
+  joined_at, joining = time.time(), time.perf_counter()
   run = gmjax.mail.open(args.run)
   learner = run.join(args.name, poll_interval=cfg.poll_interval, state_dir=args.state_dir)
   params = learner.pull(params)
+  slowdown = cfg.slowdown(args.index)
   # The schedule is at step count + offset; the offset is kept with the state, since a
   # state saved after a resume without one counts from that resume's step.
   restored = None
@@ -132,29 +142,38 @@ def main(argv: list[str] | None = None) -> None:
     if time.monotonic() > deadline:
       raise TimeoutError(f"only {joined()} of {cfg.learners} learners joined in 300 s")
     time.sleep(cfg.poll_interval)
+  joined_seconds = time.perf_counter() - joining
   with _open_metrics(args.metrics) as out:
     def log(**record):
       out.write(json.dumps({"learner": args.name, "time": time.time(), **record}) + "\n")
       out.flush()
 
     kept = {} if restored is None else {"restored": "exact" if restored.exact else "moved on"}
-    log(event="resume" if args.resume else "start", step=start, **kept,
+    log(event="resume" if args.resume else "start", step=start, joined=joined_at,
+        blocked=joined_seconds, **kept,
         val_loss=evaluate(evaluate_fn, params, valid, cfg.eval_batches))
     for step in range(start + 1, cfg.steps + 1):
       batch = batches.next()
       started = time.perf_counter()
       params, opt_state, loss = train_step(params, opt_state, batch)
       loss = float(loss)
+      computed = time.perf_counter() - started
+      slept = computed * (slowdown - 1.0) if step > start + 1 else 0.0
+      time.sleep(slept)
       own = {} if args.state_dir is None else {
           "state": opt_state, "position": {"step": step, "schedule_offset": offset}}
+      stepping = time.perf_counter()
       params = learner.step(params, tokens=int(batch[:, 1:].size), loss=loss, **own)
+      blocked = time.perf_counter() - stepping
       record = {"event": "step", "step": step, "loss": loss,
-                "seconds": time.perf_counter() - started}
+                "seconds": time.perf_counter() - started, "slept": slept, "blocked": blocked}
       if step % cfg.eval_every == 0 or step == cfg.steps:
         record["val_loss"] = evaluate(evaluate_fn, params, valid, cfg.eval_batches)
       log(**record)
+    closing = time.perf_counter()
     params = learner.close(params)
-    log(event="closed", step=cfg.steps, val_loss=evaluate(evaluate_fn, params, valid, cfg.eval_batches))
+    log(event="closed", step=cfg.steps, blocked=time.perf_counter() - closing,
+        val_loss=evaluate(evaluate_fn, params, valid, cfg.eval_batches))
 
 
 if __name__ == "__main__":
