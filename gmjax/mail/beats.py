@@ -33,7 +33,13 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class Beat:
-  """What a heartbeat says about its learner at one moment."""
+  """What a heartbeat says about its learner at one moment.
+
+  ``step_seconds`` is the learner's moving average of seconds per step, waits excluded
+  (None until it has timed a step); ``trained`` the steps it trained since it joined
+  (``Learner.local_step``); ``idle_seconds`` the seconds its ``step`` and ``close``
+  spent blocked waiting for commits since it joined.
+  """
 
   status: str
   step: int
@@ -42,6 +48,9 @@ class Beat:
   final_rounds: tuple[int, ...] = ()
   loss: float | None = None
   closed_at: str | None = None
+  step_seconds: float | None = None
+  trained: int = 0
+  idle_seconds: float = 0.0
 
 
 class HeartbeatWriter:
@@ -154,6 +163,9 @@ class HeartbeatWriter:
         "first_round": beat.first_round,
         "final_rounds": list(beat.final_rounds),
         "versions": {str(f): v for f, v in beat.versions},
+        "step_seconds": beat.step_seconds,
+        "trained": beat.trained,
+        "idle_seconds": beat.idle_seconds,
         "last_seen": utc_now(),
     }
     if beat.loss is not None:
