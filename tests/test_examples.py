@@ -9,6 +9,7 @@ import tokenize
 import pytest
 
 import gmjax
+from gmjax.mail import pace
 
 PACKAGE = pathlib.Path(gmjax.__file__).parent
 
@@ -20,6 +21,7 @@ EXAMPLES = {
     "gmjax.decode": gmjax.decode,
     "gmjax.mail.create": gmjax.mail.create,
     "gmjax.mail.Run.join": gmjax.mail.Run.join,
+    "gmjax.mail.pace.fastest": pace.fastest,
 }
 OPTIONS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
