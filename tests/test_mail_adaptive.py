@@ -112,7 +112,7 @@ def test_unequal_steps_match_numpy_reference():
 @pytest.mark.timeout(90)
 def test_speeds_set_the_steps_of_each_round():
   config = gmjax.DiLoCo(sync_every=8, adaptive_steps=True)
-  run, out = _train(config, [0.02, 0.04, 0.08], rounds=6)
+  run, out = _train(config, [0.03, 0.06, 0.12], rounds=6)
   records = run.rounds()
   assert [r["round"] for r in records] == list(range(6))
   for record in records:
@@ -121,7 +121,7 @@ def test_speeds_set_the_steps_of_each_round():
     assert all(1 <= s <= 8 for s in steps.values())
     if record["round"] >= 2:
       # Rounds 0 and 1 are timed by heartbeats while the paces become known; from round
-      # 2 on by round r − 2's record: 8, 4 and 2 steps of 20, 40 and 80 ms.
+      # 2 on by round r − 2's record: 8, 4 and 2 steps of 30, 60 and 120 ms.
       for name, expected in (("m0", 8), ("m1", 4), ("m2", 2)):
         assert abs(steps[name] - expected) <= 1, (record["round"], steps)
   for name, (_, learner, beat) in out.items():

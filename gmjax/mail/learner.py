@@ -83,6 +83,7 @@ class Learner:
     local_step: the steps this learner has trained since it joined.
     idle_seconds: the seconds ``step`` and ``close`` spent blocked waiting for commits
       since the learner joined.
+    adaptive: whether rounds are timed by deadlines (``DiLoCo.adaptive_steps``).
     primary: whether this process writes for the learner (process 0 of its JAX job).
   """
 
@@ -141,6 +142,7 @@ class Learner:
     self._resumed: float | None = None  # when this step()'s last wait ended
     self.adaptive = bool(self.config.adaptive_steps)
     self._clock: pace.RoundClock | None = None
+    self._round_paces: dict[int, float | None] = {}  # round -> its record's fastest pace
     self._last_flat: dict[str, Any] | None = None
     self.local_step = 0
     self._pulled = self._closed = False
@@ -200,14 +202,24 @@ class Learner:
 
   def _wait(self, fragment: int, version: int, deadline: float) -> Commit:
     future = self._future(fragment, version)
+    what = f"version {version} of fragment {fragment}"
     if future.done():
-      return self._worker.wait(future, deadline, f"version {version} of fragment {fragment}")
+      return self._noted(self._worker.wait(future, deadline, what))
     started = time.monotonic()
     try:
-      return self._worker.wait(future, deadline, f"version {version} of fragment {fragment}")
+      return self._noted(self._worker.wait(future, deadline, what))
     finally:
       self._resumed = time.monotonic()
       self.idle_seconds += self._resumed - started
+
+  def _noted(self, commit: Commit) -> Commit:
+    """Keeps the pace of the round ``commit`` closed, for adaptive deadlines: the
+    learner holds that record already, and need not read it from storage to plan."""
+    record = commit.record
+    if self.adaptive and record.round is not None:
+      self._round_paces[record.round] = pace.fastest(
+          p.step_seconds for p in record.participants)
+    return commit
 
   def _overlap_clock(self) -> int:
     """The step count ``overlap_steps`` is counted in: the learner's own steps with
@@ -223,18 +235,20 @@ class Learner:
       return
     earlier = clock.round - 1 - self.schedule.fragments
     if read_record and earlier >= 0:
-      try:
-        record = read_round(self.store, self.schedule.fragment_of(earlier),
-                            self.schedule.version_after(earlier), self.key)
-      except (FileNotFoundError, CorruptRecord) as error:
-        # Pruned (the learner is far behind) or damaged: heartbeats stand in.
-        log.info("learner %r: no pace from round %d's record (%r); using heartbeats",
-                 self.name, earlier, error)
-      else:
-        clock.plan(pace.fastest(p.step_seconds for p in record.participants),
-                   from_record=True)
-        if clock.planned_by_record:
-          return
+      for r in [r for r in self._round_paces if r < earlier - self.schedule.fragments]:
+        del self._round_paces[r]
+      if earlier not in self._round_paces:  # held as a newer version stood in for it
+        try:
+          record = read_round(self.store, self.schedule.fragment_of(earlier),
+                              self.schedule.version_after(earlier), self.key)
+          self._noted(Commit({}, record))
+        except (FileNotFoundError, CorruptRecord) as error:
+          # Pruned (the learner is far behind) or damaged: heartbeats stand in.
+          log.info("learner %r: no pace from round %d's record (%r); using heartbeats",
+                   self.name, earlier, error)
+      clock.plan(self._round_paces.get(earlier), from_record=True)
+      if clock.planned_by_record:
+        return
     clock.plan(pace.fastest([*self._worker.paces.values(), self._step_seconds]),
                from_record=False)
 
@@ -274,7 +288,7 @@ class Learner:
         future = self._future(fragment, version)
         if not future.done():
           break
-        commit = future.result()
+        commit = self._noted(future.result())
         if commit.record.version > self._versions[fragment]:
           self._align(flat, fragment, commit.record.version, commit.theta)
       else:
