@@ -7,6 +7,10 @@ tokens the round records report, and the step counts against the speeds.
 
 import dataclasses
 import json
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -19,6 +23,7 @@ import gmjax
 from gmjax import mail
 from gmjax.mail import heartbeats
 from gmjax.mail import pace
+from gmjax.mail import states
 
 import mail_support as ms
 
@@ -249,3 +254,38 @@ def test_heartbeat_pace_fields_are_checked(field, value):
   record[field] = value
   with pytest.raises(heartbeats.BadHeartbeat, match=field):
     heartbeats.parse("m0", json.dumps(record).encode(), None)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_two_process_learner_agrees_on_its_deadlines(tmp_path):
+  """Process 0 decides when a round is due: both processes publish the same rounds at
+  the same steps (or the job's collectives would hang) and end on the committed Θ."""
+  config = gmjax.DiLoCo(sync_every=4, adaptive_steps=True)
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), config, keep_versions=None)
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  outs = [str(tmp_path / f"p{i}.json") for i in range(2)]
+  job = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mail_jax_job.py")
+  jobs = [subprocess.Popen([sys.executable, job, url, str(port), str(i), "9", outs[i]],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                           text=True) for i in range(2)]
+  try:
+    logs = [j.communicate(timeout=240)[0] for j in jobs]
+  finally:
+    for j in jobs:
+      ms.kill(j)
+  assert [j.returncode for j in jobs] == [0, 0], logs
+  seen = [json.load(open(o)) for o in outs]
+  assert seen[0]["final"] == seen[1]["final"]
+  records = run.rounds()
+  assert all([p["learner"] for p in r["participants"]] == ["job"] for r in records)
+  assert sum(_steps(r)["job"] for r in records) == 9  # every step in one contribution
+  last = records[-1]
+  theta = states.load_state(run.store, run.commit(0, last["version"])).theta
+  for name, value in seen[0]["final"].items():
+    np.testing.assert_array_equal(np.asarray(value, np.float32), theta[name])

@@ -138,6 +138,8 @@ class Learner:
     self._tokens_since = [0] * self.fragments
     self._step_seconds: float | None = None
     self._last_step_end: float | None = None
+    self._step_entered: float | None = None
+    self._round_work = False  # whether the last step() published or merged a round
     self.idle_seconds = 0.0
     self._resumed: float | None = None  # when this step()'s last wait ended
     self.adaptive = bool(self.config.adaptive_steps)
@@ -294,6 +296,7 @@ class Learner:
       else:
         break
       self._outstanding.pop(0)
+      self._round_work = True
 
   # The API.
 
@@ -383,16 +386,20 @@ class Learner:
       raise ValueError(f"learner {self.name!r}: call pull(params) before step().")
     if tokens is not None and (isinstance(tokens, bool) or int(tokens) != tokens or tokens < 0):
       raise ValueError(f"tokens must be a non-negative int or None, got {tokens!r}.")
-    # A step's seconds are the caller's, from the end of the last step() to this one:
-    # never the time step() waits for a round to close, which the slowest learner sets
-    # and which, counted, would lengthen the timeouts that set it, round over round,
-    # nor step()'s own work, whose one-off costs (a first publish compiles) would
-    # stretch the adaptive rounds that this pace times.
-    if self._last_step_end is not None:
-      seconds = time.perf_counter() - self._last_step_end
+    # A step's seconds run from the last step() to this one, and after a step() that
+    # published or merged a round only from its end: never the time step() waits for a
+    # round to close, which the slowest learner sets and which, counted, would lengthen
+    # the timeouts that set it, round over round, nor a round's own work, whose one-off
+    # costs (a first publish compiles) would stretch the adaptive rounds this pace
+    # times. An ordinary step()'s bookkeeping counts: the fastest learner then reaches
+    # its round's last scheduled step at the deadline its pace sets.
+    entered = time.perf_counter()
+    since = self._last_step_end if self._round_work else self._step_entered
+    if since is not None:
+      seconds = entered - since
       self._step_seconds = seconds if self._step_seconds is None else (
           0.9 * self._step_seconds + 0.1 * seconds)
-    self._resumed = None
+    self._step_entered, self._round_work, self._resumed = entered, False, None
     flat = self._tree_schema.check(params)
     self._last_flat = flat
     self.step_count += 1
@@ -412,6 +419,7 @@ class Learner:
         round_ = self._clock.round
         self.step_count = self.schedule.step_of(round_)
     if round_ is not None and round_ >= self.first_round:
+      self._round_work = True
       self._publish_round(flat, round_, final=False)
       self._merge_due(flat)
       if self._clock is not None:

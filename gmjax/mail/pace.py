@@ -27,11 +27,12 @@ the base version it aligned with): the fastest pace its participants reported
 was pruned, the learner takes the fastest pace among the live learners' heartbeats and
 its own, and moves the deadline earlier as faster paces become known.
 
-A learner's pace (``step_seconds``) is its moving average of the seconds between its
-``step`` calls: what the caller's training takes, never what ``step`` itself takes (the
-waits the slowest learner sets, or a first publish that compiles), which would stretch
-every learner's rounds. A learner slowed by ``step``'s own work publishes a little
-early; the fastest one stops at the round's scheduled step anyway.
+A learner's pace (``step_seconds``) is its moving average of the seconds from one
+``step`` call to the next: the caller's training and ``step``'s bookkeeping, so that the
+fastest learner reaches its round's last scheduled step at the deadline its own pace
+sets. After a ``step`` that published or merged a round it counts from that call's end:
+never a wait the slowest learner sets, nor a round's one-off work (a first publish
+compiles), which would stretch every learner's rounds.
 
 References:
   Douillard et al., *DiLoCo: Distributed Low-Communication Training of Language
