@@ -9,6 +9,7 @@ import tokenize
 import pytest
 
 import gmjax
+from gmjax.mail import pace
 
 PACKAGE = pathlib.Path(gmjax.__file__).parent
 
@@ -21,6 +22,7 @@ EXAMPLES = {
     "gmjax.mail.create": gmjax.mail.create,
     "gmjax.mail.Run.join": gmjax.mail.Run.join,
     "gmjax.mail.Learner.restore": gmjax.mail.Learner.restore,
+    "gmjax.mail.pace.fastest": pace.fastest,
 }
 OPTIONS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 

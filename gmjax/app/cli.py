@@ -64,6 +64,8 @@ def settings_line(cfg) -> str:
     parts.append(f"top-{d.delta_topk} of {d.delta_chunk}")
   if d.outer_delay:
     parts.append("eager" if d.eager else "delayed")
+  if d.adaptive_steps:
+    parts.append("adaptive steps")
   return "settings: " + ", ".join(parts)
 
 

@@ -134,7 +134,8 @@ class DiLoCoAggregator:
     if not self.config.rule.is_mean:
       aggregation, weights = _described(self.config.rule, applied, learners)
     participants = tuple(
-        Participant(c.learner, c.local_step, c.steps, c.tokens, float(w))
+        Participant(c.learner, c.local_step, c.steps, c.tokens, float(w),
+                    float(c.step_seconds))
         for c, w in zip(ordered, weights)
     )
     if float(bad) > 0:

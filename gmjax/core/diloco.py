@@ -121,6 +121,15 @@ class DiLoCo:
       mean.
     trim: values ``"trimmed_mean"`` drops from each side of every coordinate: at least
       the number of colluding attackers it must withstand.
+    adaptive_steps: (mail only) learners train for the same wall time per round instead
+      of the same number of steps. A round's deadline follows the fastest live learner's
+      pace (``sync_every / fragments`` of its steps, ``gmjax.mail.pace``); every learner
+      publishes at the deadline what it has trained (at least one step, at most the
+      round's scheduled steps), weighted by its tokens, so a slower learner makes no one
+      wait. ``Learner.step_count`` stays on the schedule (it jumps to the round's step
+      when a round is published early) and ``Learner.local_step`` counts the steps
+      trained. In-mesh training (``gmjax.diloco``) refuses it: its learners step in
+      lockstep.
 
   Example:
     >>> import numpy as np
@@ -162,6 +171,7 @@ class DiLoCo:
   layer_axis: Mapping[str, int] | None = None
   aggregation: str = robust.MEAN
   trim: int = 1
+  adaptive_steps: bool = False
 
   def __post_init__(self):
     _positive_int("sync_every", self.sync_every)
@@ -207,6 +217,11 @@ class DiLoCo:
     _positive_int("global_batch_size", self.global_batch_size, allow_none=True)
     if not isinstance(self.flush_on_close, bool):
       raise ValueError(f"DiLoCo flush_on_close must be a bool, got {self.flush_on_close!r}.")
+    if not isinstance(self.adaptive_steps, bool):
+      raise ValueError(
+          f"DiLoCo adaptive_steps must be a bool, got {self.adaptive_steps!r}: True lets"
+          " mail learners train for the same wall time per round instead of the same"
+          " number of steps.")
     options = self.outer_options
     if options is not None:
       if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
@@ -481,7 +496,7 @@ class DiLoCo:
       del record["layer_axis"]
     else:
       record["layer_axis"] = dict(record["layer_axis"])
-    for name in ("outer_delay", "eager"):
+    for name in ("outer_delay", "eager", "adaptive_steps"):
       if not record[name]:
         del record[name]  # likewise
     if record["aggregation"] == robust.MEAN:

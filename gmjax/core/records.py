@@ -64,16 +64,24 @@ class Contribution:
 
 @dataclasses.dataclass(frozen=True)
 class Participant:
-  """A contribution as the round record lists it, with the weight it received."""
+  """A contribution as the round record lists it, with the weight it received.
+
+  ``step_seconds`` is the learner's reported seconds per step (None in records written
+  before it was kept); adaptive steps (``gmjax.mail.pace``) time rounds by it.
+  """
 
   learner: str
   local_step: int
   steps: int
   tokens: int
   weight: float
+  step_seconds: float | None = None
 
   def to_json(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
+    record = dataclasses.asdict(self)
+    if record["step_seconds"] is None:
+      del record["step_seconds"]
+    return record
 
 
 @dataclasses.dataclass(frozen=True)

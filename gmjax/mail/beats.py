@@ -33,7 +33,14 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class Beat:
-  """What a heartbeat says about its learner at one moment."""
+  """What a heartbeat says about its learner at one moment.
+
+  ``step_seconds`` is the learner's moving average of the seconds from one ``step`` call
+  to the next, counted from the end of a ``step`` that published or merged a round (so
+  never a wait for a commit nor a round's own work; None until it has timed a step); ``trained`` the steps it trained since it joined
+  (``Learner.local_step``); ``idle_seconds`` the seconds its ``step`` and ``close``
+  spent blocked waiting for commits since it joined.
+  """
 
   status: str
   step: int

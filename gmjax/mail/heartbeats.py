@@ -81,9 +81,10 @@ def parse(name: str, data: bytes, key: bytes | None) -> dict[str, Any]:
 
   Required: ``name`` (this file's), ``status`` (a short string: ``live``, ``closing``,
   ``closed`` or another word that counts as not live) and ``seq``; when present,
-  ``first_round``, ``step`` (ints in ``[0, 2**53)``), ``final_rounds`` (a list of such
-  ints), ``versions`` (fragment -> version), ``loss`` (a number or null) and short strings
-  for the times and host. Other fields are kept as they are.
+  ``first_round``, ``step``, ``trained`` (ints in ``[0, 2**53)``), ``final_rounds`` (a
+  list of such ints), ``versions`` (fragment -> version), ``loss`` (a number or null),
+  ``step_seconds`` and ``idle_seconds`` (finite non-negative numbers or null) and short
+  strings for the times and host. Other fields are kept as they are.
 
   Raises:
     BadHeartbeat: with the reason it is ignored.
@@ -105,9 +106,13 @@ def parse(name: str, data: bytes, key: bytes | None) -> dict[str, Any]:
     value = record.get(field, "")
     if not isinstance(value, str) or len(value) > MAX_TEXT:
       raise BadHeartbeat(name, f"{field}={quote(value)} is not a short string")
-  for field in ("seq", "first_round", "step"):
+  for field in ("seq", "first_round", "step", "trained"):
     if field in record:
       _count(record, field, name)
+  for field in ("step_seconds", "idle_seconds"):
+    value = record.get(field)
+    if value is not None and (type(value) not in (int, float) or not 0 <= value < math.inf):
+      raise BadHeartbeat(name, f"{field}={quote(value)} is not a finite number of seconds")
   rounds = record.get("final_rounds", [])
   if not isinstance(rounds, list) or not all(
       type(r) is int and 0 <= r < MAX_COUNT for r in rounds):
@@ -256,6 +261,13 @@ class Roster:
   def live_count(self, timeout: float) -> int:
     return sum(1 for name, record in self.records.items()
                if record["status"] == LIVE and self.fresh(name, timeout))
+
+  def paces(self, timeout: float) -> dict[str, float]:
+    """The ``step_seconds`` the live learners' heartbeats report, by name (those that
+    report one)."""
+    return {name: float(record["step_seconds"]) for name, record in self.records.items()
+            if record["status"] == LIVE and self.fresh(name, timeout)
+            and record.get("step_seconds") is not None}
 
   @property
   def known(self) -> set[str]:

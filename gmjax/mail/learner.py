@@ -22,6 +22,14 @@ Which rounds a learner contributes to, and at which base version:
   ``step`` after it lands. At most ``in_flight`` rounds stay outstanding. If the round was
   committed before the learner got to it (it was late), it publishes nothing and merges
   the commit.
+* With ``adaptive_steps`` (``gmjax.mail.pace``) it publishes round ``r`` at the step
+  nearest the round's deadline instead, or at ``step_of(r)`` if it gets there first;
+  ``step_count`` then counts its steps but stays below ``step_of(r)`` until it
+  publishes ``r``, when it jumps to ``step_of(r)`` (so the schedule, the records and a
+  joining learner see the same global steps), and ``local_step`` counts the steps it
+  trained (what a learning-rate schedule should follow). ``overlap_steps`` then counts
+  the learner's own steps. In a multi-process learner process 0 decides when a round is
+  due and every process follows it (a small broadcast each step).
 
 What a learner that restarts gets back: ``pull`` gives the newest committed Θ and sets
 ``step_count`` to its step; nothing of the learner's own survives (its optimizer state,
@@ -60,11 +68,12 @@ from gmjax.mail import heartbeats
 from gmjax.mail import layout
 from gmjax.mail import learner_state
 from gmjax.mail import names
+from gmjax.mail import pace
 from gmjax.mail import placement
 from gmjax.mail import retention
 from gmjax.mail.beats import Beat, HeartbeatWriter
 from gmjax.mail.closer import HEARTBEAT_POLLS
-from gmjax.mail.errors import LearnerClosed, RoundTimeout
+from gmjax.mail.errors import CorruptRecord, LearnerClosed, RoundTimeout
 from gmjax.mail.manifest import utc_now
 from gmjax.mail.records import read_round
 from gmjax.mail.worker import Commit, Worker
@@ -77,7 +86,12 @@ class Learner:
 
   Attributes:
     name: the learner's name in the run.
-    step_count: the global step this learner has reached.
+    step_count: the global step this learner has reached (with adaptive steps it jumps
+      to a round's step when it publishes the round early; see the module docstring).
+    local_step: the steps this learner has trained since it joined.
+    idle_seconds: the seconds ``step`` and ``close`` spent blocked waiting for commits
+      since the learner joined.
+    adaptive: whether rounds are timed by deadlines (``DiLoCo.adaptive_steps``).
     primary: whether this process writes for the learner (process 0 of its JAX job).
   """
 
@@ -145,10 +159,16 @@ class Learner:
     self._tokens_since = [0] * self.fragments
     self._step_seconds: float | None = None
     self._last_step_end: float | None = None
+    self._step_entered: float | None = None
+    self._round_work = False  # whether the last step() published or merged a round
+    self.idle_seconds = 0.0
+    self._resumed: float | None = None  # when this step()'s last wait ended
+    self.adaptive = bool(self.config.adaptive_steps)
+    self._clock: pace.RoundClock | None = None
+    self._round_paces: dict[int, float | None] = {}  # round -> its record's fastest pace
     self._last_flat: dict[str, Any] | None = None
     self._applied = 0  # commits applied (merged, or a phase started from), ever
     self._restore_checked = self._state_dir is None or not self._state_dir.saved
-    self._idle_seconds = 0.0  # step() and close() waiting for commits (pull's not counted)
     self.local_step = 0
     self._pulled = self._closed = False
     self.step_count = self._newest_step()
@@ -189,7 +209,9 @@ class Learner:
 
   def _beat(self, **changes: Any) -> None:
     if self._beats is not None:
-      self._beats.update(versions=tuple(sorted(self._versions.items())), **changes)
+      self._beats.update(versions=tuple(sorted(self._versions.items())),
+                         step_seconds=self._step_seconds, trained=self.local_step,
+                         idle_seconds=self.idle_seconds, **changes)
 
   def _deadline(self) -> float:
     limit = self.wait_timeout
@@ -209,13 +231,56 @@ class Learner:
     return self._futures[key]
 
   def _wait(self, fragment: int, version: int, deadline: float) -> Commit:
+    future = self._future(fragment, version)
+    what = f"version {version} of fragment {fragment}"
+    if future.done():
+      return self._noted(self._worker.wait(future, deadline, what))
     started = time.monotonic()
     try:
-      return self._worker.wait(self._future(fragment, version), deadline,
-                               f"version {version} of fragment {fragment}")
+      return self._noted(self._worker.wait(future, deadline, what))
     finally:
-      if self._pulled:
-        self._idle_seconds += time.monotonic() - started
+      self._resumed = time.monotonic()
+      self.idle_seconds += self._resumed - started
+
+  def _noted(self, commit: Commit) -> Commit:
+    """Keeps the pace of the round ``commit`` closed, for adaptive deadlines: the
+    learner holds that record already, and need not read it from storage to plan."""
+    record = commit.record
+    if self.adaptive and record.round is not None:
+      self._round_paces[record.round] = pace.fastest(
+          p.step_seconds for p in record.participants)
+    return commit
+
+  def _overlap_clock(self) -> int:
+    """The step count ``overlap_steps`` is counted in: the learner's own steps with
+    adaptive steps (its global step jumps), the global step otherwise."""
+    return self.local_step if self.adaptive else self.step_count
+
+  def _plan(self, *, read_record: bool) -> None:
+    """Sets the deadline of the round the clock times (``gmjax.mail.pace``): from the
+    record of round ``r − 1 − P`` when ``read_record`` and it is readable, else (and on
+    later steps, until a record sets it) from the paces of the live learners."""
+    clock = self._clock
+    if clock.planned_by_record:
+      return
+    earlier = clock.round - 1 - self.schedule.fragments
+    if read_record and earlier >= 0:
+      for r in [r for r in self._round_paces if r < earlier - self.schedule.fragments]:
+        del self._round_paces[r]
+      if earlier not in self._round_paces:  # held as a newer version stood in for it
+        try:
+          record = read_round(self.store, self.schedule.fragment_of(earlier),
+                              self.schedule.version_after(earlier), self.key)
+          self._noted(Commit({}, record))
+        except (FileNotFoundError, CorruptRecord) as error:
+          # Pruned (the learner is far behind) or damaged: heartbeats stand in.
+          log.info("learner %r: no pace from round %d's record (%r); using heartbeats",
+                   self.name, earlier, error)
+      clock.plan(self._round_paces.get(earlier), from_record=True)
+      if clock.planned_by_record:
+        return
+    clock.plan(pace.fastest([*self._worker.paces.values(), self._step_seconds]),
+               from_record=False)
 
   def _align(self, flat: dict[str, Any], fragment: int, version: int,
              theta: dict[str, np.ndarray]) -> None:
@@ -246,7 +311,7 @@ class Learner:
     while self._outstanding:
       round_, version, due = self._outstanding[0]
       fragment = self.schedule.fragment_of(round_)
-      if force > 0 or (due is not None and self.step_count >= due):
+      if force > 0 or (due is not None and self._overlap_clock() >= due):
         force -= 1
         self._bring_to(flat, fragment, version)
       elif due is None:
@@ -254,12 +319,13 @@ class Learner:
         future = self._future(fragment, version)
         if not future.done():
           break
-        commit = future.result()
+        commit = self._noted(future.result())
         if commit.record.version > self._versions[fragment]:
           self._align(flat, fragment, commit.record.version, commit.theta)
       else:
         break
       self._outstanding.pop(0)
+      self._round_work = True
 
   # The API.
 
@@ -317,6 +383,11 @@ class Learner:
       self._versions[fragment] = commit.record.version
       if self._delay is not None:
         self._delay.begin(fragment, theta)
+    # Loading the start is not idling in step() or close().
+    self.idle_seconds, self._resumed = 0.0, None
+    if self.adaptive:
+      self._clock = pace.RoundClock(self.schedule, self.first_round, time.monotonic())
+      self._plan(read_record=True)
     self._beat(step=self.step_count, first_round=self.first_round)
     if self._beats is not None:
       self._beats.write().result()
@@ -416,6 +487,9 @@ class Learner:
     Returns:
       ``params``, with fragments whose commits were merged replaced by
       ``mixing·θ + (1 − mixing)·Θ`` (with the shardings ``params`` had).
+
+    With adaptive steps the round this step publishes, if any, is the one whose
+    deadline it is nearest (``gmjax.mail.pace``).
     """
     self._check_open("step")
     if not self._pulled:
@@ -435,13 +509,20 @@ class Learner:
                        " join(..., state_dir=...) to save them.")
     if tokens is not None and (isinstance(tokens, bool) or int(tokens) != tokens or tokens < 0):
       raise ValueError(f"tokens must be a non-negative int or None, got {tokens!r}.")
-    # A step's seconds are the caller's, from the end of the last step() to this one:
-    # never the time step() waits for a round to close, which the slowest learner sets
-    # and which, counted, would lengthen the timeouts that set it, round over round.
-    if self._last_step_end is not None:
-      seconds = time.perf_counter() - self._last_step_end
+    # A step's seconds run from the last step() to this one, and after a step() that
+    # published or merged a round only from its end: never the time step() waits for a
+    # round to close, which the slowest learner sets and which, counted, would lengthen
+    # the timeouts that set it, round over round, nor a round's own work, whose one-off
+    # costs (a first publish compiles) would stretch the adaptive rounds this pace
+    # times. An ordinary step()'s bookkeeping counts: the fastest learner then reaches
+    # its round's last scheduled step at the deadline its pace sets.
+    entered = time.perf_counter()
+    since = self._last_step_end if self._round_work else self._step_entered
+    if since is not None:
+      seconds = entered - since
       self._step_seconds = seconds if self._step_seconds is None else (
           0.9 * self._step_seconds + 0.1 * seconds)
+    self._step_entered, self._round_work, self._resumed = entered, False, None
     flat = self._tree_schema.check(params)
     self._last_flat = flat
     self.step_count += 1
@@ -453,20 +534,26 @@ class Learner:
     applied = self._applied
     self._merge_due(flat)
     round_ = self.schedule.round_at(self.step_count)
+    if self._clock is not None and round_ is None:
+      self._plan(read_record=False)
+      due = self._clock.due(time.monotonic(), self._step_seconds)
+      if self.process_count > 1:
+        due = delayed.agreed(due, self.process_count)  # every process follows process 0
+      if due:
+        round_ = self._clock.round
+        self.step_count = self.schedule.step_of(round_)
     if round_ is not None and round_ >= self.first_round:
+      self._round_work = True
       self._publish_round(flat, round_, final=False)
       self._merge_due(flat)
+      if self._clock is not None:
+        self._clock.advance(time.monotonic(), self._resumed)
+        self._plan(read_record=True)
     if self._state_dir is not None and self._applied != applied:
       self._save(state, position)
-    self._beat(step=self.step_count, **self._pace(),
-               **({} if loss is None else {"loss": float(loss)}))
+    self._beat(step=self.step_count, **({} if loss is None else {"loss": float(loss)}))
     self._last_step_end = time.perf_counter()
     return self._tree_schema.unflatten(flat)
-
-  def _pace(self) -> dict[str, Any]:
-    """The heartbeat's pace fields: seconds per step, steps trained, seconds idle."""
-    return {"step_seconds": self._step_seconds, "trained": self.local_step,
-            "idle_seconds": round(self._idle_seconds, 6)}
 
   def _save(self, state: Any, position: Any) -> None:
     counters = learner_state.SavedCounters(
@@ -495,7 +582,7 @@ class Learner:
     if final or self.schedule.overlap_steps is None:
       due = None
     else:
-      due = self.step_count + self.schedule.overlap_steps
+      due = self._overlap_clock() + self.schedule.overlap_steps
     names_ = self.manifest.plan[fragment]
     # Every process gathers the fragment (a collective); only the primary publishes.
     snapshot = {n: placement.to_host(flat[n]) for n in names_}
@@ -605,8 +692,7 @@ class Learner:
       self._worker.stop(timeout=max(10.0, 3 * self._worker.timeout()))
       if self._beats is not None:
         self._beats.stop()
-        self._beat(status=heartbeats.CLOSED, step=self.step_count, closed_at=utc_now(),
-                   **self._pace())
+        self._beat(status=heartbeats.CLOSED, step=self.step_count, closed_at=utc_now())
         try:
           self._beats.write().result()
         except Exception as error:  # pylint: disable=broad-except

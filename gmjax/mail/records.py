@@ -273,7 +273,9 @@ def _participant(value: Any, where: str) -> Participant:
   return Participant(learner=read.field("learner", str),
                      local_step=read.field("local_step", int),
                      steps=read.field("steps", int), tokens=read.field("tokens", int),
-                     weight=read.field("weight", float))
+                     weight=read.field("weight", float),
+                     step_seconds=read.field("step_seconds", float, optional=True,
+                                             absent=True))
 
 
 def _rejection(value: Any, where: str) -> Rejection:

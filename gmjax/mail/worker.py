@@ -26,7 +26,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -84,6 +85,8 @@ class Worker:
   Attributes:
     closer: this learner's closer; only the worker's thread uses it.
     live_count: learners live when the roster was last read (an int, replaced whole).
+    paces: the live learners' reported seconds per step, by name, when the roster was
+      last read (a read-only mapping, replaced whole).
     failure: the exception the worker stopped with, or None.
   """
 
@@ -108,6 +111,7 @@ class Worker:
     self._listed: dict[int, float] = {}  # when a fragment was last listed for pruning
     self._stopping = False
     self.live_count = 1
+    self.paces: Mapping[str, float] = types.MappingProxyType({})
     self.failure: BaseException | None = None
     self._thread = threading.Thread(target=self._run, name=f"gmjax-mail-{name}", daemon=True)
 
@@ -233,6 +237,7 @@ class Worker:
   def _refresh_roster(self) -> None:
     self._roster.refresh()
     self.live_count = self._roster.live_count(self.closer.liveness_timeout())
+    self.paces = types.MappingProxyType(self._roster.paces(self.closer.liveness_timeout()))
     # Compiles the closer for more contributions as soon as more learners are live,
     # between rounds rather than while one waits to close.
     self.closer.grow(max(1, self.live_count))

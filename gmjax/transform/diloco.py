@@ -40,6 +40,14 @@ def _check(inner: Any, config: Any, axis_name: Any, outer: Any, shard_outer: Any
         " mail runtime does; in-mesh training needs an int in [0, sync_every), e.g."
         " dataclasses.replace(config, overlap_steps=0)."
     )
+  if config.adaptive_steps:
+    raise ValueError(
+        "gmjax.diloco: config.adaptive_steps=True lets each learner train as many steps as"
+        " its speed allows in a round's wall time, but in-mesh learners step in lockstep"
+        " (one program, one step count); use dataclasses.replace(config,"
+        " adaptive_steps=False), or the mail runtime (gmjax.mail) for learners of"
+        " different speeds."
+    )
   for what, value in (("inner", inner), ("outer", outer)):
     if value is not None and not (hasattr(value, "init") and hasattr(value, "update")):
       raise TypeError(

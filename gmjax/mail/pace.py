@@ -1,0 +1,129 @@
+"""Adaptive steps: every learner trains for the same wall time per round.
+
+With ``DiLoCo(adaptive_steps=True)`` a learner publishes round ``r`` at a deadline
+rather than at the schedule's step. The round's period is
+
+.. math:: T_r = \\mathrm{gap}(r) \\cdot s_{\\mathrm{fast}}
+
+(``gap(r) = step_of(r) − step_of(r − 1)``, ``sync_every / fragments`` on average): the
+time the fastest learner, at ``s_fast`` seconds per step, takes for the round's
+scheduled steps. Each learner keeps its own clock, which never re-anchors on its own
+publish times, so the learners' offsets stay those of their start:
+
+* the first round's period starts when the learner pulls; round ``r + 1``'s starts at
+  round ``r``'s deadline ``D_r``, or, if the step that published ``r`` blocked (waiting
+  for a commit), when that wait ended, if later: every learner waiting on the same
+  commit starts again from it;
+* the learner publishes round ``r`` at the first step where ``now + s_own / 2 ≥ D_r``
+  (the step boundary nearest the deadline, so at least one step), or at the round's
+  scheduled step if that comes first (the fastest learner, and every learner while no
+  pace is known): a contribution never covers more steps than the schedule's.
+
+``s_fast`` must be the same on every learner for a round, or their deadlines would drift
+apart. For round ``r`` it is taken from the round record of ``r − 1 − P`` (``P``
+fragments), which every learner holds once it has published round ``r − 1`` (that is
+the base version it aligned with): the fastest pace its participants reported
+(``fastest``). Before such a record exists (the first ``P + 1`` rounds), or when it
+was pruned, the learner takes the fastest pace among the live learners' heartbeats and
+its own, and moves the deadline earlier as faster paces become known.
+
+A learner's pace (``step_seconds``) is its moving average of the seconds from one
+``step`` call to the next: the caller's training and ``step``'s bookkeeping, so that the
+fastest learner reaches its round's last scheduled step at the deadline its own pace
+sets. After a ``step`` that published or merged a round it counts from that call's end:
+never a wait the slowest learner sets, nor a round's one-off work (a first publish
+compiles), which would stretch every learner's rounds.
+
+References:
+  Douillard et al., *DiLoCo: Distributed Low-Communication Training of Language
+  Models*, arXiv 2311.08105.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import numpy as np
+
+from gmjax.core import guards
+from gmjax.core.schedule import MAX_ESTIMATE_SECONDS, RoundSchedule
+
+
+def fastest(seconds: Iterable[float | None]) -> float | None:
+  """The fastest credible pace among reported seconds per step, or None if none is.
+
+  Reports that are missing, zero, not finite or above ``MAX_ESTIMATE_SECONDS`` are
+  ignored, and so is any more than ``guards.OUTLIER_FACTOR`` times faster than the
+  lower median of the reports: one learner that reports an absurdly fast pace cannot
+  shrink every round to a single step.
+
+  Example:
+    >>> from gmjax.mail import pace
+    >>> pace.fastest([0.08, 0.02, 0.04, None])
+    0.02
+    >>> pace.fastest([1e-9, 0.04, 0.05])  # not credible beside the others'
+    0.04
+  """
+  values = sorted(float(s) for s in seconds
+                  if isinstance(s, (int, float)) and not isinstance(s, bool)
+                  and math.isfinite(s) and 0 < s <= MAX_ESTIMATE_SECONDS)
+  if not values:
+    return None
+  median = float(np.asarray(values)[(len(values) - 1) // 2])
+  credible = [s for s in values if s * guards.OUTLIER_FACTOR >= median]
+  return credible[0]
+
+
+class RoundClock:
+  """One learner's deadlines under adaptive steps (see the module docstring).
+
+  Attributes:
+    round: the round being trained toward.
+    start: when its period began (``time.monotonic()``).
+    deadline: when it is due, or None while no pace is known.
+    planned_by_record: whether ``deadline`` comes from a round record (final for the
+      round) rather than from heartbeats (it may still move earlier).
+  """
+
+  def __init__(self, schedule: RoundSchedule, round_: int, start: float):
+    self.schedule = schedule
+    self.round = round_
+    self.start = start
+    self.deadline: float | None = None
+    self.planned_by_record = False
+
+  def plan(self, fast_seconds: float | None, *, from_record: bool) -> None:
+    """Sets the deadline from ``s_fast``: from a record once and for all, from
+    heartbeats only earlier than the one set."""
+    if fast_seconds is None or self.planned_by_record:
+      return
+    deadline = self.start + self.schedule.gap(self.round) * fast_seconds
+    if from_record or self.deadline is None:
+      self.deadline = deadline
+    else:
+      self.deadline = min(self.deadline, deadline)
+    self.planned_by_record = from_record
+
+  def due(self, now: float, own_seconds: float | None) -> bool:
+    """Whether the step ending at ``now`` is the boundary nearest the deadline."""
+    if self.deadline is None:
+      return False
+    return now + 0.5 * (own_seconds or 0.0) >= self.deadline
+
+  def advance(self, now: float, resumed: float | None) -> None:
+    """Moves on to the next round after publishing this one at ``now``.
+
+    Args:
+      now: when the publishing step ended.
+      resumed: when that step's last wait for a commit ended, or None if it did not
+        wait.
+    """
+    if self.deadline is None:
+      start = now  # no pace was known: nothing to keep the learners together yet
+    else:
+      start = self.deadline if resumed is None else max(self.deadline, resumed)
+    self.round += 1
+    self.start = start
+    self.deadline = None
+    self.planned_by_record = False

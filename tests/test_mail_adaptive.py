@@ -1,0 +1,291 @@
+"""Adaptive steps: learners of different speeds train for the same wall time per round.
+
+Learners run in threads over ``memory://`` runs; a learner's speed is a sleep per step.
+The committed Θ is checked against plain numpy DiLoCo driven by the step counts and
+tokens the round records report, and the step counts against the speeds.
+"""
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import numpy as np
+import optax
+import pytest
+
+import gmjax
+from gmjax import mail
+from gmjax.mail import heartbeats
+from gmjax.mail import pace
+from gmjax.mail import states
+
+import mail_support as ms
+
+POLL = 0.01
+
+
+def _learn(url, name, index, sleep, last_round, joined, out, *, tokens=1):
+  """Trains with ``sleep`` seconds per step until it has published ``last_round``."""
+  run = mail.open(url)
+  learner = run.join(name, poll_interval=POLL, wait_timeout=60.0)
+  params = learner.pull(ms.params0())
+  joined.wait()  # every learner is live before anyone publishes round 0
+  goal = ms.target(index)
+  last = run.manifest.schedule.step_of(last_round)
+  while learner.step_count < last:
+    time.sleep(sleep)
+    params = ms.inner(params, goal)
+    params = learner.step(params, tokens=tokens)
+  params = learner.close(params)
+  out[name] = (params, learner, run.learners()[name])
+
+
+def _train(config, sleeps, rounds, *, tokens=None):
+  # Every round waits for every learner, however late a loaded machine makes one.
+  config = dataclasses.replace(config, quorum_size=len(sleeps))
+  url = f"memory://adaptive-{uuid.uuid4().hex}"
+  run = mail.create(url, ms.params0(), config, keep_versions=None)
+  joined = threading.Barrier(len(sleeps), timeout=40)
+  out = {}
+  threads = ms.Threads()
+  for m, sleep in enumerate(sleeps):
+    threads.start(_learn, url, f"m{m}", m, sleep, rounds - 1, joined, out,
+                  tokens=1 if tokens is None else tokens[m])
+  threads.join(timeout=60)
+  return run, out
+
+
+def _steps(record):
+  return {p["learner"]: p["steps"] for p in record["participants"]}
+
+
+def reference(config, rounds, tokens_per_step):
+  """Plain numpy DiLoCo (one fragment, overlap 0, mixing 0) with each learner's steps
+  per round taken from ``rounds`` (the records): every learner starts a round from Θ,
+  trains its steps, and the token-weighted mean of the deltas takes a Nesterov SGD step
+  on an F64 master."""
+  lr, mu = config.outer_learning_rate, config.outer_momentum
+  master = {k: v.astype(np.float64) for k, v in ms.params0().items()}
+  momentum = {k: np.zeros(v.shape) for k, v in master.items()}
+  for record in rounds:
+    theta = {k: v.astype(np.float32) for k, v in master.items()}
+    steps = _steps(record)
+    tokens = {m: steps[m] * tokens_per_step[m] for m in steps}
+    total = sum(tokens.values())
+    g = {k: np.zeros(v.shape) for k, v in master.items()}
+    for m, count in sorted(steps.items()):
+      local = dict(theta)
+      for _ in range(count):
+        local = ms.inner(local, ms.target(int(m[1:])))
+      for k in g:
+        g[k] += tokens[m] / total * (theta[k].astype(np.float64) - local[k])
+    for k in master:
+      momentum[k] = mu * momentum[k] + g[k]
+      master[k] = master[k] - lr * (g[k] + mu * momentum[k])
+  return {k: v.astype(np.float32) for k, v in master.items()}
+
+
+@pytest.mark.timeout(90)
+def test_unequal_steps_match_numpy_reference():
+  config = gmjax.DiLoCo(sync_every=8, adaptive_steps=True)
+  tokens = [1, 3, 2]
+  run, out = _train(config, [0.005, 0.02, 0.04], rounds=5, tokens=tokens)
+  records = run.rounds()
+  assert [r["round"] for r in records] == list(range(5))
+  for record in records:
+    steps = _steps(record)
+    assert sorted(steps) == ["m0", "m1", "m2"] and record["rejected"] == []
+    total = sum(p["tokens"] for p in record["participants"])
+    for p in record["participants"]:
+      assert p["tokens"] == p["steps"] * tokens[int(p["learner"][1:])]
+      assert p["weight"] == p["tokens"] / total  # token weights, exactly
+      assert p["step_seconds"] > 0
+  assert any(len(set(_steps(r).values())) > 1 for r in records), [_steps(r) for r in records]
+  expected = reference(config, records, {f"m{m}": t for m, t in enumerate(tokens)})
+  for name, (params, learner, _) in out.items():
+    assert learner.step_count == run.manifest.schedule.step_of(4)
+    assert learner.local_step == sum(_steps(r)[name] for r in records)
+    for leaf in expected:
+      np.testing.assert_allclose(params[leaf], expected[leaf], rtol=2e-5, atol=2e-6,
+                                 err_msg=f"learner {name}, leaf {leaf}")
+
+
+@pytest.mark.timeout(90)
+def test_speeds_set_the_steps_of_each_round():
+  config = gmjax.DiLoCo(sync_every=8, adaptive_steps=True)
+  run, out = _train(config, [0.03, 0.06, 0.12], rounds=6)
+  records = run.rounds()
+  assert [r["round"] for r in records] == list(range(6))
+  nominal = {"m0": 8, "m1": 4, "m2": 2}  # 8 steps of the 30 ms learner's time
+  on_nominal = 0
+  for record in records:
+    steps = _steps(record)
+    assert sorted(steps) == ["m0", "m1", "m2"]
+    assert all(1 <= s <= 8 for s in steps.values())
+    if record["round"] < 2:
+      continue  # timed by heartbeats while the paces become known
+    # From round 2 on the deadline is 8 steps at the fastest pace round r − 2's record
+    # lists; each learner stops at the step nearest it, at its own pace (what its
+    # contribution reports): the sleeps' 8, 4 and 2, unless the machine slowed a learner.
+    paces = {p["learner"]: p["step_seconds"] for p in records[record["round"] - 2][
+        "participants"]}
+    period = 8 * pace.fastest(paces.values())
+    own = {p["learner"]: p["step_seconds"] for p in record["participants"]}
+    for name, count in steps.items():
+      planned = min(8, max(1, round(period / own[name])))
+      assert abs(count - nominal[name]) <= 1 or abs(count - planned) <= 1, (
+          record["round"], steps, planned)
+    on_nominal += all(abs(steps[m] - nominal[m]) <= 1 for m in nominal)
+  assert on_nominal >= 3, [_steps(r) for r in records]  # of the 4 rounds timed by records
+  for name, (_, learner, beat) in out.items():
+    assert beat["trained"] == learner.local_step > 0
+    assert beat["step_seconds"] == pytest.approx(learner._step_seconds)
+    assert beat["idle_seconds"] == pytest.approx(learner.idle_seconds)
+    assert learner.idle_seconds >= 0
+  # The slow learner trains a quarter of the fast one's steps, and waits about as much.
+  assert out["m2"][1].local_step < out["m0"][1].local_step / 2
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("options", [
+    dict(fragments=2),
+    dict(overlap_steps=None),
+    dict(overlap_steps=None, in_flight=2, fragments=2),
+    dict(outer_delay=1),
+    dict(outer_delay=1, eager=True),
+    dict(error_feedback=0.9, delta_precision="I4"),
+], ids=["fragments", "overlap-none", "in-flight", "delayed", "eager", "feedback"])
+def test_adaptive_with_other_options(options):
+  config = gmjax.DiLoCo(sync_every=8, adaptive_steps=True, **options)
+  run, out = _train(config, [0.01, 0.03], rounds=4)
+  schedule = run.manifest.schedule
+  records = run.rounds()
+  regular = [r for r in records if not r["final"]]
+  assert [r["round"] for r in regular] == list(range(4))
+  steps_since = {"m0": [0] * schedule.fragments, "m1": [0] * schedule.fragments}
+  for record in records:
+    steps = _steps(record)
+    assert record["rejected"] == [] and record["outer_step"]
+    assert sorted(steps) == ["m0", "m1"]
+    total = sum(p["tokens"] for p in record["participants"])
+    for p in record["participants"]:
+      assert 1 <= p["steps"] <= schedule.sync_every
+      assert p["tokens"] == p["steps"]
+      assert p["weight"] == pytest.approx(p["tokens"] / total, rel=1e-6)
+  for name, (params, learner, beat) in out.items():
+    assert learner.step_count == schedule.step_of(3)
+    # Every step trained went into exactly one contribution per fragment.
+    for f in range(schedule.fragments):
+      covered = sum(_steps(r)[name] for r in records if r["fragment"] == f)
+      assert covered == learner.local_step, (name, f)
+    for leaf, value in params.items():
+      assert np.all(np.isfinite(value)), leaf
+    assert beat["status"] == "closed"
+
+
+def test_in_mesh_refuses_adaptive_steps():
+  config = gmjax.DiLoCo(sync_every=4, adaptive_steps=True)
+  with pytest.raises(ValueError, match="adaptive_steps=True.*lockstep.*adaptive_steps=False"):
+    gmjax.diloco(optax.sgd(0.1), config)
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_adaptive_steps_must_be_a_bool(value):
+  with pytest.raises(ValueError, match=f"adaptive_steps must be a bool, got {value!r}"):
+    gmjax.DiLoCo(sync_every=4, adaptive_steps=value)
+
+
+def test_config_json_round_trips_adaptive_steps():
+  config = gmjax.DiLoCo(sync_every=4, adaptive_steps=True)
+  assert config.to_json()["adaptive_steps"] is True
+  assert gmjax.DiLoCo.from_json(config.to_json()) == config
+  plain = dataclasses.replace(config, adaptive_steps=False)
+  assert "adaptive_steps" not in plain.to_json()  # as manifests written before it read
+  assert gmjax.DiLoCo.from_json(plain.to_json()).adaptive_steps is False
+
+
+def test_manifest_keeps_adaptive_steps():
+  url = f"memory://adaptive-{uuid.uuid4().hex}"
+  mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=4, adaptive_steps=True))
+  assert mail.open(url).manifest.config.adaptive_steps is True
+
+
+def test_fastest_ignores_missing_and_incredible_paces():
+  assert pace.fastest([]) is None
+  assert pace.fastest([None, 0.0, float("nan"), float("inf"), -1.0]) is None
+  assert pace.fastest([0.08, 0.02, 0.04]) == 0.02
+  assert pace.fastest([1e-6, 0.04, 0.05, 0.06]) == 0.04  # >10x faster than the median
+
+
+def test_round_clock_keeps_its_deadlines_without_drift():
+  schedule = gmjax.DiLoCo(sync_every=8, fragments=2).schedule(2)
+  clock = pace.RoundClock(schedule, 0, start=100.0)
+  assert not clock.due(1e9, 0.01)  # no pace known: the schedule's step decides
+  clock.plan(0.05, from_record=False)
+  assert clock.deadline == pytest.approx(100.2)  # gap(0) = 4 steps
+  clock.plan(0.02, from_record=False)  # a faster pace seen: earlier
+  clock.plan(0.05, from_record=False)  # never later, from heartbeats
+  assert clock.deadline == pytest.approx(100.08)
+  assert not clock.due(100.05, 0.02) and clock.due(100.07, 0.02)
+  clock.advance(100.1, resumed=None)  # published late, without waiting: no re-anchoring
+  assert (clock.round, clock.start, clock.deadline) == (1, pytest.approx(100.08), None)
+  clock.plan(0.03, from_record=True)
+  clock.plan(0.01, from_record=False)  # a record's pace is final for its round
+  assert clock.deadline == pytest.approx(100.2)
+  clock.advance(100.2, resumed=100.5)  # waited for a commit until 100.5: from there
+  assert clock.start == pytest.approx(100.5)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("step_seconds", "fast"), ("step_seconds", -0.5), ("step_seconds", float("inf")),
+    ("idle_seconds", True), ("idle_seconds", float("nan")), ("trained", 1.5),
+    ("trained", -1),
+])
+def test_heartbeat_pace_fields_are_checked(field, value):
+  record = {"name": "m0", "status": "live", "seq": 1, "step_seconds": 0.02, "trained": 3,
+            "idle_seconds": 0.5}
+  assert heartbeats.parse("m0", json.dumps(record).encode(), None)["trained"] == 3
+  record[field] = value
+  with pytest.raises(heartbeats.BadHeartbeat, match=field):
+    heartbeats.parse("m0", json.dumps(record).encode(), None)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_two_process_learner_agrees_on_its_deadlines(tmp_path):
+  """Process 0 decides when a round is due: both processes publish the same rounds at
+  the same steps (or the job's collectives would hang) and end on the committed Θ."""
+  config = gmjax.DiLoCo(sync_every=4, adaptive_steps=True)
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), config, keep_versions=None)
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  outs = [str(tmp_path / f"p{i}.json") for i in range(2)]
+  job = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mail_jax_job.py")
+  jobs = [subprocess.Popen([sys.executable, job, url, str(port), str(i), "9", outs[i]],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                           text=True) for i in range(2)]
+  try:
+    logs = [j.communicate(timeout=240)[0] for j in jobs]
+  finally:
+    for j in jobs:
+      ms.kill(j)
+  assert [j.returncode for j in jobs] == [0, 0], logs
+  seen = [json.load(open(o)) for o in outs]
+  assert seen[0]["final"] == seen[1]["final"]
+  records = run.rounds()
+  assert all([p["learner"] for p in r["participants"]] == ["job"] for r in records)
+  assert sum(_steps(r)["job"] for r in records) == 9  # every step in one contribution
+  last = records[-1]
+  theta = states.load_state(run.store, run.commit(0, last["version"])).theta
+  for name, value in seen[0]["final"].items():
+    np.testing.assert_array_equal(np.asarray(value, np.float32), theta[name])
