@@ -37,9 +37,10 @@ after three contributions and the run's grace period; the grace is the run's tim
 ``kills`` (straggler speeds; about one learner per 20 rounds, chosen at random, is
 SIGKILLed at a random moment and restarted at once under the same name: a real rejoin,
 which pulls the newest Θ) and ``late`` (straggler speeds; learner ``l1`` starts once a
-quarter of the budget is trained). ``--adaptive`` runs the chosen scenarios with
-``gmjax.DiLoCo(adaptive_steps=True)`` (results named ``<scenario>+adaptive``), and
-stops with an error if the installed gmjax has no such field.
+quarter of the budget is trained). ``--adaptive on`` runs the chosen scenarios with
+``gmjax.DiLoCo(adaptive_steps=True)`` (results named ``<scenario>+adaptive``), ``both``
+runs each both ways; ``--overlap-steps`` sets ``overlap_steps`` (``none``: a learner
+merges a commit at the first step after it lands, and waits only past ``in_flight``).
 
 Synchronous data-parallel is computed, not run: the same budget as global steps of the
 4 learners' batches (the same data, plain SGD on their concatenation at 4x the inner
@@ -141,21 +142,12 @@ def sgd(params, x, y, lr: float = LEARNING_RATE):
           "b": (params["b"] - lr * np.mean(r)).astype(np.float32)}
 
 
-def config(scenario: Scenario, sync_every: int, adaptive: bool):
-  """The scenario's ``gmjax.DiLoCo``; raises SystemExit if ``adaptive`` is asked of a
-  gmjax without ``adaptive_steps``."""
+def config(scenario: Scenario, sync_every: int, adaptive: bool, overlap_steps: int | None):
+  """The scenario's ``gmjax.DiLoCo``."""
   import gmjax  # pylint: disable=g-import-not-at-top
 
-  extra = {}
-  if adaptive:
-    if "adaptive_steps" not in {f.name for f in dataclasses.fields(gmjax.DiLoCo)}:
-      raise SystemExit(
-          f"--adaptive: the installed gmjax ({gmjax.__file__}) has no"
-          " gmjax.DiLoCo(adaptive_steps=...); install a gmjax that has it, or run without"
-          " --adaptive")
-    extra["adaptive_steps"] = True
   return gmjax.DiLoCo(sync_every=sync_every, quorum_size=scenario.quorum_size, **OUTER,
-                      **extra)
+                      adaptive_steps=adaptive, overlap_steps=overlap_steps)
 
 
 # The learner process.
@@ -260,7 +252,7 @@ def run_scenario(args, scenario: Scenario, adaptive: bool) -> dict[str, Any]:
   name = scenario.name + ("+adaptive" if adaptive else "")
   directory = tempfile.mkdtemp(prefix=f"goodput-{scenario.name}-", dir=args.work)
   url = os.path.join(directory, "run")
-  run = mail.create(url, params0(), config(scenario, args.sync_every, adaptive),
+  run = mail.create(url, params0(), config(scenario, args.sync_every, adaptive, args.overlap_steps),
                     keep_versions=None)
   learners = len(scenario.speeds)
   budget = args.rounds * args.sync_every * learners * BATCH
@@ -427,6 +419,10 @@ def table(results: list[dict[str, Any]], target: float) -> str:
   return "\n".join(lines)
 
 
+def _overlap(text: str) -> int | None:
+  return None if text.lower() == "none" else int(text)
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--base-ms", type=float, default=250.0,
@@ -436,8 +432,12 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--sync-every", type=int, default=8)
   parser.add_argument("--scenario", action="append", choices=sorted(SCENARIOS),
                       help="repeat for several (default: all)")
-  parser.add_argument("--adaptive", action="store_true",
-                      help="gmjax.DiLoCo(adaptive_steps=True) in every scenario")
+  parser.add_argument("--adaptive", choices=("off", "on", "both"), default="off",
+                      help="gmjax.DiLoCo(adaptive_steps=True) in every scenario (on), or"
+                      " each scenario both ways (both)")
+  parser.add_argument("--overlap-steps", type=_overlap, default=0,
+                      help="DiLoCo's overlap_steps: an int, or 'none' (merge a commit at"
+                      " the first step after it lands)")
   parser.add_argument("--quick", action="store_true",
                       help="a short smoke run: 3 rounds of 4 steps of 20 ms")
   parser.add_argument("--poll", type=float, default=0.02)
@@ -468,12 +468,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.error(f"--rounds ({args.rounds}) and --sync-every ({args.sync_every}) must be"
                  f" >= 1 and --base-ms ({args.base_ms}) > 0")
   names = args.scenario or list(SCENARIOS)
-  if args.adaptive:
-    config(SCENARIOS[names[0]], args.sync_every, True)  # fails before anything runs
   args.work = args.work or tempfile.mkdtemp(prefix="gmjax-goodput-")
   results = []
-  for name in names:
-    result = run_scenario(args, SCENARIOS[name], args.adaptive)
+  modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.adaptive]
+  for name, adaptive in [(n, a) for n in names for a in modes]:
+    result = run_scenario(args, SCENARIOS[name], adaptive)
     results.append(result)
     print(f"{result['scenario']}: goodput {result['goodput']:.3f}, idle "
           + " ".join(f"{k} {v['idle']:.2f}" for k, v in result["learners"].items())
@@ -490,7 +489,8 @@ def main(argv: list[str] | None = None) -> None:
     with open(os.path.join(args.out, "goodput.json"), "w") as f:
       json.dump({"settings": {k: v for k, v in vars(args).items()
                               if k in ("base_ms", "rounds", "sync_every", "poll", "seed",
-                                       "adaptive", "dp_gbps", "dp_latency_ms")},
+                                       "adaptive", "overlap_steps", "dp_gbps",
+                                       "dp_latency_ms")},
                  "target_loss": target, "results": results}, f, indent=1)
     plot(results, os.path.join(args.out, "goodput.png"))
 

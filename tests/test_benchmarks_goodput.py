@@ -5,7 +5,6 @@ No timing thresholds: the machine's load sets the figures, not the code.
 """
 
 import argparse
-import dataclasses
 import importlib.util
 import json
 import os
@@ -14,7 +13,6 @@ import sys
 import numpy as np
 import pytest
 
-import gmjax
 
 _PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                      "benchmarks", "goodput.py")
@@ -88,11 +86,3 @@ def test_data_parallel_reference_is_plain_sgd_on_the_learners_batches():
   expected = 0.5 * np.mean((x.astype(np.float64) @ w + b - y) ** 2)
   np.testing.assert_allclose(reference["final_loss"], expected, rtol=1e-4)
   assert [c["tokens"] for c in reference["curve"]] == [0, 3 * 4 * 16, 6 * 4 * 16]
-
-
-@pytest.mark.skipif("adaptive_steps" in {f.name for f in dataclasses.fields(gmjax.DiLoCo)},
-                    reason="this gmjax has adaptive_steps")
-def test_adaptive_without_the_field_stops_before_anything_runs(tmp_path):
-  with pytest.raises(SystemExit, match="adaptive_steps"):
-    goodput.main(["--quick", "--adaptive", "--work", str(tmp_path)])
-  assert not os.listdir(tmp_path)
