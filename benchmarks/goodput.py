@@ -40,7 +40,9 @@ which pulls the newest Θ) and ``late`` (straggler speeds; learner ``l1`` starts
 quarter of the budget is trained). ``--adaptive on`` runs the chosen scenarios with
 ``gmjax.DiLoCo(adaptive_steps=True)`` (results named ``<scenario>+adaptive``), ``both``
 runs each both ways; ``--overlap-steps`` sets ``overlap_steps`` (``none``: a learner
-merges a commit at the first step after it lands, and waits only past ``in_flight``).
+merges a commit at the first step after it lands, and waits only past ``in_flight``),
+``--outer-delay 1`` delayed outer gradients (a learner sends its delta and goes on from
+the round before's Θ without waiting).
 
 Synchronous data-parallel is computed, not run: the same budget as global steps of the
 4 learners' batches (the same data, plain SGD on their concatenation at 4x the inner
@@ -142,12 +144,14 @@ def sgd(params, x, y, lr: float = LEARNING_RATE):
           "b": (params["b"] - lr * np.mean(r)).astype(np.float32)}
 
 
-def config(scenario: Scenario, sync_every: int, adaptive: bool, overlap_steps: int | None):
+def config(scenario: Scenario, sync_every: int, adaptive: bool, overlap_steps: int | None,
+           outer_delay: int = 0):
   """The scenario's ``gmjax.DiLoCo``."""
   import gmjax  # pylint: disable=g-import-not-at-top
 
   return gmjax.DiLoCo(sync_every=sync_every, quorum_size=scenario.quorum_size, **OUTER,
-                      adaptive_steps=adaptive, overlap_steps=overlap_steps)
+                      adaptive_steps=adaptive, overlap_steps=overlap_steps,
+                      outer_delay=outer_delay)
 
 
 # The learner process.
@@ -252,7 +256,8 @@ def run_scenario(args, scenario: Scenario, adaptive: bool) -> dict[str, Any]:
   name = scenario.name + ("+adaptive" if adaptive else "")
   directory = tempfile.mkdtemp(prefix=f"goodput-{scenario.name}-", dir=args.work)
   url = os.path.join(directory, "run")
-  run = mail.create(url, params0(), config(scenario, args.sync_every, adaptive, args.overlap_steps),
+  run = mail.create(url, params0(), config(scenario, args.sync_every, adaptive,
+                                           args.overlap_steps, args.outer_delay),
                     keep_versions=None)
   learners = len(scenario.speeds)
   budget = args.rounds * args.sync_every * learners * BATCH
@@ -438,6 +443,10 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--overlap-steps", type=_overlap, default=0,
                       help="DiLoCo's overlap_steps: an int, or 'none' (merge a commit at"
                       " the first step after it lands)")
+  parser.add_argument("--outer-delay", type=int, choices=(0, 1), default=0,
+                      help="DiLoCo's outer_delay: 1 sends a phase's delta and starts the"
+                      " next phase from the round before's Θ without waiting (needs"
+                      " --overlap-steps 0)")
   parser.add_argument("--quick", action="store_true",
                       help="a short smoke run: 3 rounds of 4 steps of 20 ms")
   parser.add_argument("--poll", type=float, default=0.02)
@@ -489,7 +498,7 @@ def main(argv: list[str] | None = None) -> None:
     with open(os.path.join(args.out, "goodput.json"), "w") as f:
       json.dump({"settings": {k: v for k, v in vars(args).items()
                               if k in ("base_ms", "rounds", "sync_every", "poll", "seed",
-                                       "adaptive", "overlap_steps", "dp_gbps",
+                                       "adaptive", "overlap_steps", "outer_delay", "dp_gbps",
                                        "dp_latency_ms")},
                  "target_loss": target, "results": results}, f, indent=1)
     plot(results, os.path.join(args.out, "goodput.png"))
