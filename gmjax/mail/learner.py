@@ -76,7 +76,7 @@ from gmjax.mail.closer import HEARTBEAT_POLLS
 from gmjax.mail.errors import CorruptRecord, LearnerClosed, RoundTimeout
 from gmjax.mail.manifest import utc_now
 from gmjax.mail.records import read_round
-from gmjax.mail.worker import Commit, Worker
+from gmjax.mail.worker import Commit, Publish, Worker
 
 log = logging.getLogger(__name__)
 
@@ -610,11 +610,10 @@ class Learner:
           self._residuals[fragment] = residual
         payload = {"entries": entries}
       if self.primary:
-        self._worker.publish({
-            "round": round_, "fragment": fragment, "base_version": base,
-            **payload, "local_step": self.local_step, "steps": steps, "tokens": count,
-            "step_seconds": self._step_seconds or 0.0, "final": final,
-        })
+        self._worker.publish(Publish(
+            round=round_, fragment=fragment, base_version=base, local_step=self.local_step,
+            steps=steps, tokens=count, step_seconds=self._step_seconds or 0.0, final=final,
+            **payload))
     self._future(fragment, version)
     if delayed_ and not final:
       self._unadopted.append((round_, version, None))
