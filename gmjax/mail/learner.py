@@ -73,10 +73,10 @@ from gmjax.mail import placement
 from gmjax.mail import retention
 from gmjax.mail.beats import Beat, HeartbeatWriter
 from gmjax.mail.closer import HEARTBEAT_POLLS
-from gmjax.mail.errors import CorruptRecord, LearnerClosed, RoundTimeout
+from gmjax.mail.errors import LearnerClosed, RoundTimeout
 from gmjax.mail.manifest import utc_now
 from gmjax.mail.records import read_round
-from gmjax.mail.worker import Commit, Worker
+from gmjax.mail.worker import Commit, Publish, Worker
 
 log = logging.getLogger(__name__)
 
@@ -164,8 +164,9 @@ class Learner:
     self.idle_seconds = 0.0
     self._resumed: float | None = None  # when this step()'s last wait ended
     self.adaptive = bool(self.config.adaptive_steps)
-    self._clock: pace.RoundClock | None = None
-    self._round_paces: dict[int, float | None] = {}  # round -> its record's fastest pace
+    self._pacer = pace.Pacer(
+        self.schedule, self.store, self.key, self.name,
+        lambda: [*self._worker.paces.values(), self._step_seconds]) if self.adaptive else None
     self._last_flat: dict[str, Any] | None = None
     self._applied = 0  # commits applied (merged, or a phase started from), ever
     self._restore_checked = self._state_dir is None or not self._state_dir.saved
@@ -243,44 +244,14 @@ class Learner:
       self.idle_seconds += self._resumed - started
 
   def _noted(self, commit: Commit) -> Commit:
-    """Keeps the pace of the round ``commit`` closed, for adaptive deadlines: the
-    learner holds that record already, and need not read it from storage to plan."""
-    record = commit.record
-    if self.adaptive and record.round is not None:
-      self._round_paces[record.round] = pace.fastest(
-          p.step_seconds for p in record.participants)
+    if self._pacer is not None:
+      self._pacer.note(commit.record)
     return commit
 
   def _overlap_clock(self) -> int:
     """The step count ``overlap_steps`` is counted in: the learner's own steps with
     adaptive steps (its global step jumps), the global step otherwise."""
     return self.local_step if self.adaptive else self.step_count
-
-  def _plan(self, *, read_record: bool) -> None:
-    """Sets the deadline of the round the clock times (``gmjax.mail.pace``): from the
-    record of round ``r − 1 − P`` when ``read_record`` and it is readable, else (and on
-    later steps, until a record sets it) from the paces of the live learners."""
-    clock = self._clock
-    if clock.planned_by_record:
-      return
-    earlier = clock.round - 1 - self.schedule.fragments
-    if read_record and earlier >= 0:
-      for r in [r for r in self._round_paces if r < earlier - self.schedule.fragments]:
-        del self._round_paces[r]
-      if earlier not in self._round_paces:  # held as a newer version stood in for it
-        try:
-          record = read_round(self.store, self.schedule.fragment_of(earlier),
-                              self.schedule.version_after(earlier), self.key)
-          self._noted(Commit({}, record))
-        except (FileNotFoundError, CorruptRecord) as error:
-          # Pruned (the learner is far behind) or damaged: heartbeats stand in.
-          log.info("learner %r: no pace from round %d's record (%r); using heartbeats",
-                   self.name, earlier, error)
-      clock.plan(self._round_paces.get(earlier), from_record=True)
-      if clock.planned_by_record:
-        return
-    clock.plan(pace.fastest([*self._worker.paces.values(), self._step_seconds]),
-               from_record=False)
 
   def _align(self, flat: dict[str, Any], fragment: int, version: int,
              theta: dict[str, np.ndarray]) -> None:
@@ -385,9 +356,8 @@ class Learner:
         self._delay.begin(fragment, theta)
     # Loading the start is not idling in step() or close().
     self.idle_seconds, self._resumed = 0.0, None
-    if self.adaptive:
-      self._clock = pace.RoundClock(self.schedule, self.first_round, time.monotonic())
-      self._plan(read_record=True)
+    if self._pacer is not None:
+      self._pacer.start(self.first_round, time.monotonic())
     self._beat(step=self.step_count, first_round=self.first_round)
     if self._beats is not None:
       self._beats.write().result()
@@ -534,21 +504,19 @@ class Learner:
     applied = self._applied
     self._merge_due(flat)
     round_ = self.schedule.round_at(self.step_count)
-    if self._clock is not None and round_ is None:
-      self._plan(read_record=False)
-      due = self._clock.due(time.monotonic(), self._step_seconds)
+    if self._pacer is not None and round_ is None:
+      due = self._pacer.due(time.monotonic(), self._step_seconds)
       if self.process_count > 1:
         due = delayed.agreed(due, self.process_count)  # every process follows process 0
       if due:
-        round_ = self._clock.round
+        round_ = self._pacer.clock.round
         self.step_count = self.schedule.step_of(round_)
     if round_ is not None and round_ >= self.first_round:
       self._round_work = True
       self._publish_round(flat, round_, final=False)
       self._merge_due(flat)
-      if self._clock is not None:
-        self._clock.advance(time.monotonic(), self._resumed)
-        self._plan(read_record=True)
+      if self._pacer is not None:
+        self._pacer.advance(time.monotonic(), self._resumed)
     if self._state_dir is not None and self._applied != applied:
       self._save(state, position)
     self._beat(step=self.step_count, **({} if loss is None else {"loss": float(loss)}))
@@ -610,11 +578,10 @@ class Learner:
           self._residuals[fragment] = residual
         payload = {"entries": entries}
       if self.primary:
-        self._worker.publish({
-            "round": round_, "fragment": fragment, "base_version": base,
-            **payload, "local_step": self.local_step, "steps": steps, "tokens": count,
-            "step_seconds": self._step_seconds or 0.0, "final": final,
-        })
+        self._worker.publish(Publish(
+            round=round_, fragment=fragment, base_version=base, local_step=self.local_step,
+            steps=steps, tokens=count, step_seconds=self._step_seconds or 0.0, final=final,
+            **payload))
     self._future(fragment, version)
     if delayed_ and not final:
       self._unadopted.append((round_, version, None))

@@ -41,13 +41,18 @@ References:
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
 from gmjax.core import guards
 from gmjax.core.schedule import MAX_ESTIMATE_SECONDS, RoundSchedule
+from gmjax.mail.errors import CorruptRecord
+from gmjax.mail.records import RoundRecord, read_round
+
+log = logging.getLogger(__name__)
 
 
 def fastest(seconds: Iterable[float | None]) -> float | None:
@@ -127,3 +132,69 @@ class RoundClock:
     self.start = start
     self.deadline = None
     self.planned_by_record = False
+
+
+class Pacer:
+  """One learner's adaptive steps: its ``RoundClock`` and the paces of the round records
+  it holds (see the module docstring).
+
+  Args:
+    schedule: the run's schedule.
+    store: the run's store, to read a round record the learner does not hold.
+    key: the run's signing key.
+    name: the learner's name (for logs).
+    live_paces: the seconds per step the live learners report, this one's included.
+  """
+
+  def __init__(self, schedule: RoundSchedule, store, key: bytes | None, name: str,
+               live_paces: Callable[[], Iterable[float | None]]):
+    self.schedule = schedule
+    self._store, self._key, self._name = store, key, name
+    self._live_paces = live_paces
+    self._paces: dict[int, float | None] = {}  # round -> its record's fastest pace
+    self.clock: RoundClock | None = None
+
+  def note(self, record: RoundRecord) -> None:
+    """Keeps the pace of the round ``record`` closed: the learner holds that record
+    already, and need not read it from storage to plan."""
+    if record.round is not None:
+      self._paces[record.round] = fastest(p.step_seconds for p in record.participants)
+
+  def start(self, round_: int, now: float) -> None:
+    """Starts the clock of the learner's first round at ``now`` (its ``pull``)."""
+    self.clock = RoundClock(self.schedule, round_, now)
+    self._plan(read_record=True)
+
+  def due(self, now: float, own_seconds: float | None) -> bool:
+    """Whether the learner's step ending at ``now`` publishes the clock's round."""
+    self._plan(read_record=False)
+    return self.clock.due(now, own_seconds)
+
+  def advance(self, now: float, resumed: float | None) -> None:
+    """Moves the clock on after the learner published its round (``RoundClock.advance``)."""
+    self.clock.advance(now, resumed)
+    self._plan(read_record=True)
+
+  def _plan(self, *, read_record: bool) -> None:
+    """Sets the deadline of the round the clock times: from the record of round
+    ``r − 1 − P`` when ``read_record`` and it is readable, else (and on later steps,
+    until a record sets it) from the paces of the live learners."""
+    clock = self.clock
+    if clock.planned_by_record:
+      return
+    earlier = clock.round - 1 - self.schedule.fragments
+    if read_record and earlier >= 0:
+      for r in [r for r in self._paces if r < earlier - self.schedule.fragments]:
+        del self._paces[r]
+      if earlier not in self._paces:  # held as a newer version stood in for it
+        try:
+          self.note(read_round(self._store, self.schedule.fragment_of(earlier),
+                               self.schedule.version_after(earlier), self._key))
+        except (FileNotFoundError, CorruptRecord) as error:
+          # Pruned (the learner is far behind) or damaged: heartbeats stand in.
+          log.info("learner %r: no pace from round %d's record (%r); using heartbeats",
+                   self._name, earlier, error)
+      clock.plan(self._paces.get(earlier), from_record=True)
+      if clock.planned_by_record:
+        return
+    clock.plan(fastest(self._live_paces()), from_record=False)

@@ -4,8 +4,8 @@ The training thread (``Learner``) never touches the closer, the roster or the ca
 It sends the worker requests through a queue and gets answers as
 ``concurrent.futures.Future`` objects:
 
-* ``publish(job)``: encode (unless the job carries its entries: error feedback) and
-  upload a contribution, then watch its round;
+* ``publish(Publish(...))``: encode (unless the job carries its entries: error
+  feedback) and upload a contribution, then watch its round;
 * ``request(fragment, version)``: a future of that version's ``Commit`` (its Θ and its
   round record), resolved once it is committed (Θ from memory when this learner closed
   the round, rebuilt from the update, or read from storage).
@@ -22,6 +22,7 @@ failed).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -49,6 +50,54 @@ from gmjax.mail.records import RoundRecord, read_round
 log = logging.getLogger(__name__)
 
 Key = tuple[int, int]  # (fragment, version)
+
+
+@dataclasses.dataclass(frozen=True)
+class Publish:
+  """A contribution for the worker to upload (``Worker.publish``).
+
+  Attributes:
+    round: the round it contributes to.
+    fragment: the round's fragment.
+    base_version: the version its delta is taken against.
+    local_step: the learner's own step count when it published.
+    steps: inner steps the delta covers.
+    tokens: tokens those steps trained.
+    step_seconds: the learner's seconds per step (0 when not timed yet).
+    final: a leaving learner's last contribution.
+    delta: the delta (leaf name -> array), for the worker to encode; or None when
+      ``entries`` holds it encoded already (by the learner, where error feedback's
+      residual or the eager correction must follow the bytes).
+    entries: the encoded delta, or None.
+  """
+
+  round: int
+  fragment: int
+  base_version: int
+  local_step: int
+  steps: int
+  tokens: int
+  step_seconds: float
+  final: bool
+  delta: dict[str, Any] | None = None
+  entries: dict[str, Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+  """A future to resolve with the ``Commit`` of ``key`` once it is committed."""
+  key: Key
+  future: concurrent.futures.Future
+
+
+@dataclasses.dataclass(frozen=True)
+class _Warm:
+  """Read the roster and compile the closer for the learners live now."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stop:
+  """Let the queued uploads go out, then end the thread."""
 
 
 class Commit(NamedTuple):
@@ -121,11 +170,12 @@ class Worker:
     """Starts the thread. With ``warm`` it first compiles the closer for the learners
     live now, so that the first round does not wait on a compile."""
     if warm:
-      self._inbox.put(("warm",))
+      self._inbox.put(_Warm())
     self._thread.start()
 
-  def publish(self, job: dict[str, Any]) -> None:
-    self._inbox.put(("publish", job))
+  def publish(self, job: Publish) -> None:
+    """Uploads ``job`` (then watches its round), after what is queued before it."""
+    self._inbox.put(job)
 
   def request(self, fragment: int, version: int) -> concurrent.futures.Future:
     """A future of the ``Commit`` of ``version`` of ``fragment``, resolved once it is
@@ -134,12 +184,12 @@ class Worker:
     if self.failure is not None:
       future.set_exception(self._closed_error())
     else:
-      self._inbox.put(("request", (fragment, version), future))
+      self._inbox.put(_Request((fragment, version), future))
     return future
 
   def stop(self, timeout: float) -> None:
     """Lets queued uploads go out, then ends the thread (waiting up to ``timeout``)."""
-    self._inbox.put(("stop",))
+    self._inbox.put(_Stop())
     if self._thread.is_alive():
       self._thread.join(timeout)
 
@@ -220,14 +270,13 @@ class Worker:
     except queue.Empty:
       return not self._stopping
     while True:
-      kind = message[0]
-      if kind == "publish":
-        self._upload(message[1])
-      elif kind == "request":
-        self._requests.setdefault(message[1], []).append(message[2])
-      elif kind == "warm":
+      if isinstance(message, Publish):
+        self._upload(message)
+      elif isinstance(message, _Request):
+        self._requests.setdefault(message.key, []).append(message.future)
+      elif isinstance(message, _Warm):
         self._refresh_roster()
-      elif kind == "stop":
+      elif isinstance(message, _Stop):
         self._stopping = True
       try:
         message = self._inbox.get_nowait()
@@ -256,8 +305,8 @@ class Worker:
         message = self._inbox.get_nowait()
       except queue.Empty:
         return
-      if message[0] == "request" and not message[2].done():
-        message[2].set_exception(self._closed_error())
+      if isinstance(message, _Request) and not message.future.done():
+        message.future.set_exception(self._closed_error())
 
   def _cycle(self) -> None:
     now = time.monotonic()
@@ -380,22 +429,20 @@ class Worker:
     self._thetas[fragment] = (version, theta)
     return theta
 
-  def _upload(self, job: dict[str, Any]) -> None:
-    fragment = job["fragment"]
-    schema = self.fragment_schemas[fragment]
+  def _upload(self, job: Publish) -> None:
+    schema = self.fragment_schemas[job.fragment]
     config = self.manifest.config
-    precision = config.delta_precision
-    entries = job.get("entries")
+    entries = job.entries
     if entries is None:
-      entries = config.delta_wire.encode(job["delta"], schema)  # ValueError on NaN/Inf
+      entries = config.delta_wire.encode(job.delta, schema)  # ValueError on NaN/Inf
     entries = to_numpy(entries, config.delta_layout(schema))
     data = contributions.dumps(
-        entries, learner=self.name, round_=job["round"], fragment=fragment,
-        base_version=job["base_version"], local_step=job["local_step"],
-        steps=job["steps"], tokens=job["tokens"], step_seconds=job["step_seconds"],
-        final=job["final"], precision=precision, key=self.key)
+        entries, learner=self.name, round_=job.round, fragment=job.fragment,
+        base_version=job.base_version, local_step=job.local_step, steps=job.steps,
+        tokens=job.tokens, step_seconds=job.step_seconds, final=job.final,
+        precision=config.delta_precision, key=self.key)
     # Not synced to disk: a contribution matters only until its round commits (the
     # commit's state is synced), and a machine crash that loses or truncates it loses
     # only this learner's uncommitted steps (a truncated one is rejected).
-    self.store.put(layout.contribution(job["round"], self.name), data, durable=False)
-    self._watches.setdefault(job["round"], self.closer.watch(job["round"]))
+    self.store.put(layout.contribution(job.round, self.name), data, durable=False)
+    self._watches.setdefault(job.round, self.closer.watch(job.round))
