@@ -240,6 +240,9 @@ def test_round_clock_keeps_its_deadlines_without_drift():
   assert clock.deadline == pytest.approx(100.2)
   clock.advance(100.2, resumed=100.5)  # waited for a commit until 100.5: from there
   assert clock.start == pytest.approx(100.5)
+  clock.plan(0.5, from_record=True)  # a pace measured too slow: the deadline is at 102.5
+  clock.advance(100.9, resumed=None)  # published at its scheduled step, before it
+  assert clock.start == pytest.approx(100.9)  # from then, not from 102.5
 
 
 @pytest.mark.parametrize("field, value", [

@@ -35,6 +35,7 @@ class TrainConfig:
   model: ModelConfig
   diloco: DiLoCo
   learner_speeds: tuple[float, ...] | None = None
+  step_ms: float | None = None
   source: str = ""
 
   def to_json(self) -> dict[str, Any]:
@@ -45,6 +46,8 @@ class TrainConfig:
       del record["learner_speeds"]  # as configs without it were recorded
     else:
       record["learner_speeds"] = list(self.learner_speeds)
+    if self.step_ms is None:
+      del record["step_ms"]  # as configs without it were recorded
     return record
 
   def slowdown(self, index: int) -> float:
@@ -54,17 +57,26 @@ class TrainConfig:
       return 1.0
     return max(self.learner_speeds) / self.learner_speeds[index]
 
+  def step_seconds(self, index: int) -> float | None:
+    """The seconds learner ``index``'s inner step takes, compute included (it sleeps the
+    rest): ``step_ms`` times its ``slowdown``; None without ``step_ms`` (then a slower
+    learner sleeps ``slowdown − 1`` times its compute)."""
+    if self.step_ms is None:
+      return None
+    return self.step_ms / 1000 * self.slowdown(index)
+
 
 _RUN_KEYS = {
     "name": str, "out": str, "learners": int, "steps": int, "seed": int,
     "batch_size": int, "learning_rate": float, "weight_decay": float,
     "warmup_steps": int, "eval_every": int, "eval_batches": int,
     "poll_interval": float, "baseline": bool, "corpus_bytes": int, "learner_speeds": list,
+    "step_ms": float,
 }
 _DEFAULTS = {
     "seed": 0, "weight_decay": 0.1, "warmup_steps": 0, "eval_every": 50,
     "eval_batches": 4, "poll_interval": 0.05, "baseline": True, "corpus_bytes": None,
-    "learner_speeds": None,
+    "learner_speeds": None, "step_ms": None,
 }
 
 
@@ -117,6 +129,11 @@ def _check_train(train: dict[str, Any]) -> None:
     if not train[key].strip():
       raise ValueError(f"config [train] {key} = {train[key]!r} must not be empty; leave it"
                        " out for the config file's name")
+  step_ms = train["step_ms"]
+  if step_ms is not None and not (math.isfinite(step_ms) and step_ms > 0):
+    raise ValueError(f"config [train] step_ms = {step_ms!r} must be a finite number > 0: the"
+                     " milliseconds the fastest learner's inner step takes, compute included"
+                     " (e.g. step_ms = 100), or left out to step at the speed of compute")
   speeds = train["learner_speeds"]
   if speeds is not None:
     if len(speeds) != train["learners"]:

@@ -13,7 +13,10 @@ step with the moments it saved). Without a saved state its moments start from ze
 the schedule and data go on from the run's step.
 
 With ``[train] learner_speeds`` a slower learner sleeps after each inner step (but its
-first, which compiles) so that the step takes ``max(speeds) / speed`` times its compute.
+first, which compiles) so that the step takes ``max(speeds) / speed`` times its compute,
+or, with ``step_ms``, ``step_ms · max(speeds) / speed`` milliseconds in all. The learner
+trains until the run's step (``learner.step_count``) reaches ``steps``: with adaptive
+steps a slower learner trains fewer steps of its own.
 Each record says how long the learner was blocked in the run (``blocked``: seconds in
 ``run.join``, ``learner.pull`` and waiting for the job's other learners to join for the
 ``start``/``resume`` record, which also says when the join began, ``joined``; in
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
   run = gmjax.mail.open(args.run)
   learner = run.join(args.name, poll_interval=cfg.poll_interval, state_dir=args.state_dir)
   params = learner.pull(params)
-  slowdown = cfg.slowdown(args.index)
+  slowdown, step_seconds = cfg.slowdown(args.index), cfg.step_seconds(args.index)
   # The schedule is at step count + offset; the offset is kept with the state, since a
   # state saved after a resume without one counts from that resume's step.
   restored = None
@@ -152,13 +155,20 @@ def main(argv: list[str] | None = None) -> None:
     log(event="resume" if args.resume else "start", step=start, joined=joined_at,
         blocked=joined_seconds, **kept,
         val_loss=evaluate(evaluate_fn, params, valid, cfg.eval_batches))
-    for step in range(start + 1, cfg.steps + 1):
+    # The job ends at the run's step cfg.steps: with adaptive steps a slower learner's
+    # step count jumps at each round it publishes, and it stops with the others.
+    step = start
+    while learner.step_count < cfg.steps:
+      step += 1
       batch = batches.next()
       started = time.perf_counter()
       params, opt_state, loss = train_step(params, opt_state, batch)
       loss = float(loss)
       computed = time.perf_counter() - started
-      slept = computed * (slowdown - 1.0) if step > start + 1 else 0.0
+      slept = 0.0
+      if step > start + 1:  # not the first step, which compiles
+        slept = (computed * (slowdown - 1.0) if step_seconds is None
+                 else max(0.0, step_seconds - computed))
       time.sleep(slept)
       own = {} if args.state_dir is None else {
           "state": opt_state, "position": {"step": step, "schedule_offset": offset}}
@@ -167,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
       blocked = time.perf_counter() - stepping
       record = {"event": "step", "step": step, "loss": loss,
                 "seconds": time.perf_counter() - started, "slept": slept, "blocked": blocked}
-      if step % cfg.eval_every == 0 or step == cfg.steps:
+      if step % cfg.eval_every == 0 or learner.step_count >= cfg.steps:
         record["val_loss"] = evaluate(evaluate_fn, params, valid, cfg.eval_batches)
       log(**record)
     closing = time.perf_counter()

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 class Beat:
   """What a heartbeat says about its learner at one moment.
 
-  ``step_seconds`` is the learner's moving average of the seconds from one ``step`` call
+  ``step_seconds`` is the lower median of the learner's last 16 times from one ``step`` call
   to the next, counted from the end of a ``step`` that published or merged a round (so
   never a wait for a commit nor a round's own work; None until it has timed a step); ``trained`` the steps it trained since it joined
   (``Learner.local_step``); ``idle_seconds`` the seconds its ``step`` and ``close``
@@ -49,7 +49,7 @@ class Beat:
   final_rounds: tuple[int, ...] = ()
   loss: float | None = None
   closed_at: str | None = None
-  step_seconds: float | None = None  # EMA seconds per step, waits excluded
+  step_seconds: float | None = None  # seconds per step (lower median of 16), waits excluded
   trained: int = 0  # steps trained since this learner joined (its local_step)
   idle_seconds: float = 0.0  # seconds step()/close() spent waiting for commits
 

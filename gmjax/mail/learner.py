@@ -52,6 +52,7 @@ process calls ``step`` in lockstep) only on the steps that publish or merge it.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import time
@@ -79,6 +80,10 @@ from gmjax.mail.records import read_round
 from gmjax.mail.worker import Commit, Publish, Worker
 
 log = logging.getLogger(__name__)
+
+PACE_STEPS = 16
+"""A learner's pace (``step_seconds``) is the lower median of its last this many steps."""
+
 
 class Learner:
   """One learner of a run. Made by ``Run.join``; call ``pull`` once, then ``step`` after
@@ -158,6 +163,7 @@ class Learner:
     self._unadopted: list[tuple[int, int, None]] = []
     self._tokens_since = [0] * self.fragments
     self._step_seconds: float | None = None
+    self._step_times: collections.deque[float] = collections.deque(maxlen=PACE_STEPS)
     self._last_step_end: float | None = None
     self._step_entered: float | None = None
     self._round_work = False  # whether the last step() published or merged a round
@@ -489,9 +495,10 @@ class Learner:
     entered = time.perf_counter()
     since = self._last_step_end if self._round_work else self._step_entered
     if since is not None:
-      seconds = entered - since
-      self._step_seconds = seconds if self._step_seconds is None else (
-          0.9 * self._step_seconds + 0.1 * seconds)
+      # The lower median of the last steps: a one-off (a step that compiles again, an
+      # evaluation between steps) does not set the pace for the steps after it.
+      self._step_times.append(entered - since)
+      self._step_seconds = float(sorted(self._step_times)[(len(self._step_times) - 1) // 2])
     self._step_entered, self._round_work, self._resumed = entered, False, None
     flat = self._tree_schema.check(params)
     self._last_flat = flat

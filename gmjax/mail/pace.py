@@ -11,9 +11,10 @@ scheduled steps. Each learner keeps its own clock, which never re-anchors on its
 publish times, so the learners' offsets stay those of their start:
 
 * the first round's period starts when the learner pulls; round ``r + 1``'s starts at
-  round ``r``'s deadline ``D_r``, or, if the step that published ``r`` blocked (waiting
-  for a commit), when that wait ended, if later: every learner waiting on the same
-  commit starts again from it;
+  round ``r``'s deadline ``D_r`` (or when ``r`` was published, if that came first: its
+  scheduled step was reached before the deadline), or, if the step that published ``r``
+  blocked (waiting for a commit), when that wait ended, if later: every learner waiting
+  on the same commit starts again from it;
 * the learner publishes round ``r`` at the first step where ``now + s_own / 2 ≥ D_r``
   (the step boundary nearest the deadline, so at least one step), or at the round's
   scheduled step if that comes first (the fastest learner, and every learner while no
@@ -27,7 +28,7 @@ the base version it aligned with): the fastest pace its participants reported
 was pruned, the learner takes the fastest pace among the live learners' heartbeats and
 its own, and moves the deadline earlier as faster paces become known.
 
-A learner's pace (``step_seconds``) is its moving average of the seconds from one
+A learner's pace (``step_seconds``) is the lower median of its last 16 times from one
 ``step`` call to the next: the caller's training and ``step``'s bookkeeping, so that the
 fastest learner reaches its round's last scheduled step at the deadline its own pace
 sets. After a ``step`` that published or merged a round it counts from that call's end:
@@ -127,7 +128,12 @@ class RoundClock:
     if self.deadline is None:
       start = now  # no pace was known: nothing to keep the learners together yet
     else:
-      start = self.deadline if resumed is None else max(self.deadline, resumed)
+      # Published before the deadline (the round's scheduled step came first: a pace
+      # measured too slow), the next round starts now, not at a deadline still ahead,
+      # which would push every later one as far.
+      start = min(self.deadline, now)
+      if resumed is not None:
+        start = max(start, resumed)
     self.round += 1
     self.start = start
     self.deadline = None

@@ -51,7 +51,7 @@ def pace(name: str, record: Mapping[str, Any], rounds: Sequence[Any],
     fragments: the run's number of fragments.
 
   Returns:
-    ``step_seconds`` (its moving average of seconds per step, waits excluded) and
+    ``step_seconds`` (the lower median of its last 16 seconds per step, waits excluded) and
     ``steps_per_second`` (its inverse); ``trained`` (steps since it joined) and
     ``idle_seconds`` (seconds ``step()``/``close()`` waited for commits since);
     ``idle_fraction`` (``idle_seconds`` over the seconds from its join to its last
