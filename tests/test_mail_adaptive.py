@@ -292,3 +292,18 @@ def test_a_two_process_learner_agrees_on_its_deadlines(tmp_path):
   theta = states.load_state(run.store, run.commit(0, last["version"])).theta
   for name, value in seen[0]["final"].items():
     np.testing.assert_array_equal(np.asarray(value, np.float32), theta[name])
+
+
+def test_one_slow_step_does_not_set_the_pace():
+  """A step that compiles again (seconds, once) must not stretch the rounds after it: the
+  pace is the lower median of the last steps, not an average a one-off seeds."""
+  url = f"memory://adaptive-{uuid.uuid4().hex}"
+  mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=64, adaptive_steps=True))
+  learner = mail.open(url).join("m0", poll_interval=POLL)
+  params = learner.pull(ms.params0())
+  for step in range(8):
+    time.sleep(0.5 if step == 1 else 0.005)
+    params = learner.step(ms.inner(params, ms.target(0)))
+  learner.close(params)
+  seconds = learner.run.learners()["m0"]["step_seconds"]  # as the last heartbeat says
+  assert seconds < 0.1, seconds  # a moving average seeded at 0.5 s was still ~0.27 s
