@@ -223,8 +223,8 @@ def _contribution(run, round_: int, learner: str, scale: float, **fields: Any) -
 def plant(run, root: str, kind: str, round_: int) -> list[str]:
   """Plants one hostile file of ``kind`` aimed at ``round_``; returns the paths."""
   schedule = run.config.schedule(len(run.plan))
-  if kind == "round-file":  # where the next round's folder goes
-    path = os.path.join(root, "rounds", str(round_ + 1))
+  if kind == "round-file":  # where the round's folder goes (later kinds aim further)
+    path = os.path.join(root, "rounds", str(round_))
     if not os.path.exists(path):
       with open(path, "wb") as f:
         f.write(b"x")

@@ -165,7 +165,9 @@ def test_late_learner_merges_the_newest_version_when_its_rounds_were_pruned(tmp_
   params = slow.pull(ms.params0())
   try:
     # Rounds close on the quorum of one, after the grace period: "slow" falls behind.
-    ms.train(mail.open(url), "busy", 0, 10)
+    # Round 0 waits for a learner that joined but has not stepped up to its closer's
+    # startup_timeout: 2 s here, not 60.
+    ms.train(mail.open(url), "busy", 0, 10, startup_timeout=2.0)
     assert run.newest_versions() == {0: 5}
     goal = ms.target(1)
     for _ in range(6):  # rounds 0-2, committed and pruned (but round 2's version 3)
