@@ -35,11 +35,23 @@ def inner(params, goal, lr=0.1):
 
 
 def train(run, name, index, steps, *, tokens=None, out=None, poll=POLL, close=True,
-          started=None, wait_timeout=60.0, startup_timeout=60.0):
-  """A learner's training loop: pull, ``steps`` inner steps, close; the result in ``out``."""
-  learner = run.join(name, poll_interval=poll, wait_timeout=wait_timeout,
-                     startup_timeout=startup_timeout)
-  params = learner.pull(params0())
+          started=None, wait_timeout=60.0, startup_timeout=60.0, together=None):
+  """A learner's training loop: pull, ``steps`` inner steps, close; the result in ``out``.
+
+  ``together``: a ``threading.Barrier`` every learner of the test waits at after its
+  ``pull``, so all are live before any publishes round 0 (a learner that publishes it
+  alone, before the others' joins, rightly closes it alone).
+  """
+  try:
+    learner = run.join(name, poll_interval=poll, wait_timeout=wait_timeout,
+                       startup_timeout=startup_timeout)
+    params = learner.pull(params0())
+    if together is not None:
+      together.wait()
+  except BaseException:
+    if together is not None:
+      together.abort()  # the others stop waiting for this one
+    raise
   if started is not None:
     started.set()
   goal = target(index)

@@ -5,6 +5,7 @@ and attacker text far too long to copy into records."""
 import json
 import os
 import struct
+import threading
 
 import numpy as np
 import pytest
@@ -41,9 +42,10 @@ def _mole(run, key=None, name="mole"):
 def _train_pair(url, key=None, steps=6, tokens=2):
   out = {}
   threads = ms.Threads()
+  together = threading.Barrier(2, timeout=60)
   for m in range(2):
     threads.start(ms.train, mail.open(url, key=key), f"a{m}", m, steps, out=out,
-                  tokens=tokens)
+                  tokens=tokens, together=together)
   threads.join(timeout=100)
   return out
 

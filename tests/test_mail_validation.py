@@ -1,6 +1,7 @@
 """Bad contributions planted in a run are rejected, recorded, and never reach the aggregate."""
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -24,8 +25,10 @@ def _payload(run, round_, learner, values=None, *, key=None, base_version=None):
 def _train_pair(url, key=None, steps=6):
   out = {}
   threads = ms.Threads()
+  together = threading.Barrier(2, timeout=60)
   for m in range(2):
-    threads.start(ms.train, mail.open(url, key=key), f"a{m}", m, steps, out=out)
+    threads.start(ms.train, mail.open(url, key=key), f"a{m}", m, steps, out=out,
+                  together=together)
   threads.join(timeout=100)
   return out
 
