@@ -142,7 +142,7 @@ def worker(args: argparse.Namespace) -> None:
   np.savez(os.path.join(args.out, f"{args.name}.npz"), **params)
   with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
     json.dump({"step": learner.step_count, "longest_step_seconds": longest,
-               "timeouts": timeouts}, f)
+               "timeouts": timeouts, "left": len(timeouts) >= LATE_ROUNDS}, f)
   print("closed", flush=True)
 
 
@@ -584,8 +584,10 @@ def chaos(root: str, *, rounds: int = 30, learners: int = 4, seed: int = 0,
         proc.kill()
         code = proc.wait()
         report.failures.append(f"{name} did not close within 120 s of the stop")
-      if code == 0:
+      if code == 0 and not _left(out, name):
         report.survivors.append(name)
+      elif code == 0:
+        pass  # the late learner left on its own between the last poll and the stop
       elif code == -signal.SIGKILL:
         report.self_kills += 1
       else:
@@ -596,6 +598,12 @@ def chaos(root: str, *, rounds: int = 30, learners: int = 4, seed: int = 0,
   report.ended = time.monotonic()
   report.seconds = report.ended - started
   return report
+
+
+def _left(out: str, name: str) -> bool:
+  """Whether learner ``name`` left the run on its own (the late learner does)."""
+  with open(os.path.join(out, f"{name}.json")) as f:
+    return json.load(f).get("left", False)
 
 
 def _wait_polling(proc: subprocess.Popen, timeout: float, ledger: Ledger) -> int:
