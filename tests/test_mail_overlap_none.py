@@ -57,9 +57,10 @@ def _drive(config, head_start, rounds):
   run = mail.create(url, ms.params0(), config, keep_versions=None)
   last = run.manifest.schedule.step_of(rounds - 1)
   with contextlib.ExitStack() as stack:
-    driven = [Driven(run, "m0"), Driven(run, "m1")]
-    for d in driven:
-      stack.enter_context(d.learner)
+    driven = []
+    for name in ("m0", "m1"):
+      driven.append(Driven(run, name))
+      stack.enter_context(driven[-1].learner)
     for d in driven:  # both are live before either publishes round 0
       d.params = d.learner.pull(ms.params0())
     for d in driven:
@@ -143,36 +144,36 @@ def test_a_merge_at_the_publishing_step_puts_the_publish_off_one_step():
 
 @pytest.mark.timeout(60)
 def test_an_exact_restore_counts_from_the_pull(tmp_path):
-  # Two fragments, rounds at steps 32 (fragment 0) and 64 (fragment 1). A learner alone
+  # Two fragments, rounds at steps 128 (fragment 0) and 256 (fragment 1). A learner alone
   # publishes round 0, merges its commit (and saves) a step or more later, leaves and
   # comes back: the restore is exact, but pull replaced fragment 1 by Θ as well, so its
   # round 1 counts the steps after the restore, not the ones since the start.
-  config = gmjax.DiLoCo(sync_every=64, fragments=2, overlap_steps=None,
+  config = gmjax.DiLoCo(sync_every=256, fragments=2, overlap_steps=None,
                         flush_on_close=False)
   run = mail.create(f"memory://overlap-none-{uuid.uuid4().hex}", ms.params0(), config,
                     keep_versions=None)
   goal, opt_state = ms.target(0), {"m": np.zeros((2,), np.float32)}
   learner = run.join("m0", poll_interval=POLL, wait_timeout=30.0, state_dir=tmp_path)
   params = learner.pull(ms.params0())
-  for _ in range(32):
+  for _ in range(128):
     params = learner.step(ms.inner(params, goal), state=opt_state, position=0)
   ms.wait_for(lambda: run.newest_versions()[0] == 1, 30, "round 0's commit")
-  while learner.versions[0] == 0:  # its next steps merge round 0, well before step 64
-    time.sleep(POLL)
+  while learner.versions[0] == 0:  # its next steps merge round 0, well before step 256
+    time.sleep(0.05)
     params = learner.step(ms.inner(params, goal), state=opt_state, position=0)
   merged = learner.local_step
-  assert merged < 64
+  assert merged < 256
   learner.close(params)
   learner = run.join("m0", poll_interval=POLL, wait_timeout=30.0, state_dir=tmp_path)
   params = learner.pull(ms.params0())
   restored = learner.restore(opt_state)
   assert restored.exact and learner.step_count == learner.local_step == merged
-  while learner.step_count < 64:
+  while learner.step_count < 256:
     params = learner.step(ms.inner(params, goal), state=opt_state, position=0)
   learner.close(params)
   records = run.rounds()
   assert [r["round"] for r in records] == [0, 1]
-  assert [p["steps"] for p in records[1]["participants"]] == [64 - merged]
+  assert [p["steps"] for p in records[1]["participants"]] == [256 - merged]
   expected = ms.records_reference(config, run.plan, records, {"m0": goal})
   for f, version in run.newest_versions().items():
     theta = states.load_theta(run.store, run.commit(f, version))
