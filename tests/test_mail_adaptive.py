@@ -78,32 +78,6 @@ def _steps(record):
   return {p["learner"]: p["steps"] for p in record["participants"]}
 
 
-def reference(config, rounds, tokens_per_step):
-  """Plain numpy DiLoCo (one fragment, overlap 0, mixing 0) with each learner's steps
-  per round taken from ``rounds`` (the records): every learner starts a round from Θ,
-  trains its steps, and the token-weighted mean of the deltas takes a Nesterov SGD step
-  on an F64 master."""
-  lr, mu = config.outer_learning_rate, config.outer_momentum
-  master = {k: v.astype(np.float64) for k, v in ms.params0().items()}
-  momentum = {k: np.zeros(v.shape) for k, v in master.items()}
-  for record in rounds:
-    theta = {k: v.astype(np.float32) for k, v in master.items()}
-    steps = _steps(record)
-    tokens = {m: steps[m] * tokens_per_step[m] for m in steps}
-    total = sum(tokens.values())
-    g = {k: np.zeros(v.shape) for k, v in master.items()}
-    for m, count in sorted(steps.items()):
-      local = dict(theta)
-      for _ in range(count):
-        local = ms.inner(local, ms.target(int(m[1:])))
-      for k in g:
-        g[k] += tokens[m] / total * (theta[k].astype(np.float64) - local[k])
-    for k in master:
-      momentum[k] = mu * momentum[k] + g[k]
-      master[k] = master[k] - lr * (g[k] + mu * momentum[k])
-  return {k: v.astype(np.float32) for k, v in master.items()}
-
-
 @pytest.mark.timeout(90)
 def test_unequal_steps_match_numpy_reference():
   config = gmjax.DiLoCo(sync_every=8, adaptive_steps=True)
@@ -120,7 +94,8 @@ def test_unequal_steps_match_numpy_reference():
       assert p["weight"] == p["tokens"] / total  # token weights, exactly
       assert p["step_seconds"] > 0
   assert any(len(set(_steps(r).values())) > 1 for r in records), [_steps(r) for r in records]
-  expected = reference(config, records, {f"m{m}": t for m, t in enumerate(tokens)})
+  expected = ms.records_reference(config, run.plan, records,
+                                  {name: ms.target(int(name[1:])) for name in out})
   for name, (params, learner, _) in out.items():
     assert learner.step_count == run.manifest.schedule.step_of(4)
     assert learner.local_step == sum(_steps(r)[name] for r in records)
