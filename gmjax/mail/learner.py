@@ -556,8 +556,8 @@ class Learner:
         if self._pacer is not None:
           self._pacer.advance(time.monotonic(), self._resumed)
       else:
-        # Its fragment merged at this step, which took every step trained into Θ: the
-        # step does not reach the round, and the next one (one step of its own) publishes.
+        # Its fragment merged at this step, and Θ replaced every step trained in it: the
+        # step does not reach the round, and the next one publishes it (with that step).
         self.step_count = min(self.step_count, self.schedule.step_of(round_) - 1)
     if self._state_dir is not None and self._applied != applied:
       self._save(state, position)
