@@ -22,6 +22,19 @@ Which rounds a learner contributes to, and at which base version:
   ``step`` after it lands. At most ``in_flight`` rounds stay outstanding. If the round was
   committed before the learner got to it (it was late), it publishes nothing and merges
   the commit.
+* A contribution's ``steps`` and ``tokens`` are those trained since the learner last
+  published the fragment, except with ``overlap_steps = None`` and ``mixing = 0``: there
+  a merge replaces the fragment by Θ, and with it every step trained before it (the
+  merging step's own included), so the counts start again at each merge and a
+  contribution counts exactly the steps its delta ``anchor − θ`` holds. A step that
+  would publish round ``r`` but merged ``r``'s fragment (its commit landed just then, or
+  ``in_flight`` or ``r``'s base version made the learner wait for it) has nothing of its
+  own to send: it does not reach ``step_of(r)`` (``step_count`` stays at
+  ``step_of(r) − 1``, or below with adaptive steps) and the next step publishes ``r``
+  with that one step. A final contribution (``flush_on_close``) of a fragment merged
+  since its last step is left out. With ``mixing > 0`` a merge keeps a share of the
+  local progress, and with an integer ``τ`` every learner trains the same ``τ`` steps
+  past each publish, as in-mesh: the counts run from the publish.
 * With ``adaptive_steps`` (``gmjax.mail.pace``) it publishes round ``r`` at the step
   nearest the round's deadline instead, or at ``step_of(r)`` if it gets there first;
   ``step_count`` then counts its steps but stays below ``step_of(r)`` until it
@@ -36,7 +49,9 @@ What a learner that restarts gets back: ``pull`` gives the newest committed Θ a
 data position, residuals, delayed phase starts, steps past that commit). With
 ``join(name, state_dir=...)`` it saves, at each ``step`` that applies a commit, the
 ``state`` and ``position`` handed to ``step`` with its counters, versions and residuals
-(``gmjax.mail.learner_state``), and ``restore`` gives them back after ``pull``.
+(``gmjax.mail.learner_state``), and ``restore`` gives them back after ``pull`` (with
+``overlap_steps = None`` and ``mixing = 0`` the steps and tokens since each fragment's
+round stay zero: ``pull`` replaced every fragment by Θ).
 
 Three parts, each the only owner of its state: this API (the training thread's own
 anchors, versions and counters), a ``worker.Worker`` that alone owns the closer, the
@@ -92,7 +107,9 @@ class Learner:
   Attributes:
     name: the learner's name in the run.
     step_count: the global step this learner has reached (with adaptive steps it jumps
-      to a round's step when it publishes the round early; see the module docstring).
+      to a round's step when it publishes the round early, and a step that merged the
+      fragment it was to publish stays below the round's step; see the module
+      docstring).
     local_step: the steps this learner has trained since it joined.
     idle_seconds: the seconds ``step`` and ``close`` spent blocked waiting for commits
       since the learner joined.
@@ -162,6 +179,11 @@ class Learner:
     # Delayed: rounds published whose commits no phase has started from yet.
     self._unadopted: list[tuple[int, int, None]] = []
     self._tokens_since = [0] * self.fragments
+    # With overlap_steps=None and mixing 0 a merge replaces a fragment by Θ, and with it
+    # every step trained since its round: its next delta holds, and counts, only the
+    # steps after the merge (see the module docstring).
+    self._merge_discards = (self.schedule.overlap_steps is None
+                            and float(self.config.mixing) == 0.0)
     self._step_seconds: float | None = None
     self._step_times: collections.deque[float] = collections.deque(maxlen=PACE_STEPS)
     self._last_step_end: float | None = None
@@ -269,6 +291,8 @@ class Learner:
     self._anchors[fragment] = theta
     self._versions[fragment] = version
     self._applied += 1
+    if self._merge_discards:
+      self._steps_since[fragment] = self._tokens_since[fragment] = 0
     for key in [k for k in self._futures if k[0] == fragment and k[1] <= version]:
       del self._futures[key]
     if self._pulled and version > 0:
@@ -377,7 +401,9 @@ class Learner:
     Call it after ``pull`` and before the first ``step``. The learner's ``local_step``,
     and (when the run has not moved past the versions it held at the save, and none of
     its rounds was in flight then) its ``step_count``, its steps and tokens since each
-    fragment's last round and its error-feedback residuals continue from the save.
+    fragment's last round (with ``overlap_steps=None`` and ``mixing=0`` these stay zero:
+    ``pull`` replaced every fragment by Θ) and its error-feedback residuals continue from
+    the save.
     Otherwise ``pull`` gave the newer Θ, ``step_count`` stays at the run's step, and the
     saved state comes back anyway (``exact=False``, logged as a warning): its moments
     are still closer than zeros.
@@ -431,8 +457,11 @@ class Learner:
     if exact:
       self.step_count = counters.step_count
       self.first_round = self.schedule.first_round_after(self.step_count)
-      self._steps_since = list(counters.steps_since)
-      self._tokens_since = list(counters.tokens_since)
+      if not self._merge_discards:
+        # With overlap_steps=None and mixing 0 they stay zero: pull replaced every
+        # fragment by Θ, and a delta holds only the steps after that.
+        self._steps_since = list(counters.steps_since)
+        self._tokens_since = list(counters.tokens_since)
       if residuals is not None:
         self._residuals = residuals
       self._beat(step=self.step_count, first_round=self.first_round)
@@ -465,7 +494,9 @@ class Learner:
       ``mixing·θ + (1 − mixing)·Θ`` (with the shardings ``params`` had).
 
     With adaptive steps the round this step publishes, if any, is the one whose
-    deadline it is nearest (``gmjax.mail.pace``).
+    deadline it is nearest (``gmjax.mail.pace``). With ``overlap_steps=None`` and
+    ``mixing=0`` a step that merged the fragment of the round it was to publish (so
+    that nothing it trained is left in it) publishes the round at the next step.
     """
     self._check_open("step")
     if not self._pulled:
@@ -517,13 +548,17 @@ class Learner:
         due = delayed.agreed(due, self.process_count)  # every process follows process 0
       if due:
         round_ = self._pacer.clock.round
-        self.step_count = self.schedule.step_of(round_)
     if round_ is not None and round_ >= self.first_round:
       self._round_work = True
-      self._publish_round(flat, round_, final=False)
-      self._merge_due(flat)
-      if self._pacer is not None:
-        self._pacer.advance(time.monotonic(), self._resumed)
+      if self._publish_round(flat, round_, final=False):
+        self.step_count = max(self.step_count, self.schedule.step_of(round_))
+        self._merge_due(flat)
+        if self._pacer is not None:
+          self._pacer.advance(time.monotonic(), self._resumed)
+      else:
+        # Its fragment merged at this step, and Θ replaced every step trained in it: the
+        # step does not reach the round, and the next one publishes it (with that step).
+        self.step_count = min(self.step_count, self.schedule.step_of(round_) - 1)
     if self._state_dir is not None and self._applied != applied:
       self._save(state, position)
     self._beat(step=self.step_count, **({} if loss is None else {"loss": float(loss)}))
@@ -538,7 +573,15 @@ class Learner:
     self._state_dir.save(self.local_step, counters, state, position, self._residuals)
 
   def _publish_round(self, flat: dict[str, Any], round_: int, *, final: bool,
-                     deadline: float | None = None) -> None:
+                     deadline: float | None = None) -> bool:
+    """Publishes this learner's contribution to ``round_`` after the merges it needs.
+
+    Returns:
+      False, publishing nothing, when those merges (or one earlier in this step) left
+      nothing trained in the round's fragment (overlap_steps=None with mixing 0): there
+      is no honest contribution of zero steps. True otherwise (also when the round was
+      committed without this learner, which then merges it).
+    """
     fragment = self.schedule.fragment_of(round_)
     version = self.schedule.version_after(round_)
     while not final and len(self._outstanding) >= self.schedule.in_flight:
@@ -546,6 +589,8 @@ class Learner:
     delayed_ = self._delay is not None
     if not delayed_:
       self._bring_to(flat, fragment, version - 1, deadline)
+    if self._steps_since[fragment] == 0:
+      return False
     base = self._versions[fragment] if delayed_ else version - 1
     steps, count = self._steps_since[fragment], self._tokens_since[fragment]
     self._steps_since[fragment] = self._tokens_since[fragment] = 0
@@ -553,7 +598,7 @@ class Learner:
       # Committed and pruned, and the newer version that stood in for it is merged
       # already (gmjax.mail.retention): that Θ is where this round puts the learner.
       self._align(flat, fragment, self._versions[fragment], self._anchors[fragment])
-      return
+      return True
     if final or self.schedule.overlap_steps is None:
       due = None
     else:
@@ -595,6 +640,7 @@ class Learner:
       self._start_next_phase(flat, fragment, version - 1, sent, deadline)
     else:
       self._outstanding.append((round_, version, due))
+    return True
 
   def _start_next_phase(self, flat: dict[str, Any], fragment: int, version: int,
                         sent: Any, deadline: float | None) -> None:
