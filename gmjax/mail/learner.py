@@ -72,11 +72,11 @@ from gmjax.mail import names
 from gmjax.mail import pace
 from gmjax.mail import placement
 from gmjax.mail import retention
+from gmjax.mail import states
 from gmjax.mail.beats import Beat, HeartbeatWriter
 from gmjax.mail.closer import HEARTBEAT_POLLS
 from gmjax.mail.errors import LearnerClosed, RoundTimeout
 from gmjax.mail.manifest import utc_now
-from gmjax.mail.records import read_round
 from gmjax.mail.worker import Commit, Publish, Worker
 
 log = logging.getLogger(__name__)
@@ -613,7 +613,7 @@ class Learner:
                                       self.process_count)
       else:
         if record is None:
-          record = read_round(self.store, fragment, version, self.key)
+          record = states.read_commit(self.store, fragment, version, self.key)
         weight = delayed.weight_of(record, self.name)
     start = self._delay.advance(fragment, theta, sent, weight)
     for n in self.manifest.plan[fragment]:
