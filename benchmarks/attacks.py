@@ -22,8 +22,13 @@ trained honestly); the ``honest`` rows compare each rule's honest run with ``"me
 Trimming withstands ``f`` colluding attackers with ``trim=f``: with two attackers of
 five, ``trim=1`` leaves one of them in every coordinate's average.
 
-Run: .venv/bin/python benchmarks/attacks.py [--rounds 20] [--seed 0] [--spread 0.3] [--reference]
-     [--mail] [--json out.json]
+The draw of the data moves these ratios a lot (two of five against the coordinate-wise
+median: 1.4x to 4.1x over seeds 0-3, in the float64 reference alike), so ``--seeds K`` runs
+the in-mesh sweep over seeds ``seed .. seed + K − 1`` and reports each cell's median and
+range over them.
+
+Run: .venv/bin/python benchmarks/attacks.py [--rounds 20] [--seed 0] [--seeds 1] [--spread 0.3]
+     [--reference] [--mail] [--json out.json]
 """
 
 from __future__ import annotations
@@ -224,6 +229,19 @@ def table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def seeds_table(sweeps: list[list[dict]]) -> str:
+  """Each cell's median (least–most) over the sweeps of several seeds."""
+  lines = ["| learners | attack | " + " | ".join(RULES) + " |",
+           "| --- | --- | " + " | ".join("---:" for _ in RULES) + " |"]
+  for i, row in enumerate(sweeps[0]):
+    cells = []
+    for r in RULES:
+      values = [rows[i][r] for rows in sweeps]
+      cells.append(f"{np.median(values):.3g}x ({min(values):.3g}–{max(values):.3g})")
+    lines.append(f"| {row['setting']} | {row['attack']} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
 def sweep(loss_of, attacks: list[str], rounds: int, seed: int) -> list[dict]:
   """Rows of final-loss ratios: ``loss_of(rule, learners, attackers, attack, rounds,
   seed)`` against the same rule's honest run (the honest rows: against ``"mean"``)."""
@@ -248,6 +266,8 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--rounds", type=int, default=20)
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--seeds", type=int, default=1,
+                      help="in-mesh sweeps over this many seeds from --seed: medians and ranges")
   parser.add_argument("--spread", type=float, default=SPREAD,
                       help="how far the learners' optima are from the shared one")
   parser.add_argument("--json", default=None)
@@ -261,6 +281,10 @@ def main() -> None:
   attacks = [a for a in ATTACKS if a != "honest"]
   flips = [a for a in attacks if ATTACKS[a][0] is not None]
   out = {"in-mesh": sweep(run, attacks, args.rounds, args.seed)}
+  if args.seeds > 1:
+    sweeps = [out["in-mesh"]] + [sweep(run, attacks, args.rounds, args.seed + k)
+                                 for k in range(1, args.seeds)]
+    out["in-mesh over seeds"] = seeds_table(sweeps)
   if args.reference:
     out["numpy reference"] = sweep(reference, flips, args.rounds, args.seed)
   if args.mail:
@@ -272,6 +296,10 @@ def main() -> None:
   start_loss = np.mean([loss(jnp.zeros(DIM), *d) for d in zip(*regression(4, args.seed))])
   print(f"start loss {start_loss:.3g}; {time.time() - started:.0f} s")
   for label, rows in out.items():
+    if isinstance(rows, str):
+      print(f"{label} {args.seed}..{args.seed + args.seeds - 1}, median (least–most):")
+      print(rows)
+      continue
     print(f"{label}; honest losses:",
           {r["setting"]: {k: round(v, 4) for k, v in r["losses"].items()}
            for r in rows if r["attack"] == "honest"})

@@ -5,21 +5,15 @@ No timing thresholds: the machine's load sets the figures, not the code.
 """
 
 import argparse
-import importlib.util
 import json
-import os
-import sys
 
 import numpy as np
 import pytest
 
+import bench_support
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                     "benchmarks", "goodput.py")
-_SPEC = importlib.util.spec_from_file_location("gmjax_goodput", _PATH)
-goodput = importlib.util.module_from_spec(_SPEC)
-sys.modules[_SPEC.name] = goodput  # dataclasses look their module up there
-_SPEC.loader.exec_module(goodput)
+
+goodput = bench_support.load("goodput")
 
 
 @pytest.mark.timeout(180)

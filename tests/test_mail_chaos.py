@@ -4,18 +4,11 @@
 for about 30 rounds and asserts every invariant it checks.
 """
 
-import importlib.util
-import os
-import sys
-
 import pytest
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                     "benchmarks", "chaos.py")
-_SPEC = importlib.util.spec_from_file_location("gmjax_chaos", _PATH)
-chaos = importlib.util.module_from_spec(_SPEC)
-sys.modules[_SPEC.name] = chaos  # dataclasses look their module up there
-_SPEC.loader.exec_module(chaos)
+import bench_support
+
+chaos = bench_support.load("chaos")
 
 
 @pytest.mark.slow
