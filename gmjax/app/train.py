@@ -344,7 +344,7 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
     values = [r["val_loss"] for r in metrics if r["learner"] == name and "val_loss" in r]
     return values[-1] if values else None
 
-  cosines = [r["cosine"] for r in rounds if r.get("cosine") is not None]
+  cosines = [r.cosine for r in rounds if r.cosine is not None]
   summary = {
       "run": str(run_dir),
       "rounds": len(rounds),
