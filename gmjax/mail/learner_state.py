@@ -143,6 +143,57 @@ def check_position(position: Any) -> None:
                      " stream's step or offset as an int.") from error
 
 
+def open_state_dir(state_dir: Any, run: tuple[str, str], name: str, *,
+                   process_count: int) -> StateDir | None:
+  """The ``StateDir`` a learner joins with (None without a ``state_dir``).
+
+  Args:
+    state_dir: ``join``'s ``state_dir``: None, a local path or a ``gs://`` URL.
+    run: ``(run_id(manifest), url)`` of the run joined.
+    name: the learner's name.
+    process_count: the learner's JAX processes (``join``'s ``process_count``).
+
+  Raises:
+    ValueError/TypeError: a bad ``state_dir`` (``check_state_dir``), or
+      ``process_count`` other than this JAX job's: the processes save together.
+    StateDirMismatch: ``state_dir`` holds another run's or another learner's state.
+  """
+  if state_dir is None:
+    return None
+  path = check_state_dir(state_dir)
+  if process_count != jax.process_count():
+    raise ValueError(
+        f"state_dir={path!r} with process_count={process_count}: a learner of"
+        f" several processes saves its state with Orbax across a jax.distributed job,"
+        f" and this one has {jax.process_count()} JAX process(es); start the processes"
+        " with jax.distributed.initialize, or leave state_dir out.")
+  return StateDir(path, run, name)
+
+
+def check_step(state_dir: StateDir | None, name: str, state: Any, position: Any, *,
+               restore_checked: bool) -> None:
+  """Checks the ``state`` and ``position`` handed to ``Learner.step``.
+
+  Raises:
+    ValueError: with a ``state_dir``, no ``state``, or a saved state not ``restore``d
+      first (``restore_checked`` False), or a ``position`` that is not JSON; without
+      one, a ``state`` or ``position`` given.
+  """
+  if state_dir is not None:
+    if state is None:
+      raise ValueError(f"learner {name!r} has state_dir={state_dir.path!r}:"
+                       " pass step(params, state=opt_state, position=...) to save it.")
+    if not restore_checked:
+      raise ValueError(
+          f"learner {name!r}: state_dir={state_dir.path!r} holds a saved"
+          " state; call learner.restore(opt_state) after pull() to continue from it, or"
+          " join with an empty state_dir to start afresh.")
+    check_position(position)
+  elif state is not None or position is not None:
+    raise ValueError(f"learner {name!r}: step(state=..., position=...) needs"
+                     " join(..., state_dir=...) to save them.")
+
+
 class StateDir:
   """The Orbax checkpoints of one learner's state in its ``state_dir``.
 
