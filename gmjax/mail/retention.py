@@ -135,12 +135,16 @@ def resolve(store: Store, fragment: int, version: int, key: bytes | None,
 
 def is_committed(store: Store, fragment: int, version: int, key: bytes | None,
                  keep_versions: int | None) -> bool:
-  """Whether ``version`` was committed (its record kept, or pruned since)."""
-  try:
-    resolve(store, fragment, version, key, keep_versions)
-  except FileNotFoundError:
-    return False
-  return True
+  """Whether ``version`` was committed (its record kept, or pruned since), as
+  ``resolve`` would find, from the records' presence alone (none is parsed)."""
+  if commits.is_committed(store, fragment, version, key):
+    return True
+  if keep_versions is None or commits.commit_slots(store, fragment, version, key):
+    return False  # not committed yet, or every record of it damaged
+  # A newer intact version means this one was committed: versions commit in order.
+  return any(commits.is_committed(store, fragment, newer, key)
+             for newer in reversed(commits.committed_versions(store, fragment))
+             if newer > version)
 
 
 def check_kept(store: Store, fragment: int, version: int, key: bytes | None,
