@@ -34,6 +34,45 @@ def inner(params, goal, lr=0.1):
           .astype(np.float32) for k, v in params.items()}
 
 
+def records_reference(config, plan, records, goals):
+  """Plain numpy DiLoCo driven by round records, each fragment on its own.
+
+  Every participant of a round of fragment ``f`` starts from ``f``'s Θ before the round,
+  trains the steps its record reports on ``f``'s leaves (``inner`` is elementwise, so
+  fragments train apart) toward ``goals[learner]``, and the mean of the deltas weighted by
+  the tokens the record reports takes a Nesterov SGD step on an F64 master of ``f``. It is
+  the committed Θ exactly when every contribution's delta holds the steps it reports,
+  trained from its base version.
+
+  Args:
+    config: the run's ``DiLoCo`` (outer learning rate and momentum).
+    plan: the run's fragment plan (leaf names per fragment).
+    records: ``run.rounds()`` (``RoundRecord``s).
+    goals: learner name -> its ``target``.
+
+  Returns:
+    The newest Θ of every leaf, F32.
+  """
+  lr, mu = config.outer_learning_rate, config.outer_momentum
+  master = {k: v.astype(np.float64) for k, v in params0().items()}
+  momentum = {k: np.zeros(v.shape) for k, v in master.items()}
+  for record in sorted(records, key=lambda r: r.round):
+    names = plan[record.fragment]
+    theta = {k: master[k].astype(np.float32) for k in names}
+    total = sum(p.tokens for p in record.participants)
+    g = {k: np.zeros(master[k].shape) for k in names}
+    for p in record.participants:
+      local = dict(theta)
+      for _ in range(p.steps):
+        local = inner(local, goals[p.learner])
+      for k in names:
+        g[k] += p.tokens / total * (theta[k].astype(np.float64) - local[k])
+    for k in names:
+      momentum[k] = mu * momentum[k] + g[k]
+      master[k] = master[k] - lr * (g[k] + mu * momentum[k])
+  return {k: v.astype(np.float32) for k, v in master.items()}
+
+
 def train(run, name, index, steps, *, tokens=None, out=None, poll=POLL, close=True,
           started=None, wait_timeout=60.0, startup_timeout=60.0, together=None):
   """A learner's training loop: pull, ``steps`` inner steps, close; the result in ``out``.

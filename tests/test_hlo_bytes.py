@@ -102,6 +102,16 @@ def test_collectives_inside_a_cond_branch_count_once():
   assert _rows(found) == [("all-reduce", "f32", (2, 8), 4, 64, 96.0)]
 
 
+def test_a_collective_in_a_fori_loop_counts_once_and_its_loop_turns_are_known():
+  def fn(z):
+    return lax.fori_loop(0, 3, lambda _, v: lax.ppermute(v, "a", RING_A), z)
+
+  text = _compiled_text(fn)
+  found = hlo.collective_bytes(text)
+  assert _rows(found) == [("collective-permute", "f32", (2, 8), None, 64, 64.0)]
+  assert hlo.trip_counts(text)[found[0].computation] == 3
+
+
 def test_bf16_and_float8_element_types_of_the_lowered_step():
   # On CPU the compiled step widens bf16 and float8 collectives (to f32 and f16), which
   # is why byte counts must come from the compiled text; the types themselves are read

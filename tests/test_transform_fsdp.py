@@ -284,8 +284,9 @@ def test_eager_state_keeps_the_fsdp_split(shard_outer):
 # JAX (0.10.2) replicates the non-manual axes of every operand there, even for
 # `lambda x: 2 * x` (test below). Inside, on both kinds of mesh, XLA gathers an
 # fsdp-sharded operand before an all_to_all / all_gather over the manual axis, so the
-# exchange runs as ppermutes there (gmjax.transform.collectives); this checks that the
-# step itself gathers nothing over fsdp.
+# exchange runs on each device's own rows there (a nested shard_map, or a ring of
+# ppermutes: gmjax.transform.collectives); this checks that the step itself gathers
+# nothing over fsdp.
 _BOUNDARY = "jit(<lambda>)/shard_map"
 
 

@@ -70,6 +70,21 @@ def build(config: ModelConfig, seed: int = 0):
   return graphdef, params
 
 
+def init_state(optimizer: optax.GradientTransformation, params):
+  """``optimizer.init(params)``, committed to the device ``params`` are on (``placed``)."""
+  return placed(optimizer.init(params), params)
+
+
+def placed(tree, params):
+  """``tree`` committed to the device ``params`` are on.
+
+  ``optimizer.init`` makes its counters as uncommitted arrays, while the state a jitted
+  step returns is committed, and ``jax.jit`` compiles again for committed arguments: the
+  step's second call compiled as long as its first.
+  """
+  return jax.device_put(tree, jax.tree.leaves(params)[0].sharding)
+
+
 def make_train_step(graphdef, optimizer: optax.GradientTransformation):
   """A jitted ``(params, opt_state, batch) -> (params, opt_state, loss)`` inner step."""
 

@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
   batches.skip(start)
   optimizer = inner_optimizer(cfg, offset)
   train_step, evaluate_fn = model.make_train_step(graphdef, optimizer)
-  opt_state = optimizer.init(params) if restored is None else restored.state
+  opt_state = (model.init_state(optimizer, params) if restored is None
+               else model.placed(restored.state, params))
   # The job's learners start together: a round closes with the learners live at the time,
   # so one that is still starting up would miss the first rounds.
   deadline = time.monotonic() + 300

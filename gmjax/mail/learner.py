@@ -8,7 +8,9 @@ What a learner that restarts gets back: ``pull`` gives the newest committed Θ a
 data position, residuals, delayed phase starts, steps past that commit). With
 ``join(name, state_dir=...)`` it saves, at each ``step`` that applies a commit, the
 ``state`` and ``position`` handed to ``step`` with its counters, versions and residuals
-(``gmjax.mail.learner_state``), and ``restore`` gives them back after ``pull``.
+(``gmjax.mail.learner_state``), and ``restore`` gives them back after ``pull`` (with
+``overlap_steps = None`` and ``mixing = 0`` the steps and tokens since each fragment's
+round stay zero: ``pull`` replaced every fragment by Θ).
 
 Three parts, each the only owner of its state: this API and its rounds
 (``learner_rounds``: the training thread's own anchors, versions and counters), a
@@ -63,7 +65,8 @@ class Learner(Rounds):
   Attributes:
     name: the learner's name in the run.
     step_count: the global step this learner has reached (with adaptive steps it jumps
-      to a round's step when it publishes the round early; see
+      to a round's step when it publishes the round early, and a step that merged the
+      fragment it was to publish stays below the round's step; see
       ``gmjax.mail.learner_rounds``).
     local_step: the steps this learner has trained since it joined.
     idle_seconds: the seconds ``step`` and ``close`` spent blocked waiting for commits
@@ -126,6 +129,11 @@ class Learner(Rounds):
     # Delayed: rounds published whose commits no phase has started from yet.
     self._unadopted: list[tuple[int, int, None]] = []
     self._tokens_since = [0] * self.fragments
+    # With overlap_steps=None and mixing 0 a merge replaces a fragment by Θ, and with it
+    # every step trained since its round: its next delta holds, and counts, only the
+    # steps after the merge (see gmjax.mail.learner_rounds).
+    self._merge_discards = (self.schedule.overlap_steps is None
+                            and float(self.config.mixing) == 0.0)
     self._step_seconds: float | None = None
     self._step_times: collections.deque[float] = collections.deque(maxlen=PACE_STEPS)
     self._last_step_end: float | None = None
@@ -262,7 +270,9 @@ class Learner(Rounds):
     Call it after ``pull`` and before the first ``step``. The learner's ``local_step``,
     and (when the run has not moved past the versions it held at the save, and none of
     its rounds was in flight then) its ``step_count``, its steps and tokens since each
-    fragment's last round and its error-feedback residuals continue from the save.
+    fragment's last round (with ``overlap_steps=None`` and ``mixing=0`` these stay zero:
+    ``pull`` replaced every fragment by Θ) and its error-feedback residuals continue from
+    the save.
     Otherwise ``pull`` gave the newer Θ, ``step_count`` stays at the run's step, and the
     saved state comes back anyway (``exact=False``, logged as a warning): its moments
     are still closer than zeros.
@@ -316,8 +326,11 @@ class Learner(Rounds):
     if exact:
       self.step_count = counters.step_count
       self.first_round = self.schedule.first_round_after(self.step_count)
-      self._steps_since = list(counters.steps_since)
-      self._tokens_since = list(counters.tokens_since)
+      if not self._merge_discards:
+        # With overlap_steps=None and mixing 0 they stay zero: pull replaced every
+        # fragment by Θ, and a delta holds only the steps after that.
+        self._steps_since = list(counters.steps_since)
+        self._tokens_since = list(counters.tokens_since)
       if residuals is not None:
         self._residuals = residuals
       self._beat(step=self.step_count, first_round=self.first_round)
@@ -350,7 +363,9 @@ class Learner(Rounds):
       ``mixing·θ + (1 − mixing)·Θ`` (with the shardings ``params`` had).
 
     With adaptive steps the round this step publishes, if any, is the one whose
-    deadline it is nearest (``gmjax.mail.pace``).
+    deadline it is nearest (``gmjax.mail.pace``). With ``overlap_steps=None`` and
+    ``mixing=0`` a step that merged the fragment of the round it was to publish (so
+    that nothing it trained is left in it) publishes the round at the next step.
     """
     self._check_open("step")
     if not self._pulled:
@@ -391,13 +406,17 @@ class Learner(Rounds):
         due = delayed.agreed(due, self.process_count)  # every process follows process 0
       if due:
         round_ = self._pacer.clock.round
-        self.step_count = self.schedule.step_of(round_)
     if round_ is not None and round_ >= self.first_round:
       self._round_work = True
-      self._publish_round(flat, round_, final=False)
-      self._merge_due(flat)
-      if self._pacer is not None:
-        self._pacer.advance(time.monotonic(), self._resumed)
+      if self._publish_round(flat, round_, final=False):
+        self.step_count = max(self.step_count, self.schedule.step_of(round_))
+        self._merge_due(flat)
+        if self._pacer is not None:
+          self._pacer.advance(time.monotonic(), self._resumed)
+      else:
+        # Its fragment merged at this step, and Θ replaced every step trained in it: the
+        # step does not reach the round, and the next one publishes it (with that step).
+        self.step_count = min(self.step_count, self.schedule.step_of(round_) - 1)
     if self._state_dir is not None and self._applied != applied:
       self._save(state, position)
     self._beat(step=self.step_count, **({} if loss is None else {"loss": float(loss)}))

@@ -23,6 +23,19 @@ Which rounds a learner contributes to, and at which base version:
   ``step`` after it lands. At most ``in_flight`` rounds stay outstanding. If the round was
   committed before the learner got to it (it was late), it publishes nothing and merges
   the commit.
+* A contribution's ``steps`` and ``tokens`` are those trained since the learner last
+  published the fragment, except with ``overlap_steps = None`` and ``mixing = 0``: there
+  a merge replaces the fragment by Θ, and with it every step trained before it (the
+  merging step's own included), so the counts start again at each merge and a
+  contribution counts exactly the steps its delta ``anchor − θ`` holds. A step that
+  would publish round ``r`` but merged ``r``'s fragment (its commit landed just then, or
+  ``in_flight`` or ``r``'s base version made the learner wait for it) has nothing of its
+  own to send: it does not reach ``step_of(r)`` (``step_count`` stays at
+  ``step_of(r) − 1``, or below with adaptive steps) and the next step publishes ``r``
+  with that one step. A final contribution (``flush_on_close``) of a fragment merged
+  since its last step is left out. With ``mixing > 0`` a merge keeps a share of the
+  local progress, and with an integer ``τ`` every learner trains the same ``τ`` steps
+  past each publish, as in-mesh: the counts run from the publish.
 * With ``adaptive_steps`` (``gmjax.mail.pace``) it publishes round ``r`` at the step
   nearest the round's deadline instead, or at ``step_of(r)`` if it gets there first;
   ``step_count`` then counts its steps but stays below ``step_of(r)`` until it
@@ -115,6 +128,8 @@ class Rounds:
     self._anchors[fragment] = theta
     self._versions[fragment] = version
     self._applied += 1
+    if self._merge_discards:
+      self._steps_since[fragment] = self._tokens_since[fragment] = 0
     for key in [k for k in self._futures if k[0] == fragment and k[1] <= version]:
       del self._futures[key]
     if self._pulled and version > 0:
@@ -151,7 +166,15 @@ class Rounds:
       self._round_work = True
 
   def _publish_round(self, flat: dict[str, Any], round_: int, *, final: bool,
-                     deadline: float | None = None) -> None:
+                     deadline: float | None = None) -> bool:
+    """Publishes this learner's contribution to ``round_`` after the merges it needs.
+
+    Returns:
+      False, publishing nothing, when those merges (or one earlier in this step) left
+      nothing trained in the round's fragment (overlap_steps=None with mixing 0): there
+      is no honest contribution of zero steps. True otherwise (also when the round was
+      committed without this learner, which then merges it).
+    """
     fragment = self.schedule.fragment_of(round_)
     version = self.schedule.version_after(round_)
     while not final and len(self._outstanding) >= self.schedule.in_flight:
@@ -159,6 +182,8 @@ class Rounds:
     delayed_ = self._delay is not None
     if not delayed_:
       self._bring_to(flat, fragment, version - 1, deadline)
+    if self._steps_since[fragment] == 0:
+      return False
     base = self._versions[fragment] if delayed_ else version - 1
     steps, count = self._steps_since[fragment], self._tokens_since[fragment]
     self._steps_since[fragment] = self._tokens_since[fragment] = 0
@@ -166,7 +191,7 @@ class Rounds:
       # Committed and pruned, and the newer version that stood in for it is merged
       # already (gmjax.mail.retention): that Θ is where this round puts the learner.
       self._align(flat, fragment, self._versions[fragment], self._anchors[fragment])
-      return
+      return True
     if final or self.schedule.overlap_steps is None:
       due = None
     else:
@@ -208,6 +233,7 @@ class Rounds:
       self._start_next_phase(flat, fragment, version - 1, sent, deadline)
     else:
       self._outstanding.append((round_, version, due))
+    return True
 
   def _start_next_phase(self, flat: dict[str, Any], fragment: int, version: int,
                         sent: Any, deadline: float | None) -> None:

@@ -69,8 +69,10 @@ class SavedCounters:
     step_count: the global step the learner had reached.
     local_step: the steps it had trained since it first joined with this state_dir.
     versions: fragment -> the committed version it held.
-    steps_since: per fragment, the steps since it last published that fragment.
-    tokens_since: per fragment, the tokens since then.
+    steps_since: per fragment, the steps its next contribution to that fragment counts:
+      since it last published it (with ``overlap_steps=None`` and ``mixing=0``, or
+      since it last merged it if that came later; ``gmjax.mail.learner_rounds``).
+    tokens_since: per fragment, the tokens of those steps.
     outstanding: rounds it had published and not merged yet (with ``outer_delay``, also
       those no phase had started from): a restart does not wait for them as it would
       have, so a restore from such a save is not exact.

@@ -25,7 +25,8 @@ Asynchronous forms (``all-gather-start``, ``all-reduce-start``,
 ``reduce-scatter-start``) count once, at their start; the ``-done`` halves count nothing.
 The figures are static: a collective inside a ``while`` body counts once, and every branch
 of a ``conditional`` counts, whichever runs; ``Collective.computation`` and ``op_name``
-(the JAX metadata) tell them apart.
+(the JAX metadata) tell them apart, and ``trip_counts`` gives the turns of each loop
+whose count XLA knows (a ``fori_loop`` with static bounds).
 
 Replica groups come as explicit lists (``{{0,1},{2,3}}``), iota tiles
 (``[2,4]<=[8]``, ``[4,2]<=[2,4]T(1,0)``: groups of 4 and of 2), mesh axes
@@ -43,7 +44,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Collective", "collective_bytes", "spanned_axes", "total_bytes_sent"]
+__all__ = ["Collective", "collective_bytes", "spanned_axes", "total_bytes_sent",
+           "trip_counts"]
 
 _OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -327,3 +329,28 @@ def collective_bytes(hlo_text: str) -> list[Collective]:
           groups=groups,
       ))
   return found
+
+
+_WHILE_BODY = re.compile(r"\swhile\(.*?\bbody=%?([\w.\-]+)")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def trip_counts(hlo_text: str) -> dict[str, int]:
+  """The turns of each ``while`` loop of a compiled module whose trip count XLA knows.
+
+  A collective of ``collective_bytes`` whose ``computation`` is such a loop's body runs
+  that many times a call of the loop; loops nested in it multiply (not done here).
+
+  Args:
+    hlo_text: a compiled module's text, as for ``collective_bytes``.
+
+  Returns:
+    The trip count by the name of the loop's body computation; loops whose count XLA
+    does not know (``backend_config`` without ``known_trip_count``) are left out.
+  """
+  counts = {}
+  for line in hlo_text.splitlines():
+    body, trips = _WHILE_BODY.search(line), _TRIP_COUNT.search(line)
+    if body and trips:
+      counts[body.group(1)] = int(trips.group(1))
+  return counts
