@@ -154,9 +154,9 @@ def run_timeout(run, poll: float) -> float:
   for fragment, version in run.newest_versions().items():
     if version > 0:
       record = run.commit(fragment, version)
-      newest[record["round"]] = record
-  estimates = newest[max(newest)]["estimates"] if newest else {}
-  return gmjax.Estimates.from_json(estimates).timeout(poll)
+      newest[record.round] = record
+  estimates = newest[max(newest)].estimates if newest else gmjax.Estimates()
+  return estimates.timeout(poll)
 
 
 class Replay:
@@ -669,8 +669,8 @@ def check(report: Report) -> list[str]:
   # overlap), so its leaves are that commit's Θ on every learner still there.
   last = len(run.plan) - 1
   newest = states.read_commit(run.store, last, run.newest_versions()[last], None)
-  if newest["step"] != report.end_step:
-    problems.append(f"the newest round of fragment {last} is at step {newest['step']},"
+  if newest.step != report.end_step:
+    problems.append(f"the newest round of fragment {last} is at step {newest.step},"
                     f" not at the end step {report.end_step}")
   committed = states.load_theta(run.store, newest)
   for name in report.survivors:

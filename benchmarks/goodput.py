@@ -14,7 +14,7 @@ compute and sleep are outside those calls). It rewrites a progress file after ev
 step, so a learner killed with SIGKILL leaves what it had trained. Then:
 
 * goodput = steps in committed aggregates (the round records' participants' ``steps``,
-  ``run.round_records()``) / steps trained (every incarnation of every learner);
+  ``run.rounds()``) / steps trained (every incarnation of every learner);
 * idle fraction of a learner = blocked seconds / wall seconds, every incarnation of its
   name summed: round 0 and the final close included;
 * held-out loss of each committed Θ (read back from the run) against the wall time of
@@ -304,7 +304,7 @@ def run_scenario(args, scenario: Scenario, adaptive: bool) -> dict[str, Any]:
     raise RuntimeError(f"{name}: learners exited with {failed}; see {directory}/*.log")
 
   incarnation_records = _progress(directory)
-  records = run.round_records()
+  records = run.rounds()
   x, y = held_out()
   curve = [{"seconds": 0.0, "loss": loss(params0(), x, y), "tokens": 0}]
   committed_tokens = 0

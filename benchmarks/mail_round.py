@@ -96,17 +96,17 @@ def main() -> None:
   wall = time.perf_counter() - started
 
   run = mail.open(url)
-  records = {r["step"]: r for r in run.rounds()}
+  records = {r.step: r for r in run.rounds()}
   rows = []
   for step in range(args.sync_every, steps + 1, args.sync_every):
     last_publish = max(published[(f"l{i}", step)] for i in range(args.learners))
     all_applied = max(applied[(f"l{i}", step)] for i in range(args.learners))
     record = records[step]
     rows.append({
-        "round": record["round"],
+        "round": record.round,
         "publish_to_applied_s": round(all_applied - last_publish, 4),
-        "closer_sync_s": round(record["sync_seconds"], 4),
-        "participants": len(record["participants"]),
+        "closer_sync_s": round(record.sync_seconds, 4),
+        "participants": len(record.participants),
     })
   overheads = [r["publish_to_applied_s"] for r in rows]
   steady = overheads[1:] or overheads  # round 0 includes jit compilation

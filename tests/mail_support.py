@@ -47,7 +47,7 @@ def records_reference(config, plan, records, goals):
   Args:
     config: the run's ``DiLoCo`` (outer learning rate and momentum).
     plan: the run's fragment plan (leaf names per fragment).
-    records: ``run.rounds()``.
+    records: ``run.rounds()`` (``RoundRecord``s).
     goals: learner name -> its ``target``.
 
   Returns:
@@ -56,17 +56,17 @@ def records_reference(config, plan, records, goals):
   lr, mu = config.outer_learning_rate, config.outer_momentum
   master = {k: v.astype(np.float64) for k, v in params0().items()}
   momentum = {k: np.zeros(v.shape) for k, v in master.items()}
-  for record in sorted(records, key=lambda r: r["round"]):
-    names = plan[record["fragment"]]
+  for record in sorted(records, key=lambda r: r.round):
+    names = plan[record.fragment]
     theta = {k: master[k].astype(np.float32) for k in names}
-    total = sum(p["tokens"] for p in record["participants"])
+    total = sum(p.tokens for p in record.participants)
     g = {k: np.zeros(master[k].shape) for k in names}
-    for p in record["participants"]:
+    for p in record.participants:
       local = dict(theta)
-      for _ in range(p["steps"]):
-        local = inner(local, goals[p["learner"]])
+      for _ in range(p.steps):
+        local = inner(local, goals[p.learner])
       for k in names:
-        g[k] += p["tokens"] / total * (theta[k].astype(np.float64) - local[k])
+        g[k] += p.tokens / total * (theta[k].astype(np.float64) - local[k])
     for k in names:
       momentum[k] = mu * momentum[k] + g[k]
       master[k] = master[k] - lr * (g[k] + mu * momentum[k])

@@ -194,7 +194,7 @@ def test_a_stopped_run_resumes_until_its_steps_are_done(tmp_path):
       assert job.poll() is None, "the job ended before it was stopped"
       assert time.monotonic() < deadline, "no two rounds committed in 400 s"
       try:
-        if len(gmjax.mail.open(str(out / "run")).round_records()) >= 2:
+        if len(gmjax.mail.open(str(out / "run")).rounds()) >= 2:
           break
       except (FileNotFoundError, ValueError):
         pass  # the run is being created

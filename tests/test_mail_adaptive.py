@@ -75,7 +75,7 @@ def _train(config, sleeps, rounds, *, tokens=None):
 
 
 def _steps(record):
-  return {p["learner"]: p["steps"] for p in record["participants"]}
+  return {p.learner: p.steps for p in record.participants}
 
 
 @pytest.mark.timeout(90)
@@ -84,15 +84,15 @@ def test_unequal_steps_match_numpy_reference():
   tokens = [1, 3, 2]
   run, out, _ = _train(config, [0.005, 0.02, 0.04], rounds=5, tokens=tokens)
   records = run.rounds()
-  assert [r["round"] for r in records] == list(range(5))
+  assert [r.round for r in records] == list(range(5))
   for record in records:
     steps = _steps(record)
-    assert sorted(steps) == ["m0", "m1", "m2"] and record["rejected"] == []
-    total = sum(p["tokens"] for p in record["participants"])
-    for p in record["participants"]:
-      assert p["tokens"] == p["steps"] * tokens[int(p["learner"][1:])]
-      assert p["weight"] == p["tokens"] / total  # token weights, exactly
-      assert p["step_seconds"] > 0
+    assert sorted(steps) == ["m0", "m1", "m2"] and record.rejected == ()
+    total = sum(p.tokens for p in record.participants)
+    for p in record.participants:
+      assert p.tokens == p.steps * tokens[int(p.learner[1:])]
+      assert p.weight == p.tokens / total  # token weights, exactly
+      assert p.step_seconds > 0
   assert any(len(set(_steps(r).values())) > 1 for r in records), [_steps(r) for r in records]
   expected = ms.records_reference(config, run.plan, records,
                                   {name: ms.target(int(name[1:])) for name in out})
@@ -109,32 +109,31 @@ def test_speeds_set_the_steps_of_each_round():
   config = gmjax.DiLoCo(sync_every=8, adaptive_steps=True)
   run, out, _ = _train(config, [0.03, 0.06, 0.12], rounds=6)
   records = run.rounds()
-  assert [r["round"] for r in records] == list(range(6))
+  assert [r.round for r in records] == list(range(6))
   nominal = {"m0": 8, "m1": 4, "m2": 2}  # 8 steps of the 30 ms learner's time
   on_nominal = 0
   for record in records:
     steps = _steps(record)
     assert sorted(steps) == ["m0", "m1", "m2"]
     assert all(1 <= s <= 8 for s in steps.values())
-    if record["round"] < 2:
+    if record.round < 2:
       continue  # timed by heartbeats while the paces become known
     # From round 2 on the deadline is 8 steps at the fastest pace round r − 2's record
     # lists; each learner stops at the step nearest it, at its own pace (what its
     # contribution reports): the sleeps' 8, 4 and 2, unless the machine slowed a learner.
-    paces = {p["learner"]: p["step_seconds"] for p in records[record["round"] - 2][
-        "participants"]}
+    paces = {p.learner: p.step_seconds for p in records[record.round - 2].participants}
     period = 8 * pace.fastest(paces.values())
-    own = {p["learner"]: p["step_seconds"] for p in record["participants"]}
+    own = {p.learner: p.step_seconds for p in record.participants}
     for name, count in steps.items():
       planned = min(8, max(1, round(period / own[name])))
       assert abs(count - nominal[name]) <= 1 or abs(count - planned) <= 1, (
-          record["round"], steps, planned)
+          record.round, steps, planned)
     on_nominal += all(abs(steps[m] - nominal[m]) <= 1 for m in nominal)
   assert on_nominal >= 3, [_steps(r) for r in records]  # of the 4 rounds timed by records
   for name, (_, learner, beat) in out.items():
-    assert beat["trained"] == learner.local_step > 0
-    assert beat["step_seconds"] == pytest.approx(learner._step_seconds)
-    assert beat["idle_seconds"] == pytest.approx(learner.idle_seconds)
+    assert beat.trained == learner.local_step > 0
+    assert beat.step_seconds == pytest.approx(learner._step_seconds)
+    assert beat.idle_seconds == pytest.approx(learner.idle_seconds)
     assert learner.idle_seconds >= 0
   # The slow learner trains a quarter of the fast one's steps, and waits about as much.
   assert out["m2"][1].local_step < out["m0"][1].local_step / 2
@@ -154,28 +153,28 @@ def test_adaptive_with_other_options(options):
   run, out, merges = _train(config, [0.01, 0.03], rounds=4)
   schedule = run.manifest.schedule
   records = run.rounds()
-  regular = [r for r in records if not r["final"]]
-  assert [r["round"] for r in regular] == list(range(4))
+  regular = [r for r in records if not r.final]
+  assert [r.round for r in regular] == list(range(4))
   steps_since = {"m0": [0] * schedule.fragments, "m1": [0] * schedule.fragments}
   for record in records:
     steps = _steps(record)
-    assert record["rejected"] == [] and record["outer_step"]
+    assert record.rejected == () and record.outer_step
     assert sorted(steps) == ["m0", "m1"]
-    total = sum(p["tokens"] for p in record["participants"])
-    for p in record["participants"]:
-      assert 1 <= p["steps"] <= schedule.sync_every
-      assert p["tokens"] == p["steps"]
-      assert p["weight"] == pytest.approx(p["tokens"] / total, rel=1e-6)
+    total = sum(p.tokens for p in record.participants)
+    for p in record.participants:
+      assert 1 <= p.steps <= schedule.sync_every
+      assert p.tokens == p.steps
+      assert p.weight == pytest.approx(p.tokens / total, rel=1e-6)
   for name, (params, learner, beat) in out.items():
     assert learner.step_count == schedule.step_of(3)
     for leaf, value in params.items():
       assert np.all(np.isfinite(value)), leaf
-    assert beat["status"] == "closed"
+    assert beat.status == "closed"
   if config.overlap_steps is not None:
     for name, (_, learner, _) in out.items():
       # Every step trained went into exactly one contribution per fragment.
       for f in range(schedule.fragments):
-        covered = sum(_steps(r)[name] for r in records if r["fragment"] == f)
+        covered = sum(_steps(r)[name] for r in records if r.fragment == f)
         assert covered == learner.local_step, (name, f)
     return
   # With overlap_steps=None and mixing 0 a merge replaces the fragment by Θ: each
@@ -184,11 +183,11 @@ def test_adaptive_with_other_options(options):
   # publish), and Θ is what numpy DiLoCo makes of those steps and tokens.
   previous = {(name, f): 0 for name in out for f in range(schedule.fragments)}
   for record in records:
-    f = record["fragment"]
-    for p in record["participants"]:
-      name, published = p["learner"], p["local_step"]
+    f = record.fragment
+    for p in record.participants:
+      name, published = p.learner, p.local_step
       start = max([previous[name, f], *(m for m in merges[name][f] if m < published)])
-      assert p["steps"] == published - start, (record["round"], p, merges[name])
+      assert p.steps == published - start, (record.round, p, merges[name])
       previous[name, f] = published
   expected = ms.records_reference(config, run.plan, records,
                                   {name: ms.target(int(name[1:])) for name in out})
@@ -296,10 +295,10 @@ def test_a_two_process_learner_agrees_on_its_deadlines(tmp_path):
   seen = [json.load(open(o)) for o in outs]
   assert seen[0]["final"] == seen[1]["final"]
   records = run.rounds()
-  assert all([p["learner"] for p in r["participants"]] == ["job"] for r in records)
+  assert all([p.learner for p in r.participants] == ["job"] for r in records)
   assert sum(_steps(r)["job"] for r in records) == 9  # every step in one contribution
   last = records[-1]
-  theta = states.load_state(run.store, run.commit(0, last["version"])).theta
+  theta = states.load_state(run.store, run.commit(0, last.version)).theta
   for name, value in seen[0]["final"].items():
     np.testing.assert_array_equal(np.asarray(value, np.float32), theta[name])
 
@@ -315,5 +314,5 @@ def test_one_slow_step_does_not_set_the_pace():
     time.sleep(0.5 if step == 1 else 0.005)
     params = learner.step(ms.inner(params, ms.target(0)))
   learner.close(params)
-  seconds = learner.run.learners()["m0"]["step_seconds"]  # as the last heartbeat says
+  seconds = learner.run.learners()["m0"].step_seconds  # as the last heartbeat says
   assert seconds < 0.1, seconds  # a moving average seeded at 0.5 s was still ~0.27 s

@@ -24,7 +24,7 @@ def test_create_stores_version_zero(tmp_path):
   assert run.rounds() == []
   for fragment, names in enumerate(run.plan):
     record = run.commit(fragment, 0)
-    assert record["round"] is None and record["version"] == 0
+    assert record.round is None and record.version == 0
     state = states.load_state(run.store, record)
     for name in names:
       np.testing.assert_array_equal(state.theta[name], ms.params0()[name])
@@ -112,5 +112,5 @@ def test_memory_run_with_jax_arrays():
   for _ in range(4):
     pulled = learner.step({k: v * 0.5 for k, v in pulled.items()})
   learner.close(pulled)
-  assert [r["round"] for r in run.rounds()] == [0, 1]
-  assert run.learners()["solo"]["status"] == "closed"
+  assert [r.round for r in run.rounds()] == [0, 1]
+  assert run.learners()["solo"].status == "closed"

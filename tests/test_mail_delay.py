@@ -50,8 +50,8 @@ def test_a_delayed_learner_trains_on_while_its_round_is_open(tmp_path, eager):
     assert a.versions == {0: 1}
     pb = _steps(b, pb, 1, H)
     rounds = run.rounds()
-    assert [r["round"] for r in rounds[:1]] == [0]
-    assert sorted(p["learner"] for p in rounds[0]["participants"]) == ["a", "b"]
+    assert [r.round for r in rounds[:1]] == [0]
+    assert sorted(p.learner for p in rounds[0].participants) == ["a", "b"]
     # Round 1's deltas were taken from the phases' start, Θ_0: base version 0.
     assert [base_version(run, 1, name) for name in "ab"] == [0, 0]
     theta = states.load_theta(run.store, run.commit(0, 1))
@@ -125,9 +125,9 @@ def test_delayed_learners_flush_and_leave_on_the_newest_commit(tmp_path, eager):
   threads.join(timeout=100)
   run = mail.open(url)
   rounds = run.rounds()
-  assert [r["round"] for r in rounds] == [0, 1, 2, 3]
-  assert [sorted(p["learner"] for p in r["participants"]) for r in rounds] == [["a", "b"]] * 4
-  assert all(p["steps"] == H // 2 for p in rounds[-1]["participants"])
+  assert [r.round for r in rounds] == [0, 1, 2, 3]
+  assert [sorted(p.learner for p in r.participants) for r in rounds] == [["a", "b"]] * 4
+  assert all(p.steps == H // 2 for p in rounds[-1].participants)
   theta = states.load_theta(run.store, run.commit(0, 4))
   for name in "ab":
     for leaf, value in theta.items():

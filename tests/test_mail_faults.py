@@ -38,11 +38,11 @@ def test_learner_killed_mid_run(tmp_path):
   finally:
     ms.kill(victim)
   rounds = run.rounds()
-  assert [r["round"] for r in rounds] == list(range(10))
-  with_victim = [r["round"] for r in rounds
-                 if "victim" in {p["learner"] for p in r["participants"]}]
+  assert [r.round for r in rounds] == list(range(10))
+  with_victim = [r.round for r in rounds
+                 if "victim" in {p.learner for p in r.participants}]
   assert with_victim[:3] == [0, 1, 2] and with_victim[-1] < 9
-  assert all({"a0", "a1"} <= {p["learner"] for p in r["participants"]} for r in rounds)
+  assert all({"a0", "a1"} <= {p.learner for p in r.participants} for r in rounds)
   for name in out["a0"]:
     np.testing.assert_array_equal(out["a0"][name], out["a1"][name])
   assert len(_commits(run)) == 11  # versions 0..10, one record each
@@ -70,12 +70,12 @@ def test_designated_closer_killed_before_commit(tmp_path):
     ms.kill(victim)
   assert "dying before commit" in log
   rounds = run.rounds()
-  assert [r["round"] for r in rounds] == [0, 1, 2, 3]
-  assert {p["learner"] for p in rounds[0]["participants"]} == {"a-closer", "b0", "b1"}
-  assert all(r["closer"] in ("b0", "b1") for r in rounds)
+  assert [r.round for r in rounds] == [0, 1, 2, 3]
+  assert {p.learner for p in rounds[0].participants} == {"a-closer", "b0", "b1"}
+  assert all(r.closer in ("b0", "b1") for r in rounds)
   assert len(_commits(run)) == 5  # versions 0..4, exactly one commit each
   # The dead closer's state directory is an orphan no commit names.
-  named = {run.commit(0, v)["state"].rsplit("/", 1)[-1] for v in range(5)}
+  named = {run.commit(0, v).state.rsplit("/", 1)[-1] for v in range(5)}
   saved = {e for e in run.store.list("fragments/0") if os.path.isdir(os.path.join(url, "fragments", "0", e))}
   assert named < saved
   for name in out["b0"]:

@@ -59,7 +59,7 @@ def test_malformed_heartbeats_do_not_stop_a_run(tmp_path):
   for m in range(2):
     threads.start(ms.train, mail.open(url), f"a{m}", m, 6)
   threads.join(timeout=100)
-  assert [r["round"] for r in run.rounds()] == [0, 1, 2]
+  assert [r.round for r in run.rounds()] == [0, 1, 2]
   bad = {b["learner"]: b["reason"] for b in run.status()["bad_heartbeats"]}
   assert set(MALFORMED) | {"'not a name'"} <= set(bad), bad
   assert set(run.learners()) == {"a0", "a1"}
@@ -84,7 +84,7 @@ def test_keyed_run_signs_heartbeats_and_ignores_unsigned_and_forged(tmp_path):
     threads.start(ms.train, mail.open(url, key="k"), f"a{m}", m, 4)
   threads.join(timeout=100)
   rounds = run.rounds()
-  reasons = {x["learner"]: x["reason"] for x in rounds[0]["rejected"]}
+  reasons = {x.learner: x.reason for x in rounds[0].rejected}
   assert "unknown learner" in reasons["ghost"] and "unknown learner" in reasons["forger"]
   bad = {b["learner"]: b["reason"] for b in run.status()["bad_heartbeats"]}
   assert "signature" in bad["ghost"] and "signature" in bad["forger"]

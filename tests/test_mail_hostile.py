@@ -51,13 +51,13 @@ def _train_pair(url, key=None, steps=6, tokens=2):
 
 
 def _reasons(record):
-  return {x["learner"]: x["reason"] for x in record["rejected"]}
+  return {x.learner: x.reason for x in record.rejected}
 
 
 def _finite(run):
   for record in run.rounds():
-    theta = states.load_theta(run.store, run.commit(record["fragment"], record["version"]))
-    assert all(np.isfinite(v).all() for v in theta.values()), record["round"]
+    theta = states.load_theta(run.store, run.commit(record.fragment, record.version))
+    assert all(np.isfinite(v).all() for v in theta.values()), record.round
 
 
 @pytest.mark.timeout(120)
@@ -68,11 +68,11 @@ def test_deep_header_of_an_unknown_learner_in_a_keyed_run_is_rejected_unread(tmp
   run.store.put("rounds/0/stranger.safetensors", struct.pack("<Q", len(deep)) + deep)
   _train_pair(url, key="k", steps=4)
   rounds = run.rounds()
-  assert [r["round"] for r in rounds] == [0, 1]
+  assert [r.round for r in rounds] == [0, 1]
   # Its name never joined: rejected from the listing, before a byte of it is parsed
   # (contributions.check parses deep headers within bounds: test_contribution_header_bounds).
   assert "never joined" in _reasons(rounds[0])["stranger"]
-  assert all(len(r["participants"]) == 2 for r in rounds)
+  assert all(len(r.participants) == 2 for r in rounds)
 
 
 @pytest.mark.timeout(120)
@@ -85,11 +85,11 @@ def test_huge_finite_delta_is_an_outlier_and_never_aggregated(tmp_path):
   run.store.put("rounds/1/mole.safetensors", _payload(run, 1, "mole", _values(run, 300.0)))
   _train_pair(url, steps=6)
   rounds = run.rounds()
-  assert [r["round"] for r in rounds] == [0, 1, 2]
+  assert [r.round for r in rounds] == [0, 1, 2]
   for round_ in (0, 1):
     reason = _reasons(rounds[round_])["mole"]
     assert "outlier" in reason and f"{guards.OUTLIER_FACTOR:g}x" in reason, reason
-  assert all(sorted(p["learner"] for p in r["participants"]) == ["a0", "a1"] for r in rounds)
+  assert all(sorted(p.learner for p in r.participants) == ["a0", "a1"] for r in rounds)
   _finite(run)
 
 
@@ -169,10 +169,10 @@ def test_outer_step_that_is_not_finite_is_skipped_and_the_run_goes_on(tmp_path):
     params = learner.step(params)
   learner.close(params)
   rounds = run.rounds()
-  assert [r["round"] for r in rounds] == [0, 1, 2]
-  assert "not finite" in rounds[0]["skipped"] and rounds[0]["outer_step"] is False
-  assert [p["learner"] for p in rounds[0]["participants"]] == ["solo"]
-  assert all("skipped" not in r and r["outer_step"] for r in rounds[1:])
+  assert [r.round for r in rounds] == [0, 1, 2]
+  assert "not finite" in rounds[0].extra["skipped"] and rounds[0].outer_step is False
+  assert [p.learner for p in rounds[0].participants] == ["solo"]
+  assert all("skipped" not in r.extra and r.outer_step for r in rounds[1:])
   theta0, theta1 = (states.load_theta(run.store, run.commit(0, v)) for v in (0, 1))
   for name in theta0:
     np.testing.assert_array_equal(theta0[name], theta1[name])
@@ -190,16 +190,16 @@ def test_reported_fields_are_bounded(tmp_path):
   run.store.put("rounds/3/mole.safetensors", _payload(run, 3, "mole", steps=10**6))
   _train_pair(url, steps=8, tokens=2)
   rounds = run.rounds()
-  assert [r["round"] for r in rounds] == [0, 1, 2, 3]
+  assert [r.round for r in rounds] == [0, 1, 2, 3]
   assert any("step_seconds" in c["field"] and c["learner"] == "mole"
-             for c in rounds[0]["clamped"])
+             for c in rounds[0].extra["clamped"])
   for record in rounds:
-    assert record["estimates"]["step"] <= contributions.MAX_STEP_SECONDS
+    assert record.estimates.step <= contributions.MAX_STEP_SECONDS
   assert "tokens" in _reasons(rounds[1])["mole"]
-  weights = {p["learner"]: p["weight"] for p in rounds[2]["participants"]}
+  weights = {p.learner: p.weight for p in rounds[2].participants}
   # 2 tokens a step for a0 and a1: mole's 2**20 a step is cut to 10x that.
   assert weights["mole"] == pytest.approx(10 / 12)
-  assert {c["field"]: c["used"] for c in rounds[2]["clamped"]} == {"tokens": 40}
+  assert {c["field"]: c["used"] for c in rounds[2].extra["clamped"]} == {"tokens": 40}
   assert "steps" in _reasons(rounds[3])["mole"]
   assert run.status()["timeout_seconds"] < 3600
 
@@ -243,9 +243,9 @@ def test_attacker_text_is_quoted_short_in_records(tmp_path):
   run.store.put(bad_name, b"")
   _train_pair(url, steps=4)
   record = run.rounds()[0]
-  assert len(json.dumps(record)) < 16384
-  for rejected in record["rejected"]:
-    text = rejected["learner"] + rejected["reason"]
-    assert text.isascii() and len(rejected["reason"]) < 300, rejected
+  assert len(json.dumps(record.to_json())) < 16384
+  for rejected in record.rejected:
+    text = rejected.learner + rejected.reason
+    assert text.isascii() and len(rejected.reason) < 300, rejected
   committed = tmp_path / "run" / "fragments" / "0" / "1.commit.json"
   assert committed.stat().st_size < 32768

@@ -31,14 +31,14 @@ def test_failed_background_marks_the_heartbeat_and_close_cleans_up(tmp_path):
   params = learner.step(params)
   with pytest.raises(mail.LearnerClosed):
     learner.step(params)  # publishes round 0 and waits for its commit
-  ms.wait_for(lambda: run.learners()["w0"]["status"] == "failed", 30, "a failed heartbeat")
-  assert "PermissionError" in run.learners()["w0"]["error"]
+  ms.wait_for(lambda: run.learners()["w0"].status == "failed", 30, "a failed heartbeat")
+  assert "PermissionError" in run.learners()["w0"].error
   with pytest.raises(mail.LearnerClosed):
     learner.step(params)
   with pytest.raises(mail.LearnerClosed):
     learner.close(params)
   assert _threads_of("w0") == []
-  assert run.learners()["w0"]["status"] == "failed"
+  assert run.learners()["w0"].status == "failed"
   learner.close(params)  # closing again is a no-op
 
 
@@ -51,16 +51,16 @@ def test_exit_flushes_and_always_cleans_up(tmp_path):
     for _ in range(3):  # round 0 at step 2, then one step more
       params = learner.step(ms.inner(params, ms.target(0)))
   rounds = run.rounds()
-  assert [r["round"] for r in rounds] == [0, 1]
-  assert rounds[1]["final"] == ["w0"] and rounds[1]["participants"][0]["steps"] == 1
-  assert run.learners()["w0"]["status"] == "closed" and _threads_of("w0") == []
+  assert [r.round for r in rounds] == [0, 1]
+  assert rounds[1].final == ("w0",) and rounds[1].participants[0].steps == 1
+  assert run.learners()["w0"].status == "closed" and _threads_of("w0") == []
 
   with pytest.raises(RuntimeError, match="training broke"):
     with mail.open(url).join("w1", poll_interval=ms.POLL) as learner:
       params = learner.step(learner.pull(ms.params0()))
       raise RuntimeError("training broke")
-  assert [r["round"] for r in run.rounds()] == [0, 1]  # no flush after an error
-  assert run.learners()["w1"]["status"] == "closed" and _threads_of("w1") == []
+  assert [r.round for r in run.rounds()] == [0, 1]  # no flush after an error
+  assert run.learners()["w1"].status == "closed" and _threads_of("w1") == []
 
 
 @pytest.mark.timeout(180)
@@ -77,12 +77,12 @@ def test_quorum_time_excludes_the_grace_period(tmp_path):
   finally:
     idle.close(ms.params0())
   rounds = run.rounds()
-  assert [r["round"] for r in rounds] == list(range(6))
-  assert all(r["live"] == ["busy", "idle"] for r in rounds)  # each waited out the grace
+  assert [r.round for r in rounds] == list(range(6))
+  assert all(r.live == ("busy", "idle") for r in rounds)  # each waited out the grace
   grace_floor = 30 * ms.POLL
-  assert all(r["quorum_seconds"] is not None and r["quorum_seconds"] < grace_floor
+  assert all(r.quorum_seconds is not None and r.quorum_seconds < grace_floor
              for r in rounds)
-  assert all(r["estimates"]["quorum"] < grace_floor for r in rounds)
+  assert all(r.estimates.quorum < grace_floor for r in rounds)
 
 
 @pytest.mark.timeout(180)
@@ -98,8 +98,8 @@ def test_learner_survives_a_storage_outage_at_start_up(tmp_path):
   out = {}
   ms.train(flaky, "w0", 0, 4, out=out)
   assert flaky.store.failures > 0
-  assert [r["round"] for r in run.rounds()] == [0, 1]
-  assert run.learners()["w0"]["status"] == "closed"
+  assert [r.round for r in run.rounds()] == [0, 1]
+  assert run.learners()["w0"].status == "closed"
 
 
 def test_startup_timeout_is_checked(tmp_path):

@@ -122,9 +122,9 @@ def test_mail_learners_end_where_in_mesh_learners_end(config, tmp_path):
   mailed, rounds = by_mail(config, tmp_path)
   schedule = config.schedule(len(config.plan(gmjax.Schema.from_tree(ms.params0()))))
   expected_rounds = [r for r in range(40) if schedule.step_of(r) <= STEPS]
-  assert [r["round"] for r in rounds] == expected_rounds
-  assert all(len(r["participants"]) == LEARNERS for r in rounds)
-  weights = {p["learner"]: p["weight"] for p in rounds[0]["participants"]}
+  assert [r.round for r in rounds] == expected_rounds
+  assert all(len(r.participants) == LEARNERS for r in rounds)
+  weights = {p.learner: p.weight for p in rounds[0].participants}
   np.testing.assert_allclose([weights[f"learner-{m}"] for m in range(LEARNERS)],
                              np.asarray(TOKENS) / sum(TOKENS), rtol=1e-6)
   for m in range(LEARNERS):
@@ -162,10 +162,10 @@ def test_both_modes_reject_and_clamp_alike(shard_outer, delay, tmp_path):
   assert int(stats.rejected) == 1 and int(stats.clamped) == 1
   assert int(stats.skipped) == 0
   for record in rounds:
-    assert [p["learner"] for p in record["participants"]] == ["learner-0", "learner-2"]
-    assert [r["learner"] for r in record["rejected"]] == ["learner-1"]
-    tokens = {p["learner"]: p["tokens"] for p in record["participants"]}
-    assert [(c["learner"], c["field"], c["used"]) for c in record["clamped"]] == [
+    assert [p.learner for p in record.participants] == ["learner-0", "learner-2"]
+    assert [r.learner for r in record.rejected] == ["learner-1"]
+    tokens = {p.learner: p.tokens for p in record.participants}
+    assert [(c["learner"], c["field"], c["used"]) for c in record.extra["clamped"]] == [
         ("learner-2", "tokens", 10 * tokens["learner-0"])]
     assert tokens["learner-2"] == 10 * tokens["learner-0"]
   for m in range(LEARNERS):
@@ -195,12 +195,12 @@ def test_robust_aggregation_is_the_same_by_mail_and_in_mesh(aggregation, poisone
   assert (int(stats.clipped), int(stats.capped), int(stats.trimmed)) == (
       clipped, clipped, trimmed)
   for record in rounds:
-    summary = record["aggregation"]
+    summary = record.extra["aggregation"]
     assert summary["rule"] == aggregation and summary["trimmed"] == trimmed
     assert (len(summary["clipped"]), summary["capped"]) == (clipped, clipped)
-    kept = [p["learner"] for p in record["participants"]]
+    kept = [p.learner for p in record.participants]
     assert "learner-1" not in kept if poisoned else len(kept) == LEARNERS
-    assert sum(p["weight"] for p in record["participants"]) == pytest.approx(1.0)
+    assert sum(p.weight for p in record.participants) == pytest.approx(1.0)
   for m in range(LEARNERS):
     # The rejected learner steps toward a goal a thousand times away: its own steps
     # round at the ulp of hundreds, numpy's and XLA's alike.

@@ -51,19 +51,19 @@ def test_join_mid_run_and_leave(tmp_path):
     np.testing.assert_array_equal(pulled[name], theta[name])
 
   rounds = run.rounds()
-  assert [r["round"] for r in rounds] == list(range(15))
-  late = [r["round"] for r in rounds if "late" in {p["learner"] for p in r["participants"]}]
+  assert [r.round for r in rounds] == list(range(15))
+  late = [r.round for r in rounds if "late" in {p.learner for p in r.participants}]
   # 7 steps: 3 rounds + 1 final. Its first round may have closed before its heartbeat
   # said it was live (then it publishes nothing there and merges the commit).
   assert late and late == list(range(late[0], first_round + 4)), late
   assert first_round <= late[0] <= first_round + 1, (first_round, late)
   final = rounds[late[-1]]
-  assert final["final"] == ["late"]
-  late_weight = {p["learner"]: p["steps"] for p in final["participants"]}["late"]
+  assert final.final == ("late",)
+  late_weight = {p.learner: p.steps for p in final.participants}["late"]
   assert late_weight == 1  # the one step trained since its last round
-  assert all("early" in {p["learner"] for p in r["participants"]} for r in rounds)
-  assert run.learners()["late"]["status"] == "closed"
-  assert run.learners()["early"]["status"] == "closed"
+  assert all("early" in {p.learner for p in r.participants} for r in rounds)
+  assert run.learners()["late"].status == "closed"
+  assert run.learners()["early"].status == "closed"
 
 
 def test_batch_size_follows_live_learners(tmp_path):

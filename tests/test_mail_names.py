@@ -28,7 +28,7 @@ def test_a_live_name_is_refused_and_a_closed_one_is_free(tmp_path):
   first.close(params)
   again = mail.open(url).join("w0", poll_interval=ms.POLL)
   again.close(again.pull(ms.params0()))
-  assert mail.open(url).learners()["w0"]["status"] == "closed"
+  assert mail.open(url).learners()["w0"].status == "closed"
 
 
 @pytest.mark.timeout(120)
@@ -43,7 +43,7 @@ def test_a_failed_or_dead_name_is_free(tmp_path, status):
       "first_round": 0, "final_rounds": [], "step": 4}).encode())
   learner = run.join("w0", poll_interval=ms.POLL)
   learner.close(learner.pull(ms.params0()))
-  assert run.learners()["w0"]["status"] == "closed"
+  assert run.learners()["w0"].status == "closed"
 
 
 @pytest.mark.slow
@@ -61,5 +61,5 @@ def test_two_processes_joining_as_one_name(tmp_path):
   loser = logs[[w.returncode for w in workers].index(codes[1])]
   assert "NameTaken" in loser and "closed" not in loser.splitlines()
   rounds = mail.open(url).rounds()
-  assert [r["round"] for r in rounds] == [0, 1, 2]
-  assert all([p["learner"] for p in r["participants"]] == ["w0"] for r in rounds)
+  assert [r.round for r in rounds] == [0, 1, 2]
+  assert all([p.learner for p in r.participants] == ["w0"] for r in rounds)

@@ -122,11 +122,11 @@ def test_threads_match_numpy_outer(tmp_path, case):
                                  atol=1e-5, err_msg=f"learner m{m}, leaf {name}")
   rounds = run.rounds()
   for record in rounds:
-    assert record["rejected"] == [] and record["outer_step"]
-    total = sum(p["tokens"] for p in record["participants"])
-    for p in record["participants"]:
-      assert p["tokens"] == p["steps"] * tokens[int(p["learner"][1:])]
-      assert p["weight"] == p["tokens"] / total
+    assert record.rejected == () and record.outer_step
+    total = sum(p.tokens for p in record.participants)
+    for p in record.participants:
+      assert p.tokens == p.steps * tokens[int(p.learner[1:])]
+      assert p.weight == p.tokens / total
   # The committed outer state of each fragment is the optimizer's, under its record names.
   for fragment, names in enumerate(run.plan):
     version = max(states.committed_versions(run.store, fragment))

@@ -78,22 +78,22 @@ def _check_counts_and_theta(run, driven, rounds):
   (or its previous contribution to it), and Θ is what those counts give in numpy."""
   schedule = run.manifest.schedule
   records = run.rounds()
-  assert [r["round"] for r in records] == list(range(rounds))
+  assert [r.round for r in records] == list(range(rounds))
   previous = {(name, f): 0 for name in driven for f in range(schedule.fragments)}
   for record in records:
-    f = record["fragment"]
-    assert record["rejected"] == [] and record["outer_step"], record
-    assert sorted(p["learner"] for p in record["participants"]) == sorted(driven)
-    total = sum(p["tokens"] for p in record["participants"])
-    for p in record["participants"]:
-      name, published = p["learner"], p["local_step"]
+    f = record.fragment
+    assert record.rejected == () and record.outer_step, record
+    assert sorted(p.learner for p in record.participants) == sorted(driven)
+    total = sum(p.tokens for p in record.participants)
+    for p in record.participants:
+      name, published = p.learner, p.local_step
       # A merge at the publishing step itself comes after the publish (one before it
       # puts the publish off to the next step), so it is not in this contribution.
       merged = [m for m in driven[name].merges[f] if m < published]
       start = max([previous[name, f], *merged])
-      assert p["steps"] == published - start >= 1, (record["round"], p, driven[name].merges)
-      assert p["tokens"] == p["steps"] * TOKENS[name]
-      assert p["weight"] == pytest.approx(p["tokens"] / total, rel=1e-6)
+      assert p.steps == published - start >= 1, (record.round, p, driven[name].merges)
+      assert p.tokens == p.steps * TOKENS[name]
+      assert p.weight == pytest.approx(p.tokens / total, rel=1e-6)
       previous[name, f] = published
   expected = ms.records_reference(run.config, run.plan, records,
                                   {name: d.goal for name, d in driven.items()})
@@ -106,7 +106,7 @@ def _check_counts_and_theta(run, driven, rounds):
 
 
 def _contribution(records, round_, name):
-  return next(p for p in records[round_]["participants"] if p["learner"] == name)
+  return next(p for p in records[round_].participants if p.learner == name)
 
 
 @pytest.mark.timeout(60)
@@ -120,8 +120,8 @@ def test_a_merge_mid_round_leaves_only_the_steps_after_it():
   records = _check_counts_and_theta(run, driven, rounds=6)
   assert driven["m0"].merges[0][0] == 4
   # Steps 5 and 6, not the 4 since its round 0: steps 3 and 4 went with the merge.
-  assert _contribution(records, 2, "m0")["steps"] == 2
-  assert _contribution(records, 2, "m0")["tokens"] == 2 * TOKENS["m0"]
+  assert _contribution(records, 2, "m0").steps == 2
+  assert _contribution(records, 2, "m0").tokens == 2 * TOKENS["m0"]
 
 
 @pytest.mark.timeout(60)
@@ -137,7 +137,7 @@ def test_a_merge_at_the_publishing_step_puts_the_publish_off_one_step():
   assert driven["m0"].merges[0][0] == 8
   assert driven["m0"].step_counts[6:9] == [7, 7, 8]
   first = _contribution(records, 1, "m0")
-  assert (first["local_step"], first["steps"], first["tokens"]) == (9, 1, TOKENS["m0"])
+  assert (first.local_step, first.steps, first.tokens) == (9, 1, TOKENS["m0"])
   for d in driven.values():
     assert d.learner.step_count == run.manifest.schedule.step_of(3)
 
@@ -172,8 +172,8 @@ def test_an_exact_restore_counts_from_the_pull(tmp_path):
     params = learner.step(ms.inner(params, goal), state=opt_state, position=0)
   learner.close(params)
   records = run.rounds()
-  assert [r["round"] for r in records] == [0, 1]
-  assert [p["steps"] for p in records[1]["participants"]] == [256 - merged]
+  assert [r.round for r in records] == [0, 1]
+  assert [p.steps for p in records[1].participants] == [256 - merged]
   expected = ms.records_reference(config, run.plan, records, {"m0": goal})
   for f, version in run.newest_versions().items():
     theta = states.load_theta(run.store, run.commit(f, version))

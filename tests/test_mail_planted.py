@@ -71,7 +71,7 @@ def _train(url, steps, *, slow=(), wait_timeout=20.0):
 
 
 def _learners(record):
-  return sorted(p["learner"] for p in record["participants"])
+  return sorted(p.learner for p in record.participants)
 
 
 @pytest.mark.timeout(120)
@@ -84,9 +84,9 @@ def test_folder_at_a_future_commit_path_is_a_damaged_slot(tmp_path, kind):
              for p in mail.verify(url)), mail.verify(url)
   out = _train(url, 6)
   rounds = run.rounds()
-  assert [r["round"] for r in rounds] == [0, 1, 2]
+  assert [r.round for r in rounds] == [0, 1, 2]
   assert all(_learners(r) == ["a0", "a1"] for r in rounds)
-  assert rounds[1]["supersedes"] == [layout.commit(0, 2)]
+  assert rounds[1].extra["supersedes"] == [layout.commit(0, 2)]
   assert run.store.exists(layout.commit_slot(0, 2, 1))
   for name in out["a0"]:
     np.testing.assert_array_equal(out["a0"][name], out["a1"][name])
@@ -104,8 +104,8 @@ def test_objects_where_the_runs_own_belong_do_not_stop_learners(tmp_path, kind):
   _plant_folder(run, layout.heartbeat("a0"))  # a folder at a heartbeat's path
   _train(url, 6)
   rounds = run.rounds()
-  assert [r["round"] for r in rounds] == [0, 1, 2]
-  assert all(_learners(r) == ["a0", "a1"] and not r["rejected"] for r in rounds)
+  assert [r.round for r in rounds] == [0, 1, 2]
+  assert all(_learners(r) == ["a0", "a1"] and not r.rejected for r in rounds)
   assert sorted(run.learners()) == ["a0", "a1"]
   assert mail.verify(url) == []
 
@@ -123,7 +123,7 @@ def test_odd_claim_names_are_ignored(tmp_path, kind):
     learner.close(learner.pull(ms.params0()))
   claims = run.store.list("learners/w0.claims")
   assert "51" in claims and "52" in claims, claims
-  assert run.learners()["w0"]["status"] == "closed"
+  assert run.learners()["w0"].status == "closed"
 
 
 @pytest.mark.timeout(120)
@@ -135,8 +135,8 @@ def test_junk_at_a_learners_next_contribution_path_never_stands_for_it(tmp_path,
     _plant(run, layout.contribution(round_, "a1"), b"junk")
   _train(url, 8, slow=("a1",))
   rounds = run.rounds()
-  assert [r["round"] for r in rounds] == [0, 1, 2, 3]
-  assert all(_learners(r) == ["a0", "a1"] and not r["rejected"] for r in rounds), rounds
+  assert [r.round for r in rounds] == [0, 1, 2, 3]
+  assert all(_learners(r) == ["a0", "a1"] and not r.rejected for r in rounds), rounds
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -34,7 +34,7 @@ def test_two_closers_race(tmp_path, monkeypatch, url_kind):
   write_commit = states.write_commit
 
   def racing_write_commit(store, record, key):
-    attempts.append(record["closer"])
+    attempts.append(record.closer)
     barrier.wait(timeout=20)  # both have aggregated and saved: now race for the name
     return write_commit(store, record, key)
 
@@ -63,4 +63,4 @@ def test_two_closers_race(tmp_path, monkeypatch, url_kind):
   assert versions == ["0.commit.json", "1.commit.json"]
   state_dirs = [e for e in run.store.list("fragments/0") if e.startswith("1-")]
   assert state_dirs == [winner.state.rsplit("/", 1)[-1]]  # the loser cleaned up
-  assert [r["round"] for r in run.rounds()] == [0]
+  assert [r.round for r in run.rounds()] == [0]

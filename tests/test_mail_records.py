@@ -45,11 +45,29 @@ def test_round_trip_is_byte_for_byte(trained):
     record = RoundRecord.from_json(parsed)
     assert json.dumps(record.to_json(), indent=1).encode() == data
   rounds = run.rounds()
-  assert all(isinstance(r, dict) and "signature" not in r for r in rounds)
-  assert [r["round"] for r in rounds] == [0, 1]
-  typed = run.round_records()
-  assert [r.to_json()["sha256"] for r in typed] == [r["sha256"] for r in rounds]
-  assert typed[0].participants[0].learner == "w0" and typed[0].estimates.sync is not None
+  assert all(isinstance(r, RoundRecord) and "signature" not in r.extra for r in rounds)
+  assert [r.round for r in rounds] == [0, 1]
+  assert rounds[0].participants[0].learner == "w0" and rounds[0].estimates.sync is not None
+  for record in rounds:  # the JSON on storage, less the signature
+    stored = json.loads(_raw(run, record.version))
+    stored.pop("signature", None)
+    assert record.to_json() == stored
+
+
+def test_typed_records_round_trip_and_run_returns_them(trained):
+  run, key = trained
+  for version in range(3):
+    record = run.commit(0, version)
+    assert isinstance(record, RoundRecord) and record.version == version
+    assert ("signature" in record.extra) == (key is not None)
+    assert RoundRecord.from_json(record.to_json()) == record
+  beats = run.learners()
+  assert list(beats) == ["w0"] and isinstance(beats["w0"], mail.Heartbeat)
+  beat = beats["w0"]
+  assert beat.name == "w0" and beat.status == "closed" and beat.trained == 4
+  assert mail.Heartbeat.from_json(beat.to_json()) == beat
+  # to_json gives the heartbeat file's fields and values (the signature is kept).
+  assert beat.to_json() == json.loads(run.store.get(layout.heartbeat("w0")))
 
 
 def test_unknown_fields_are_kept_known_ones_are_checked(trained):

@@ -29,7 +29,7 @@ def _config():
 
 
 def _intact_versions(run):
-  return [r["version"] for r in run.rounds()]
+  return [r.version for r in run.rounds()]
 
 
 def test_state_files_and_directories_are_synced_before_the_commit(tmp_path, monkeypatch):
@@ -45,9 +45,9 @@ def test_state_files_and_directories_are_synced_before_the_commit(tmp_path, monk
   state = DiLoCoAggregator(run.config, run.schema.subset(run.plan[0])).initial_state(
       ms.params0())
   files = states.save_state(run.store, 0, state, "synced")
-  target = os.path.join(run.store.local_root, *files["state"].split("/"))
+  target = os.path.join(run.store.local_root, *files.state.split("/"))
   directories = [root for root, _, _ in os.walk(target)] + [os.path.dirname(target)]
-  written = [os.path.join(target, *f.split("/")) for f in files["state_files"]]
+  written = [os.path.join(target, *f.split("/")) for f in files.state_files]
   assert len(directories) >= 2 and written
   for path in directories + written:
     assert os.path.realpath(path) in synced, path
@@ -68,9 +68,9 @@ def test_damaged_newest_commit_costs_one_round_and_commits_once(tmp_path):
   _train(url, ["b0", "b1"], 4, key="k")
   assert _intact_versions(run) == [1, 2, 3]
   record = run.commit(0, 2)
-  assert record["supersedes"] == [newest]
+  assert record.extra["supersedes"] == [newest]
   # Re-closed from the round's contributions: the new learners' and the earlier ones'.
-  assert {p["learner"] for p in record["participants"]} >= {"b0", "b1"}
+  assert {p.learner for p in record.participants} >= {"b0", "b1"}
   assert run.store.exists(layout.commit_slot(0, 2, 1))
   assert not run.store.exists(layout.commit_slot(0, 2, 2))  # exactly one new record
 
@@ -81,7 +81,7 @@ def test_planted_record_does_not_stop_a_keyed_run(tmp_path):
   run.store.put(layout.commit(0, 1), b'{"version": 1, "fragment": 0, "round": 0}')
   out = _train(url, ["a0", "a1"], 4, key="k")
   assert _intact_versions(run) == [1, 2]
-  assert run.commit(0, 1)["supersedes"] == [layout.commit(0, 1)]
+  assert run.commit(0, 1).extra["supersedes"] == [layout.commit(0, 1)]
   for name in out["a0"]:
     np.testing.assert_array_equal(out["a0"][name], out["a1"][name])
 
@@ -94,7 +94,7 @@ def test_deleted_newest_commit_is_redone(tmp_path):
   assert run.newest_versions() == {0: 1}
   _train(url, ["b0", "b1"], 2)
   assert _intact_versions(run) == [1, 2]
-  assert {p["learner"] for p in run.commit(0, 2)["participants"]} >= {"b0", "b1"}
+  assert {p.learner for p in run.commit(0, 2).participants} >= {"b0", "b1"}
 
 
 def test_zeroed_newest_state_is_repaired_from_the_version_before(tmp_path):
@@ -103,17 +103,17 @@ def test_zeroed_newest_state_is_repaired_from_the_version_before(tmp_path):
   _train(url, ["a0", "a1"], 4)
   before = states.load_theta(run.store, run.commit(0, 1))
   damaged = run.commit(0, 2)
-  for relfile in damaged["state_files"]:
-    path = f"{damaged['state']}/{relfile}"
+  for relfile in damaged.state_files:
+    path = f"{damaged.state}/{relfile}"
     run.store.put(path, b"\0" * len(run.store.get(path)))
-  run.store.put(damaged["theta"], b"\0" * 64)
+  run.store.put(damaged.theta, b"\0" * 64)
   learner = mail.open(url).join("late")
   params = learner.pull(ms.params0())  # no CorruptRecord: version 2 is superseded
   learner.close(params)
   for name, value in before.items():
     np.testing.assert_array_equal(params[name], value)
   repaired = run.commit(0, 2)
-  assert repaired["repair"]["from_version"] == 1 and repaired["supersedes"] == [
+  assert repaired.extra["repair"]["from_version"] == 1 and repaired.extra["supersedes"] == [
       layout.commit(0, 2)]
   np.testing.assert_array_equal(states.load_state(run.store, repaired).theta["a"],
                                 before["a"])
@@ -128,7 +128,7 @@ def test_orphaned_states_are_removed(tmp_path, monkeypatch):
   state = DiLoCoAggregator(run.config, run.schema.subset(run.plan[0])).initial_state(
       ms.params0())
   orphan = states.save_state(run.store, 0, states.FragmentState(1, state.theta, state.outer),
-                             "0rphan000000")["state"]
+                             "0rphan000000").state
   monkeypatch.setattr(commits, "ORPHAN_SWEEP_EVERY", 2)
   _train(url, ["a0", "a1"], 6)  # versions 1..3; the commit of version 2 sweeps version 0
   assert run.store.list(orphan)  # version 1 is not swept yet
@@ -137,4 +137,4 @@ def test_orphaned_states_are_removed(tmp_path, monkeypatch):
   assert run.store.list(orphan) == []
   for version in (1, 2, 3, 4):
     record = run.commit(0, version)
-    assert run.store.list(record["state"])  # committed states stay
+    assert run.store.list(record.state)  # committed states stay

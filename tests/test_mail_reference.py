@@ -92,10 +92,10 @@ def test_threads_match_numpy_reference(tmp_path, fragments, overlap, mixing):
                                  err_msg=f"learner m{m}, leaf {name}")
   rounds = run.rounds()
   regular = steps // 4 * len(run.plan)
-  assert [r["round"] for r in rounds][:regular] == list(range(regular))
+  assert [r.round for r in rounds][:regular] == list(range(regular))
   for record in rounds:
-    assert sorted(p["learner"] for p in record["participants"]) == ["m0", "m1", "m2"]
-    weights = {p["learner"]: p["weight"] for p in record["participants"]}
+    assert sorted(p.learner for p in record.participants) == ["m0", "m1", "m2"]
+    weights = {p.learner: p.weight for p in record.participants}
     assert weights["m2"] == pytest.approx(5 / 8)
-    assert record["final"] == ([] if record["round"] < regular else ["m0", "m1", "m2"])
-    assert record["rejected"] == [] and record["outer_step"]
+    assert record.final == (() if record.round < regular else ("m0", "m1", "m2"))
+    assert record.rejected == () and record.outer_step

@@ -80,7 +80,7 @@ def test_replayed_heartbeats_do_not_hold_a_name(tmp_path):
   with Replay(run, _dead_learner(run)):
     learner = mail.open(run.url, key=KEY).join("ghost", poll_interval=ms.POLL)
   learner.close(learner.pull(ms.params0()))
-  assert run.learners()["ghost"]["status"] == "closed"
+  assert run.learners()["ghost"].status == "closed"
 
 
 def test_an_observer_that_starts_during_a_replay_never_sees_the_learner_live(tmp_path):

@@ -86,7 +86,7 @@ def test_a_killed_and_restarted_learner_ends_bit_identical_to_an_uninterrupted_o
   _assert_bits_equal(theta, dict(killed_params))  # mixing 0: the learner ends on Θ
   # Every round had the learner: the restarted process trained round 2 again.
   rounds = mail.open(killed).rounds()
-  assert [[p["learner"] for p in r["participants"]] for r in rounds] == [["a"]] * 4
+  assert [[p.learner for p in r.participants] for r in rounds] == [["a"]] * 4
 
 
 def _state(seed):
@@ -131,7 +131,7 @@ def test_saves_at_each_applied_commit_and_restores_the_newest(tmp_path):
   assert (learner.step_count, learner.local_step) == (4, 4)
   params, _ = _train(learner, params, 2, 20)
   learner.close(params)
-  assert [r["round"] for r in run.rounds()] == [0, 1, 2]
+  assert [r.round for r in run.rounds()] == [0, 1, 2]
   assert sorted(n for n in os.listdir(state_dir) if n.isdigit()) == ["4", "6"]
 
 
@@ -157,7 +157,7 @@ def test_two_learners_keep_their_own_state_and_refuse_each_others(tmp_path):
   for t in threads:
     t.join(timeout=100)
   assert not errors, errors
-  assert [[p["learner"] for p in r["participants"]] for r in run.rounds()] == [["a0", "a1"]] * 2
+  assert [[p.learner for p in r.participants] for r in run.rounds()] == [["a0", "a1"]] * 2
   for i in range(2):
     learner = run.join(f"a{i}", poll_interval=ms.POLL, state_dir=tmp_path / f"s{i}")
     learner.pull(ms.params0())

@@ -147,11 +147,11 @@ def test_storage_stays_bounded_and_restarted_learners_rejoin(tmp_path, kind, req
     assert all(run.store.temporaries(layout.fragment_dir(f)) == [] for f in range(2))
   rounds = [int(r) for r in run.store.list("rounds")]
   assert len(rounds) <= KEEP * len(run.plan)
-  assert [r["version"] for r in run.rounds()][-4:] == sorted(
+  assert [r.version for r in run.rounds()][-4:] == sorted(
       [newest[0] - 1, newest[0], newest[1] - 1, newest[1]])
   assert mail.verify(url, storage_options=storage_options) == []
   # Both rejoined learners end on the newest Θ.
-  last = max(range(len(run.plan)), key=lambda f: run.commit(f, newest[f])["round"])
+  last = max(range(len(run.plan)), key=lambda f: run.commit(f, newest[f]).round)
   theta = states.load_theta(run.store, run.commit(last, newest[last]))
   for name in run.plan[last]:
     for learner in ("a0", "a1"):
@@ -176,7 +176,7 @@ def test_late_learner_merges_the_newest_version_when_its_rounds_were_pruned(tmp_
     params = slow.close(params)
   assert slow.versions[0] >= 5
   theta = states.load_theta(run.store, run.commit(0, 5))
-  assert not any("slow" in {p["learner"] for p in r["participants"]} for r in run.rounds())
+  assert not any("slow" in {p.learner for p in r.participants} for r in run.rounds())
   # Only the rounds of the versions kept (4 and 5): nothing was sent to pruned rounds.
   assert run.store.list("rounds") == ["3", "4"]
   for name in theta:  # mixing 0: the last merge is the newest Θ
@@ -200,15 +200,15 @@ def test_pull_verify_and_repair_on_a_pruned_run(tmp_path, caplog):
     np.testing.assert_array_equal(pulled[name], theta[name])
   # The newest state of fragment 0 damaged: repaired from the version kept before it.
   record = run.commit(0, newest[0])
-  first = sorted(record["state_files"])[0]
-  run.store.put(f"{record['state']}/{first}", b"damaged")
+  first = sorted(record.state_files)[0]
+  run.store.put(f"{record.state}/{first}", b"damaged")
   assert any("state" in p for p in mail.verify(url))
   repaired, _ = recovery.repair(run.store, run.manifest, 0, newest[0], None, "test")
-  assert repaired["repair"]["from_version"] == newest[0] - 1
+  assert repaired.extra["repair"]["from_version"] == newest[0] - 1
   assert mail.verify(url) == []
   # Nothing kept below is intact: the repair says the older versions were pruned.
   before = run.commit(0, newest[0] - 1)
-  run.store.put(f"{before['state']}/{sorted(before['state_files'])[0]}", b"damaged")
+  run.store.put(f"{before.state}/{sorted(before.state_files)[0]}", b"damaged")
   with pytest.raises(mail.CorruptRecord, match="pruned"):
     recovery.newest_intact_state(run.store, 0, newest[0], None)
   # A pruned version is never repaired (committed again).
@@ -261,9 +261,9 @@ def test_files_planted_under_strangers_names_are_counted_not_listed(tmp_path):
   for i in range(30):
     run.store.put(f"rounds/1/stranger-{i}.safetensors", b"junk")
   _train_pair(url, 6)
-  record = next(r for r in run.rounds() if r["round"] == 1)
-  assert len(record["rejected"]) == retention.MAX_LISTED_STRANGERS
+  record = next(r for r in run.rounds() if r.round == 1)
+  assert len(record.rejected) == retention.MAX_LISTED_STRANGERS
   # Rejected from the listing, unread (a read would have found junk, not a payload).
-  assert all("never joined" in r["reason"] for r in record["rejected"]), record["rejected"]
-  assert record["unlisted_rejections"] == 30 - retention.MAX_LISTED_STRANGERS
-  assert sorted(p["learner"] for p in record["participants"]) == ["a0", "a1"]
+  assert all("never joined" in r.reason for r in record.rejected), record.rejected
+  assert record.extra["unlisted_rejections"] == 30 - retention.MAX_LISTED_STRANGERS
+  assert sorted(p.learner for p in record.participants) == ["a0", "a1"]

@@ -78,8 +78,8 @@ def test_a_two_process_jax_job_is_one_learner(tmp_path, settings):
   # One learner: one heartbeat, and it alone contributed (rounds 0, 1 and a final 2).
   assert list(run.learners()) == ["job"]
   rounds = run.rounds()
-  assert [r["round"] for r in rounds] == [0, 1, 2]
-  assert all([p["learner"] for p in r["participants"]] == ["job"] for r in rounds)
+  assert [r.round for r in rounds] == [0, 1, 2]
+  assert all([p.learner for p in r.participants] == ["job"] for r in rounds)
   theta = states.load_state(run.store, run.commit(0, 3)).theta
   for name, value in seen[0]["final"].items():
     np.testing.assert_array_equal(np.asarray(value, np.float32), theta[name])

@@ -120,10 +120,10 @@ def test_hostile_sparse_payloads_are_recorded_and_never_aggregated(tmp_path):
     threads.start(ms.train, mail.open(url), f"a{m}", m, 6, out=out, tokens=2)
   threads.join(timeout=100)
   rounds = run.rounds()
-  assert [r["round"] for r in rounds] == [0, 1, 2]
-  reasons = [{x["learner"]: x["reason"] for x in r["rejected"]}["mole"] for r in rounds]
+  assert [r.round for r in rounds] == [0, 1, 2]
+  reasons = [{x.learner: x.reason for x in r.rejected}["mole"] for r in rounds]
   assert "out of range" in reasons[0]
   assert "repeats" in reasons[1]
   assert "has shape (4,), expected (3,)" in reasons[2]
-  assert all(sorted(p["learner"] for p in r["participants"]) == ["a0", "a1"]
+  assert all(sorted(p.learner for p in r.participants) == ["a0", "a1"]
              for r in rounds)

@@ -45,7 +45,7 @@ def test_follower_does_not_wait_on_a_designated_closer_that_sent_nothing():
     learners[0].close(None)  # a leaves: b's own closer closes round 0 alone
     threads.join(timeout=60)
     learners[1].close(None)
-  assert [p.learner for p in run.round_records()[0].participants] == ["b"]
+  assert [p.learner for p in run.rounds()[0].participants] == ["b"]
 
 
 @pytest.mark.timeout(120)
@@ -68,7 +68,7 @@ def test_survivor_of_a_killed_peer_closes_alone_and_records_its_wait(tmp_path):
     threads.join(timeout=90)
   finally:
     ms.kill(victim)
-  rounds = run.round_records()
+  rounds = run.rounds()
   assert [r.round for r in rounds] == list(range(8))
   after = [r for r in rounds if r.round >= 2]
   assert all([p.learner for p in r.participants] == ["s"] for r in after)
@@ -110,7 +110,7 @@ def test_round_0_waits_for_a_learner_slow_to_start(tmp_path):
   assert joined.wait(60)
   threads.start(ms.train, mail.open(url), "fast", 0, 4, out=out)
   threads.join(timeout=90)
-  rounds = run.round_records()
+  rounds = run.rounds()
   assert [r.round for r in rounds] == [0, 1]
   assert [p.learner for p in rounds[0].participants] == ["fast", "slow"]
   assert rounds[0].live == ("fast", "slow")

@@ -1,5 +1,7 @@
 """Committed states: Θ read alone and verified, followers that only list, retry budgets."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -21,34 +23,34 @@ def _run(tmp_path, **config):
 def test_theta_file_matches_the_checkpoint(tmp_path):
   run = _run(tmp_path)
   record = run.commit(0, 0)
-  assert record["theta"] == f"{record['state']}/theta.safetensors"
-  assert set(record["sha256"]) == {"state", "update"}
-  assert "theta.safetensors" not in record["state_files"]  # not one of Orbax's files
+  assert record.theta == f"{record.state}/theta.safetensors"
+  assert set(record.to_json()["sha256"]) == {"state", "update"}
+  assert "theta.safetensors" not in record.state_files  # not one of Orbax's files
   theta = states.load_theta(run.store, record)
   state = states.load_state(run.store, record)
   assert sorted(theta) == sorted(state.theta)
   for name in theta:
     np.testing.assert_array_equal(theta[name], state.theta[name])
     assert theta[name].dtype == state.theta[name].dtype
-  assert states.theta_digest(theta) == record["theta_sha256"]
+  assert states.theta_digest(theta) == record.theta_sha256
 
 
 def test_damaged_theta_file_sends_learners_to_the_checkpoint(tmp_path):
   run = _run(tmp_path)
   record = run.commit(0, 0)
-  data = bytearray(run.store.get(record["theta"]))
+  data = bytearray(run.store.get(record.theta))
   data[-1] ^= 1
-  run.store.put(record["theta"], bytes(data))
-  for damaged in (record, {k: v for k, v in record.items() if k != "theta"}):
+  run.store.put(record.theta, bytes(data))
+  for damaged in (record, dataclasses.replace(record, theta=None)):
     theta = states.load_theta(run.store, damaged)
     for name, value in ms.params0().items():
       np.testing.assert_array_equal(theta[name], value)
-  run.store.delete(record["theta"])
+  run.store.delete(record.theta)
   theta = states.load_theta(run.store, record)
   np.testing.assert_array_equal(theta["a"], ms.params0()["a"])
   # The checkpoint is the state of record: damaged too, nothing is returned.
-  state_file = sorted(record["state_files"])[0]
-  run.store.put(f"{record['state']}/{state_file}", b"damaged")
+  state_file = sorted(record.state_files)[0]
+  run.store.put(f"{record.state}/{state_file}", b"damaged")
   with pytest.raises(mail.CorruptRecord, match="sha256"):
     states.load_theta(run.store, record)
 
@@ -63,13 +65,13 @@ def test_commit_precision_commits_carry_the_update_and_no_theta_file(tmp_path):
   threads.join(timeout=100)
   run = mail.open(url)
   records = [run.commit(0, v) for v in (1, 2)]
-  assert all(r["update"] and r["theta"] is None for r in records)
+  assert all(r.update and r.theta is None for r in records)
   for name in out["a0"]:
     np.testing.assert_array_equal(out["a0"][name], out["a1"][name])
   # A learner that joins now reads Θ from the checkpoint, checked against the record.
   newest = run.commit(0, max(run.newest_versions().values()))
   theta = states.load_theta(run.store, newest)
-  assert states.theta_digest(theta) == newest["theta_sha256"]
+  assert states.theta_digest(theta) == newest.theta_sha256
 
 
 def test_follower_lists_and_validates_only_to_take_over(tmp_path):
@@ -109,9 +111,8 @@ def test_learner_retries_are_bounded_by_the_run_timeout(tmp_path):
       params = learner.step(params)
     assert learner.versions == {0: 1}
     # ... and then for the run's timeout, which follows the rounds' estimates.
-    estimates = run.rounds()[-1]["estimates"]
-    assert learner.store.retry_budget() == pytest.approx(
-        gmjax.Estimates.from_json(estimates).timeout(0.02))
+    estimates = run.rounds()[-1].estimates
+    assert learner.store.retry_budget() == pytest.approx(estimates.timeout(0.02))
     assert run.store.retry_budget() == run.store.retry_seconds  # no learner: the default
   finally:
     learner.close(None)

@@ -38,13 +38,13 @@ def test_status_tables(tmp_path):
   for column in ("steps/s", "steps/round", "idle", "goodput"):
     assert column in learners_header
   rounds = run.rounds()
-  assert all(r["wait_seconds"] >= r["quorum_seconds"] for r in rounds)
+  assert all(r.wait_seconds >= r.quorum_seconds for r in rounds)
   for learner in status["learners"]:
     name = learner["name"]
     # Each learner trained 4 steps; its contributions, one fragment at a time, carried
     # each step once per fragment: rounds 0 (fragment 0, 2 steps), 1 (fragment 1, 4)
     # and the final flush 2 (fragment 0, 2), all committed.
-    steps = [p["steps"] for r in rounds for p in r["participants"] if p["learner"] == name]
+    steps = [p.steps for r in rounds for p in r.participants if p.learner == name]
     assert steps == [2, 4, 2]
     assert learner["trained"] == 4 and learner["committed_steps"] == 8
     assert learner["goodput"] == 8 / (4 * 2)

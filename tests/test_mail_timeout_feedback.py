@@ -16,7 +16,7 @@ ROUNDS = 12
 
 def _timeout(run):
   rounds = run.rounds()
-  estimates = gmjax.Estimates.from_json(rounds[-1]["estimates"] if rounds else {})
+  estimates = rounds[-1].estimates if rounds else gmjax.Estimates()
   return estimates.timeout(POLL)
 
 

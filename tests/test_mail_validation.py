@@ -58,8 +58,8 @@ def test_planted_payloads_are_rejected_and_the_run_goes_on(tmp_path):
   out = _train_pair(url)
 
   rounds = run.rounds()
-  assert [r["round"] for r in rounds] == [0, 1, 2]
-  reasons = {r["round"]: {x["learner"]: x["reason"] for x in r["rejected"]} for r in rounds}
+  assert [r.round for r in rounds] == [0, 1, 2]
+  reasons = {r.round: {x.learner: x.reason for x in r.rejected} for r in rounds}
   assert "never joined" in reasons[0]["garbage"]  # unread: its name never joined
   assert "NaN or Inf" in reasons[0]["mole"]
   assert "unknown learner" in reasons[0]["intruder"]
@@ -68,7 +68,7 @@ def test_planted_payloads_are_rejected_and_the_run_goes_on(tmp_path):
   assert "layout mismatch" in reasons[2]["mole"]
   assert "base_version 0, expected 2" in reasons[2]["stale"]
   for record in rounds:
-    assert sorted(p["learner"] for p in record["participants"]) == ["a0", "a1"]
+    assert sorted(p.learner for p in record.participants) == ["a0", "a1"]
 
   clean = str(tmp_path / "clean")
   mail.create(clean, ms.params0(), config)
@@ -91,11 +91,11 @@ def test_signed_run_rejects_unsigned_and_forged(tmp_path):
   run.store.put("rounds/0/forger.safetensors", _payload(run, 0, "forger", key=b"wrong"))
   _train_pair(url, key="right", steps=4)
   rounds = run.rounds()
-  reasons = {x["learner"]: x["reason"] for x in rounds[0]["rejected"]}
+  reasons = {x.learner: x.reason for x in rounds[0].rejected}
   assert reasons == {"mole": "bad or missing HMAC-SHA256 signature",
                      "forger": "bad or missing HMAC-SHA256 signature"}
-  assert all(len(r["participants"]) == 2 for r in rounds)
-  assert all("signature" in r for r in (run.commit(0, 1), run.commit(0, 2)))
+  assert all(len(r.participants) == 2 for r in rounds)
+  assert all("signature" in r.extra for r in (run.commit(0, 1), run.commit(0, 2)))
 
 
 def test_rejection_is_a_value_error():

@@ -49,8 +49,8 @@ def test_healthy_run_verifies(url, capsys):
 def test_zeroed_checkpoint_file_of_an_old_version(url, capsys):
   run = mail.open(url, key=KEY)
   record = run.commit(1, 1)
-  state_file = sorted(record["state_files"])[0]
-  path = f"{record['state']}/{state_file}"
+  state_file = sorted(record.state_files)[0]
+  path = f"{record.state}/{state_file}"
   run.store.put(path, b"\0" * len(run.store.get(path)))
   problems = mail.verify(url, key=KEY)
   assert len(problems) == 1 and path in problems[0] and "sha256" in problems[0]
@@ -63,8 +63,8 @@ def test_zeroed_checkpoint_file_of_an_old_version(url, capsys):
 def test_zeroed_newest_checkpoint_shows_in_plain_status(url, capsys):
   run = mail.open(url, key=KEY)
   record = run.commit(0, 2)
-  for state_file in record["state_files"]:
-    path = f"{record['state']}/{state_file}"
+  for state_file in record.state_files:
+    path = f"{record.state}/{state_file}"
     run.store.put(path, b"\0" * len(run.store.get(path)))
   assert _status(url) == 1
   assert "DAMAGED" in capsys.readouterr().out

@@ -100,10 +100,10 @@ def test_mail_run_over_gcs(bucket):
   threads.join(timeout=150)
   rounds = run.rounds()
   # Steps 1, 3, 4, 6 close rounds 0-3; closing flushes fragment 0's last two steps (round 4).
-  assert [r["round"] for r in rounds] == [0, 1, 2, 3, 4]
-  assert rounds[-1]["final"] == ["g0", "g1"]
-  assert all(len(r["participants"]) == 2 and not r["rejected"] for r in rounds)
-  assert all(r["update"] and r["sha256"]["update"] for r in rounds)
+  assert [r.round for r in rounds] == [0, 1, 2, 3, 4]
+  assert rounds[-1].final == ("g0", "g1")
+  assert all(len(r.participants) == 2 and not r.rejected for r in rounds)
+  assert all(r.update and r.update_sha256 for r in rounds)
   for name in out["g0"]:
     np.testing.assert_array_equal(out["g0"][name], out["g1"][name])
   # A late joiner pulls the committed Θ (state files downloaded and verified).

@@ -130,8 +130,8 @@ def test_mail_run_over_s3(options):
                   f"s{m}", m, 6, out=out, poll=0.05)
   threads.join(timeout=150)
   rounds = run.rounds()
-  assert [r["round"] for r in rounds] == [0, 1, 2, 3, 4]
-  assert all(len(r["participants"]) == 2 and not r["rejected"] for r in rounds)
+  assert [r.round for r in rounds] == [0, 1, 2, 3, 4]
+  assert all(len(r.participants) == 2 and not r.rejected for r in rounds)
   for name in out["s0"]:
     np.testing.assert_array_equal(out["s0"][name], out["s1"][name])
   late = mail.open(url, key="s3-secret", storage_options=options).join("late",
@@ -166,6 +166,6 @@ def test_junk_at_a_learners_next_contribution_path_never_stands_for_it(options):
     threads.start(body, f"a{index}", index)
   threads.join(timeout=90)
   rounds = run.rounds()
-  assert [r["round"] for r in rounds] == [0, 1]
-  assert all(sorted(p["learner"] for p in r["participants"]) == ["a0", "a1"]
-             and not r["rejected"] for r in rounds), rounds
+  assert [r.round for r in rounds] == [0, 1]
+  assert all(sorted(p.learner for p in r.participants) == ["a0", "a1"]
+             and not r.rejected for r in rounds), rounds

@@ -98,7 +98,7 @@ def _status(args: argparse.Namespace) -> int:
   run = gmjax.mail.open(args.run, key=key)
   problems = gmjax.mail.verify(run, deep=args.verify)
   if args.json:
-    print(json.dumps({"status": run.status(), "rounds": run.rounds(), "problems": problems},
+    print(json.dumps({"status": run.status(), "rounds": [r.to_json() for r in run.rounds()], "problems": problems},
                      indent=2, default=str))
   else:
     print(format_status(run, problems=problems))

@@ -13,6 +13,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 import numpy as np
 
+from gmjax.mail.records import RoundRecord
+
 
 def _smooth(values: list[float], window: int = 10) -> np.ndarray:
   values = np.asarray(values, np.float64)
@@ -23,7 +25,7 @@ def _smooth(values: list[float], window: int = 10) -> np.ndarray:
   return np.concatenate([head, np.convolve(values, kernel, mode="valid")])
 
 
-def plot_all(metrics: list[dict[str, Any]], rounds: list[dict[str, Any]],
+def plot_all(metrics: list[dict[str, Any]], rounds: list[RoundRecord],
              bytes_per_step: dict[str, list[tuple[int, float]]], out: str) -> list[str]:
   """Writes ``loss.png``, ``bytes.png`` and ``cosine.png`` into ``out``; returns their paths."""
   paths = []
@@ -62,9 +64,9 @@ def plot_all(metrics: list[dict[str, Any]], rounds: list[dict[str, Any]],
   paths.append(_save(fig, out, "bytes.png"))
 
   fig, ax = plt.subplots(figsize=(7, 4.5))
-  for fragment in sorted({r["fragment"] for r in rounds}):
-    points = [(r["round"], r["cosine"]) for r in rounds
-              if r["fragment"] == fragment and r.get("cosine") is not None]
+  for fragment in sorted({r.fragment for r in rounds}):
+    points = [(r.round, r.cosine) for r in rounds
+              if r.fragment == fragment and r.cosine is not None]
     if points:
       ax.plot(*zip(*points), "o-", label=f"fragment {fragment}")
   ax.axhline(0, color="gray", lw=0.5)
@@ -77,7 +79,7 @@ def plot_all(metrics: list[dict[str, Any]], rounds: list[dict[str, Any]],
   return paths
 
 
-def goodput(metrics: list[dict[str, Any]], rounds: list[dict[str, Any]],
+def goodput(metrics: list[dict[str, Any]], rounds: list[RoundRecord],
             names: list[str], fragments: int = 1) -> dict[str, dict[str, float | int | None]]:
   """Each learner's steps trained, steps that reached a committed aggregate, and idle
   fraction.
@@ -116,8 +118,8 @@ def goodput(metrics: list[dict[str, Any]], rounds: list[dict[str, Any]],
       last = when
     if begun is not None:
       wall += last - begun
-    committed = sum(p["steps"] for r in rounds for p in r.get("participants", ())
-                    if p.get("learner") == name) / fragments
+    committed = sum(p.steps for r in rounds for p in r.participants
+                    if p.learner == name) / fragments
     stats[name] = {"trained": trained, "committed": committed,
                    "goodput": committed / trained if trained else None,
                    "idle": blocked / wall if wall > 0 else None}

@@ -29,6 +29,7 @@ from gmjax.app import config as config_lib
 from gmjax.app import model, plots
 from gmjax.app.baseline import train_baseline
 from gmjax.mail import heartbeats, layout
+from gmjax.mail.records import RoundRecord
 
 
 CONFIG = "config.json"
@@ -55,16 +56,16 @@ def _read_jsonl(path: Path, offset: int = 0) -> list[dict[str, Any]]:
   return records
 
 
-def _bytes_sent(cfg: config_lib.TrainConfig, params: Any, rounds: list[dict[str, Any]]):
+def _bytes_sent(cfg: config_lib.TrainConfig, params: Any, rounds: list[RoundRecord]):
   """Cumulative bytes each learner sent, for DiLoCo rounds and for per-step all-reduce."""
   schema = gmjax.Schema.from_tree(params)
   plan = cfg.diloco.plan(schema)
   per_fragment = [cfg.diloco.delta_layout(schema.subset(names)).nbytes for names in plan]
   total, diloco = 0.0, [(0, 0.0)]
   for record in rounds:
-    if record.get("participants"):
-      total += per_fragment[record["fragment"]]
-      diloco.append((record["step"], total))
+    if record.participants:
+      total += per_fragment[record.fragment]
+      diloco.append((record.step, total))
   m = cfg.learners
   ring = 2 * (m - 1) / m if m > 1 else 1.0  # bytes a ring all-reduce sends per byte
   grad_bytes = sum(p.size * 4 for p in schema.parameters) * ring
@@ -73,7 +74,7 @@ def _bytes_sent(cfg: config_lib.TrainConfig, params: Any, rounds: list[dict[str,
   return {label: diloco[1:] or diloco, "data-parallel all-reduce (F32, ring)": baseline}
 
 
-def bytes_by_learner(cfg: config_lib.TrainConfig, params: Any, rounds: list[dict[str, Any]],
+def bytes_by_learner(cfg: config_lib.TrainConfig, params: Any, rounds: list[RoundRecord],
                      names: list[str]) -> dict[str, int]:
   """Bytes each learner published (its delta payloads, rejected ones included), and the
   baseline's: a ring all-reduce of F32 gradients on every step, as data parallelism sends."""
@@ -82,11 +83,11 @@ def bytes_by_learner(cfg: config_lib.TrainConfig, params: Any, rounds: list[dict
                   for names_ in cfg.diloco.plan(schema)]
   sent = dict.fromkeys(names, 0)
   for record in rounds:
-    senders = [p["learner"] for p in record.get("participants", ())]
-    senders += [r["learner"] for r in record.get("rejected", ())]
+    senders = [p.learner for p in record.participants]
+    senders += [r.learner for r in record.rejected]
     for name in senders:
       if name in sent:
-        sent[name] += per_fragment[record["fragment"]]
+        sent[name] += per_fragment[record.fragment]
   m = cfg.learners
   ring = 2 * (m - 1) / m if m > 1 else 1.0
   sent["baseline"] = int(sum(p.size * 4 for p in schema.parameters) * ring * cfg.steps)
@@ -129,10 +130,10 @@ def _alive(pid: int) -> bool:
 
 def _running(run) -> list[str]:
   """The run's learners whose heartbeat says live and whose process runs on this host."""
-  return [f"{name} (pid {record['pid']})" for name, record in sorted(run.learners().items())
-          if record.get("status") in (heartbeats.LIVE, heartbeats.CLOSING)
-          and isinstance(record.get("pid"), int) and record.get("host") == socket.gethostname()
-          and _alive(record["pid"])]
+  return [f"{name} (pid {record.pid})" for name, record in sorted(run.learners().items())
+          if record.status in (heartbeats.LIVE, heartbeats.CLOSING)
+          and isinstance(record.pid, int) and record.host == socket.gethostname()
+          and _alive(record.pid)]
 
 
 def _resume_point(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
@@ -333,7 +334,7 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
     for record in metrics:
       f.write(json.dumps(record) + "\n")
     for record in rounds:
-      f.write(json.dumps({"event": "round", **record}) + "\n")
+      f.write(json.dumps({"event": "round", **record.to_json()}) + "\n")
   figures = plots.plot_all(_latest(metrics), rounds, _bytes_sent(cfg, params, rounds), str(out))
   learner_goodput = plots.goodput(metrics, rounds, names,
                                   len(cfg.diloco.plan(schema)))
@@ -343,7 +344,7 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
     values = [r["val_loss"] for r in metrics if r["learner"] == name and "val_loss" in r]
     return values[-1] if values else None
 
-  cosines = [r["cosine"] for r in rounds if r.get("cosine") is not None]
+  cosines = [r.cosine for r in rounds if r.cosine is not None]
   summary = {
       "run": str(run_dir),
       "rounds": len(rounds),

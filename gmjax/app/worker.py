@@ -67,8 +67,8 @@ def _joined_since(run, since: str) -> int:
   count = 0
   for record in run.learners().values():
     try:
-      joined = datetime.datetime.fromisoformat(record["joined_at"])
-    except (KeyError, TypeError, ValueError):
+      joined = datetime.datetime.fromisoformat(record.joined_at)
+    except (TypeError, ValueError):
       continue  # a heartbeat without a readable join time is not this job's
     count += joined >= start
   return count

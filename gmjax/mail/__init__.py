@@ -17,8 +17,10 @@ from gmjax.mail.errors import RunNotFound as RunNotFound
 from gmjax.mail.errors import StateDirMismatch as StateDirMismatch
 from gmjax.mail.errors import StorageUnavailable as StorageUnavailable
 from gmjax.mail.errors import UnsupportedStorage as UnsupportedStorage
+from gmjax.mail.heartbeats import Heartbeat as Heartbeat
 from gmjax.mail.learner import Learner as Learner
 from gmjax.mail.learner_state import Restored as Restored
+from gmjax.mail.records import RoundRecord as RoundRecord
 from gmjax.mail.run import Run as Run
 from gmjax.mail.run import create as create
 from gmjax.mail.run import open as open  # pylint: disable=redefined-builtin
@@ -31,10 +33,12 @@ __all__ = (
     "AuthenticationError",
     "ContributionRejected",
     "CorruptRecord",
+    "Heartbeat",
     "Learner",
     "LearnerClosed",
     "NameTaken",
     "Restored",
+    "RoundRecord",
     "RoundTimeout",
     "Run",
     "RunExists",

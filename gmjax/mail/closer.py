@@ -75,7 +75,7 @@ from gmjax.mail import states
 from gmjax.mail.errors import ContributionRejected, CorruptRecord
 from gmjax.mail.heartbeats import Roster
 from gmjax.mail.manifest import Manifest, utc_now
-from gmjax.mail.records import Rejection, RoundRecord, read_round
+from gmjax.mail.records import Rejection, RoundRecord
 from gmjax.mail.store import BadObject, Store
 
 log = logging.getLogger(__name__)
@@ -339,8 +339,8 @@ class Closer:
     if held is not None and held.version == version:
       return held
     try:
-      record = read_round(self.store, fragment, version, self.key)
-      state = states.load_state(self.store, record.to_json())
+      record = states.read_commit(self.store, fragment, version, self.key)
+      state = states.load_state(self.store, record)
     except (states.DamagedCommit, CorruptRecord) as error:
       try:
         _, state = recovery.repair(self.store, self.manifest, fragment, version, self.key,
@@ -376,13 +376,9 @@ class Closer:
     files = states.save_state(self.store, watch.fragment, result.state, nonce)
     if result.update is not None:
       # Learners rebuild Θ from the update; only joins read Θ, from the checkpoint.
-      files.update(states.save_update(self.store, watch.fragment, result.state.version,
-                                      nonce, result.update))
-      files["theta"] = None
+      files = states.save_update(self.store, files, result.update)
     else:
-      files.update({"update": None, "update_sha256": None})
-      files.update(states.save_theta(self.store, watch.fragment, result.state.version,
-                                     nonce, result.state.theta))
+      files = states.save_theta(self.store, files, result.state.theta)
     sync_seconds = time.monotonic() - started
     quorum_seconds = None
     # The time until the contributions that close the round were in: every live
@@ -421,13 +417,13 @@ class Closer:
         estimates=estimates,
         live=tuple(sorted(roster.live_for(watch.round, self.liveness_timeout()))),
         closer=self.name,
-        state=files["state"],
-        update=files["update"],
-        theta=files["theta"],
-        state_sha256=files["state_sha256"],
-        update_sha256=files["update_sha256"],
-        state_files=files["state_files"],
-        state_names=files["state_names"],
+        state=files.state,
+        update=files.update,
+        theta=files.theta,
+        state_sha256=files.state_sha256,
+        update_sha256=files.update_sha256,
+        state_files=files.state_files,
+        state_names=files.state_names,
         theta_sha256=states.theta_digest(result.state.theta),
         opened_at=watch.opened_at,
         quorum_seconds=quorum_seconds,
@@ -437,7 +433,7 @@ class Closer:
         note=None if valid else "no valid contribution: no outer step, the fragment is unchanged",
         extra=extra,
     )
-    if states.write_commit(self.store, record.to_json(), self.key):
+    if states.write_commit(self.store, record, self.key):
       self.states[watch.fragment] = result.state
       self.observe(record)
       log.info("round %d committed version %d of fragment %d by %s", watch.round,
@@ -445,7 +441,7 @@ class Closer:
       return record
     states.remove_state(self.store, files)
     try:
-      return read_round(self.store, watch.fragment, watch.version, self.key)
+      return states.read_commit(self.store, watch.fragment, watch.version, self.key)
     except FileNotFoundError:
       return None  # committed, and pruned since: the worker finds the newest
 

@@ -18,6 +18,7 @@ from typing import Any
 from gmjax.mail import layout
 from gmjax.mail import signing
 from gmjax.mail.errors import CorruptRecord
+from gmjax.mail.records import RoundRecord
 from gmjax.mail.store import BadObject, Store
 
 log = logging.getLogger(__name__)
@@ -95,21 +96,15 @@ def commit_slots(store: Store, fragment: int, version: int, key: bytes | None
     slots.append((path, None if problem else record, problem))
 
 
-def read_commit(store: Store, fragment: int, version: int, key: bytes | None
-                ) -> dict[str, Any]:
-  """The commit record of ``version`` of ``fragment``: the last intact one of its slots.
-
-  Raises:
-    FileNotFoundError: ``version`` is not committed.
-    DamagedCommit (a FileNotFoundError): it has records, all damaged (torn, zeroed,
-      edited, unsigned in a keyed run).
-  """
+def _record_in_force(store: Store, fragment: int, version: int, key: bytes | None
+                     ) -> tuple[str, dict[str, Any]]:
+  """The path and JSON of the last intact record of ``version``: see ``read_commit``."""
   slots = commit_slots(store, fragment, version, key)
   if not slots:
     raise FileNotFoundError(layout.commit(fragment, version))
   for path, record, _ in reversed(slots):
     if record is not None:
-      return record
+      return path, record
   problems = {path: problem for path, _, problem in slots}
   # Readers poll a version until it commits: say so once per damage, not once per poll.
   seen = (store.url, fragment, version, tuple(sorted(problems)))
@@ -121,29 +116,48 @@ def read_commit(store: Store, fragment: int, version: int, key: bytes | None
                       f" damaged: {problems}", problems)
 
 
+def read_commit(store: Store, fragment: int, version: int, key: bytes | None
+                ) -> RoundRecord:
+  """The commit record of ``version`` of ``fragment``: the last intact one of its slots,
+  typed (its signature, when it has one, stays in ``extra``).
+
+  Raises:
+    FileNotFoundError: ``version`` is not committed.
+    DamagedCommit (a FileNotFoundError): it has records, all damaged (torn, zeroed,
+      edited, unsigned in a keyed run).
+    CorruptRecord: the record in force lacks a field or holds one of the wrong type.
+  """
+  path, record = _record_in_force(store, fragment, version, key)
+  return RoundRecord.from_json(record, where=path)
+
+
 def is_committed(store: Store, fragment: int, version: int, key: bytes | None) -> bool:
   """Whether ``version`` has an intact commit record (damaged ones do not count)."""
   try:
-    read_commit(store, fragment, version, key)
+    _record_in_force(store, fragment, version, key)
   except FileNotFoundError:
     return False
   return True
 
 
-def write_commit(store: Store, record: dict[str, Any], key: bytes | None, *,
+def write_commit(store: Store, record: RoundRecord, key: bytes | None, *,
                  supersede: int = 0) -> bool:
   """Creates the commit record exclusively; True if this call made the commit.
+
+  The file holds ``record.to_json()`` (``gmjax.mail.records``), with ``supersedes`` and
+  the signature added when there are any.
 
   The record goes to the first free slot after damaged ones (listed in its
   ``supersedes``); an intact record in a slot means another closer committed first.
   A repair (``recovery.repair``) passes ``supersede``, the number of slots it found,
   whose records it supersedes even when they parse (their state is damaged).
   """
-  fragment, version = record["fragment"], record["version"]
+  fragment, version = record.fragment, record.version
+  fields = record.to_json()
   superseded: list[str] = []
   slot = unreadable = 0
   while True:
-    final = dict(record)
+    final = dict(fields)
     if superseded:
       final["supersedes"] = list(superseded)
     if key is not None:

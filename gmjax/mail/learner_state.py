@@ -71,7 +71,7 @@ class SavedCounters:
     versions: fragment -> the committed version it held.
     steps_since: per fragment, the steps its next contribution to that fragment counts:
       since it last published it (with ``overlap_steps=None`` and ``mixing=0``, or
-      since it last merged it if that came later; ``gmjax.mail.learner``).
+      since it last merged it if that came later; ``gmjax.mail.learner_rounds``).
     tokens_since: per fragment, the tokens of those steps.
     outstanding: rounds it had published and not merged yet (with ``outer_delay``, also
       those no phase had started from): a restart does not wait for them as it would
@@ -143,6 +143,57 @@ def check_position(position: Any) -> None:
     raise ValueError(f"step(position=...): the position must be JSON (numbers, strings,"
                      f" lists, dicts), got {position!r} ({error}); pass e.g. the data"
                      " stream's step or offset as an int.") from error
+
+
+def open_state_dir(state_dir: Any, run: tuple[str, str], name: str, *,
+                   process_count: int) -> StateDir | None:
+  """The ``StateDir`` a learner joins with (None without a ``state_dir``).
+
+  Args:
+    state_dir: ``join``'s ``state_dir``: None, a local path or a ``gs://`` URL.
+    run: ``(run_id(manifest), url)`` of the run joined.
+    name: the learner's name.
+    process_count: the learner's JAX processes (``join``'s ``process_count``).
+
+  Raises:
+    ValueError/TypeError: a bad ``state_dir`` (``check_state_dir``), or
+      ``process_count`` other than this JAX job's: the processes save together.
+    StateDirMismatch: ``state_dir`` holds another run's or another learner's state.
+  """
+  if state_dir is None:
+    return None
+  path = check_state_dir(state_dir)
+  if process_count != jax.process_count():
+    raise ValueError(
+        f"state_dir={path!r} with process_count={process_count}: a learner of"
+        f" several processes saves its state with Orbax across a jax.distributed job,"
+        f" and this one has {jax.process_count()} JAX process(es); start the processes"
+        " with jax.distributed.initialize, or leave state_dir out.")
+  return StateDir(path, run, name)
+
+
+def check_step(state_dir: StateDir | None, name: str, state: Any, position: Any, *,
+               restore_checked: bool) -> None:
+  """Checks the ``state`` and ``position`` handed to ``Learner.step``.
+
+  Raises:
+    ValueError: with a ``state_dir``, no ``state``, or a saved state not ``restore``d
+      first (``restore_checked`` False), or a ``position`` that is not JSON; without
+      one, a ``state`` or ``position`` given.
+  """
+  if state_dir is not None:
+    if state is None:
+      raise ValueError(f"learner {name!r} has state_dir={state_dir.path!r}:"
+                       " pass step(params, state=opt_state, position=...) to save it.")
+    if not restore_checked:
+      raise ValueError(
+          f"learner {name!r}: state_dir={state_dir.path!r} holds a saved"
+          " state; call learner.restore(opt_state) after pull() to continue from it, or"
+          " join with an empty state_dir to start afresh.")
+    check_position(position)
+  elif state is not None or position is not None:
+    raise ValueError(f"learner {name!r}: step(state=..., position=...) needs"
+                     " join(..., state_dir=...) to save them.")
 
 
 class StateDir:

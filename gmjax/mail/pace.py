@@ -50,8 +50,9 @@ import numpy as np
 
 from gmjax.core import guards
 from gmjax.core.schedule import MAX_ESTIMATE_SECONDS, RoundSchedule
+from gmjax.mail.commits import read_commit
 from gmjax.mail.errors import CorruptRecord
-from gmjax.mail.records import RoundRecord, read_round
+from gmjax.mail.records import RoundRecord
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ class Pacer:
         del self._paces[r]
       if earlier not in self._paces:  # held as a newer version stood in for it
         try:
-          self.note(read_round(self._store, self.schedule.fragment_of(earlier),
+          self.note(read_commit(self._store, self.schedule.fragment_of(earlier),
                                self.schedule.version_after(earlier), self._key))
         except (FileNotFoundError, CorruptRecord) as error:
           # Pruned (the learner is far behind) or damaged: heartbeats stand in.

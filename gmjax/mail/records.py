@@ -290,15 +290,3 @@ def _string_map(value: Mapping[str, Any], where: str) -> Mapping[str, str]:
     raise CorruptRecord(f"{where} should map strings to strings")
   return value
 
-
-def read_round(store, fragment: int, version: int, key: bytes | None) -> RoundRecord:
-  """The verified, typed commit record of ``version`` of ``fragment``.
-
-  Raises:
-    FileNotFoundError: the version is not committed. CorruptRecord: the record does not
-    parse or lacks a field. AuthenticationError: its signature is wrong.
-  """
-  from gmjax.mail import layout, states  # pylint: disable=g-import-not-at-top
-
-  return RoundRecord.from_json(states.read_commit(store, fragment, version, key),
-                               where=layout.commit(fragment, version))

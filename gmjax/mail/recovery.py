@@ -28,20 +28,20 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any
 
 from gmjax.core.records import FragmentState
 from gmjax.mail import retention
 from gmjax.mail import states
 from gmjax.mail.errors import CorruptRecord
 from gmjax.mail.manifest import Manifest, utc_now
+from gmjax.mail.records import RoundRecord
 from gmjax.mail.store import Store
 
 log = logging.getLogger(__name__)
 
 
 def newest_intact_state(store: Store, fragment: int, below: int, key: bytes | None
-                        ) -> tuple[dict[str, Any], FragmentState]:
+                        ) -> tuple[RoundRecord, FragmentState]:
   """The record and verified state of the newest version ``< below`` that loads.
 
   Only versions with a commit record are tried: in a run that prunes, the kept ones.
@@ -68,7 +68,7 @@ def newest_intact_state(store: Store, fragment: int, below: int, key: bytes | No
 
 
 def repair(store: Store, manifest: Manifest, fragment: int, version: int,
-           key: bytes | None, reason: str) -> tuple[dict[str, Any], FragmentState]:
+           key: bytes | None, reason: str) -> tuple[RoundRecord, FragmentState]:
   """Supersedes damaged ``version`` of ``fragment`` with the newest intact older state.
 
   Args:
@@ -99,21 +99,18 @@ def repair(store: Store, manifest: Manifest, fragment: int, version: int,
   repaired = FragmentState(version, dict(state.theta), dict(state.outer))
   nonce = uuid.uuid4().hex[:12]
   files = states.save_state(store, fragment, repaired, nonce)
-  files.update(states.save_theta(store, fragment, version, nonce, repaired.theta))
+  files = states.save_theta(store, files, repaired.theta)
   round_ = (version - 1) * len(manifest.plan) + fragment
-  record = {
-      "round": round_, "fragment": fragment, "version": version,
-      "step": manifest.schedule.step_of(round_), "participants": [], "rejected": [],
-      "final": [], "outer_step": False, "cosine": None,
-      "estimates": base.get("estimates") or {}, "live": [], "closer": "repair",
-      "state": files["state"], "update": None, "theta": files["theta"],
-      "sha256": {"state": files["state_sha256"], "update": None},
-      "state_files": files["state_files"], "state_names": files["state_names"],
-      "theta_sha256": states.theta_digest(repaired.theta), "opened_at": None,
-      "quorum_seconds": None, "sync_seconds": None, "committed_at": utc_now(),
-      "repair": {"reason": str(reason)[:200], "from_version": state.version},
-      "note": f"version {version} was damaged; it repeats version {state.version}",
-  }
+  record = RoundRecord(
+      round=round_, fragment=fragment, version=version,
+      step=manifest.schedule.step_of(round_), participants=(), rejected=(), final=(),
+      outer_step=False, cosine=None, estimates=base.estimates, live=(), closer="repair",
+      state=files.state, update=None, theta=files.theta,
+      state_sha256=files.state_sha256, update_sha256=None,
+      state_files=files.state_files, state_names=files.state_names,
+      theta_sha256=states.theta_digest(repaired.theta), committed_at=utc_now(),
+      note=f"version {version} was damaged; it repeats version {state.version}",
+      extra={"repair": {"reason": str(reason)[:200], "from_version": state.version}})
   if states.write_commit(store, record, key, supersede=slots):
     return record, repaired
   states.remove_state(store, files)

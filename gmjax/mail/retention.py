@@ -36,6 +36,7 @@ from typing import Any
 
 from gmjax.mail import commits
 from gmjax.mail import layout
+from gmjax.mail.records import RoundRecord
 from gmjax.mail.store import Store
 
 log = logging.getLogger(__name__)
@@ -59,9 +60,9 @@ class Pruned(FileNotFoundError):
     newest: the record of the fragment's newest committed version, which stands in.
   """
 
-  def __init__(self, fragment: int, version: int, newest: dict[str, Any]):
+  def __init__(self, fragment: int, version: int, newest: RoundRecord):
     super().__init__(f"version {version} of fragment {fragment} was pruned (the run"
-                     f" keeps its newest versions); version {newest['version']} is newer")
+                     f" keeps its newest versions); version {newest.version} is newer")
     self.fragment = fragment
     self.version = version
     self.newest = newest
@@ -96,7 +97,7 @@ def floor(newest: int, keep_versions: int | None) -> int:
 
 
 def newest_record(store: Store, fragment: int, key: bytes | None, *, above: int = -1
-                  ) -> dict[str, Any] | None:
+                  ) -> RoundRecord | None:
   """The intact record of the newest committed version above ``above``, or None."""
   for version in reversed(commits.committed_versions(store, fragment)):
     if version <= above:
@@ -109,7 +110,7 @@ def newest_record(store: Store, fragment: int, key: bytes | None, *, above: int 
 
 
 def resolve(store: Store, fragment: int, version: int, key: bytes | None,
-            keep_versions: int | None) -> dict[str, Any]:
+            keep_versions: int | None) -> RoundRecord:
   """The record of ``version``, or when it was pruned the newest committed record.
 
   Raises:
@@ -128,18 +129,22 @@ def resolve(store: Store, fragment: int, version: int, key: bytes | None,
     if newest is None:
       raise
     log.info("version %d of fragment %d was pruned; version %d stands in", version,
-             fragment, newest["version"])
+             fragment, newest.version)
     return newest
 
 
 def is_committed(store: Store, fragment: int, version: int, key: bytes | None,
                  keep_versions: int | None) -> bool:
-  """Whether ``version`` was committed (its record kept, or pruned since)."""
-  try:
-    resolve(store, fragment, version, key, keep_versions)
-  except FileNotFoundError:
-    return False
-  return True
+  """Whether ``version`` was committed (its record kept, or pruned since), as
+  ``resolve`` would find, from the records' presence alone (none is parsed)."""
+  if commits.is_committed(store, fragment, version, key):
+    return True
+  if keep_versions is None or commits.commit_slots(store, fragment, version, key):
+    return False  # not committed yet, or every record of it damaged
+  # A newer intact version means this one was committed: versions commit in order.
+  return any(commits.is_committed(store, fragment, newer, key)
+             for newer in reversed(commits.committed_versions(store, fragment))
+             if newer > version)
 
 
 def check_kept(store: Store, fragment: int, version: int, key: bytes | None,
@@ -152,7 +157,7 @@ def check_kept(store: Store, fragment: int, version: int, key: bytes | None,
   if keep_versions is None:
     return
   newest = newest_record(store, fragment, key, above=version)
-  if newest is not None and version < floor(newest["version"], keep_versions):
+  if newest is not None and version < floor(newest.version, keep_versions):
     raise Pruned(fragment, version, newest)
 
 

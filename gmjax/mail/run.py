@@ -10,6 +10,7 @@ raises ``RunExists``.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import uuid
 from typing import Any
@@ -28,7 +29,8 @@ from gmjax.mail import states
 from gmjax.mail.commits import NOT_SIGNED, commit_slots
 from gmjax.mail.errors import AuthenticationError, CorruptRecord, RunExists, RunNotFound
 from gmjax.mail.manifest import Manifest, utc_now
-from gmjax.mail.records import RoundRecord, read_round
+from gmjax.mail.heartbeats import Heartbeat
+from gmjax.mail.records import RoundRecord
 from gmjax.mail.store import Store, open_store
 
 
@@ -108,7 +110,7 @@ class Run:
       >>> for _ in range(4):
       ...   params = learner.step({"w": params["w"] - 0.1}, tokens=8)  # publishes every 2
       >>> params = learner.close(params)
-      >>> [(r["round"], r["version"]) for r in run.rounds()]
+      >>> [(r.round, r.version) for r in run.rounds()]
       [(0, 1), (1, 2)]
     """
     from gmjax.mail.learner import Learner  # pylint: disable=g-import-not-at-top
@@ -137,12 +139,9 @@ class Run:
       # The newest version with an intact record; a version whose records are all
       # damaged counts as not committed (its round is closed again, see recovery).
       for version in reversed(versions):
-        try:
-          states.read_commit(self.store, fragment, version, self.signing_key)
-        except FileNotFoundError:
-          continue
-        newest[fragment] = version
-        break
+        if states.is_committed(self.store, fragment, version, self.signing_key):
+          newest[fragment] = version
+          break
       else:
         raise CorruptRecord(f"run {self.url!r}: every commit of fragment {fragment} is"
                             " damaged; create the run again.")
@@ -154,12 +153,21 @@ class Run:
       return 0
     return self.manifest.schedule.step_of((version - 1) * len(self.plan) + fragment)
 
-  def commit(self, fragment: int, version: int) -> dict[str, Any]:
-    """The verified commit record of ``version`` of ``fragment``."""
+  def commit(self, fragment: int, version: int) -> RoundRecord:
+    """The verified, typed commit record of ``version`` of ``fragment`` (its signature,
+    in a keyed run, stays in ``extra``).
+
+    Raises:
+      FileNotFoundError: the version is not committed (``DamagedCommit``: its records
+        are all damaged).
+      CorruptRecord: the record lacks a field or holds one of the wrong type.
+    """
     return states.read_commit(self.store, fragment, version, self.signing_key)
 
-  def round_records(self) -> list[RoundRecord]:
-    """The committed rounds' typed records, ordered by round (version 0 is not a round).
+  def rounds(self) -> list[RoundRecord]:
+    """The committed rounds' typed records (``gmjax.mail.RoundRecord``, without their
+    signatures; ``to_json()`` gives the JSON), ordered by round (version 0 is not a
+    round).
 
     Raises:
       CorruptRecord: a commit record does not parse or lacks a field.
@@ -169,29 +177,25 @@ class Run:
       for version in states.committed_versions(self.store, fragment):
         if version > 0:
           try:
-            records.append(read_round(self.store, fragment, version, self.signing_key))
+            record = states.read_commit(self.store, fragment, version, self.signing_key)
           except FileNotFoundError:
             continue  # damaged (logged): not a committed round until superseded
+          if signing.SIGNATURE in record.extra:
+            record = dataclasses.replace(record, extra={
+                k: v for k, v in record.extra.items() if k != signing.SIGNATURE})
+          records.append(record)
     return sorted(records, key=lambda r: r.round)
 
-  def rounds(self) -> list[dict[str, Any]]:
-    """The committed rounds' records as JSON objects (without their signatures), ordered
-    by round (version 0 is not a round)."""
-    records = []
-    for record in self.round_records():
-      record = record.to_json()
-      record.pop(signing.SIGNATURE, None)
-      records.append(record)
-    return records
-
-  def learners(self) -> dict[str, dict[str, Any]]:
-    """Every learner's latest heartbeat, by name."""
-    return heartbeats.read_all(self.store, self.signing_key)
+  def learners(self) -> dict[str, Heartbeat]:
+    """Every learner's latest valid heartbeat (``gmjax.mail.Heartbeat``; ``to_json()``
+    gives the JSON), by name."""
+    return {name: Heartbeat.from_json(record) for name, record in
+            heartbeats.read_all(self.store, self.signing_key).items()}
 
   def status(self) -> dict[str, Any]:
     """A summary: fragments and their versions, rounds, estimates and learners (each
     with its heartbeat's fields and its pace: ``gmjax.mail.status.pace``)."""
-    rounds = self.round_records()
+    rounds = self.rounds()
     estimates = rounds[-1].estimates.to_json() if rounds else {}
     from gmjax.core.schedule import Estimates  # pylint: disable=g-import-not-at-top
     from gmjax.mail.status import pace  # pylint: disable=g-import-not-at-top
@@ -315,15 +319,15 @@ def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = N
     state = DiLoCoAggregator(config, schema.subset(names)).initial_state(flat)
     nonce = uuid.uuid4().hex[:12]
     files = states.save_state(store, fragment, state, nonce)
-    files.update(states.save_theta(store, fragment, 0, nonce, state.theta))
+    files = states.save_theta(store, files, state.theta)
     record = RoundRecord(
         round=None, fragment=fragment, version=0, step=0, participants=(), rejected=(),
         final=(), outer_step=False, cosine=None, estimates=Estimates(), live=(),
-        closer="create", state=files["state"], update=None, theta=files["theta"],
-        state_sha256=files["state_sha256"], update_sha256=None,
-        state_files=files["state_files"], state_names=files["state_names"],
+        closer="create", state=files.state, update=None, theta=files.theta,
+        state_sha256=files.state_sha256, update_sha256=None,
+        state_files=files.state_files, state_names=files.state_names,
         theta_sha256=states.theta_digest(state.theta), committed_at=utc_now())
-    if not states.write_commit(store, record.to_json(), signing.run_key(key, manifest.auth)):
+    if not states.write_commit(store, record, signing.run_key(key, manifest.auth)):
       states.remove_state(store, files)
   return Run(url, store, manifest, key)
 

@@ -22,6 +22,7 @@ sends it to the checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -38,6 +39,7 @@ from gmjax.core import payload
 from gmjax.core.records import FragmentState
 from gmjax.mail import layout
 from gmjax.mail.errors import CorruptRecord
+from gmjax.mail.records import RoundRecord
 from gmjax.mail.store import Store, fsync_dir
 # The commit records, here for the modules that read states and commits together.
 from gmjax.mail.commits import DamagedCommit as DamagedCommit  # pylint: disable=g-bad-import-order
@@ -147,9 +149,40 @@ def _fsync_tree(directory: str) -> None:
   fsync_dir(os.path.dirname(directory))
 
 
+@dataclasses.dataclass(frozen=True)
+class StoredState:
+  """The files a closer (or ``create``, or a repair) wrote for one version, before its
+  commit: what the commit record will name, and what ``remove_state`` deletes when the
+  commit goes to another closer.
+
+  Attributes:
+    fragment: the fragment.
+    version: the version the files hold.
+    nonce: the suffix that keeps racing closers' files of one version apart.
+    state: the Orbax checkpoint's directory (``layout.state_dir``).
+    state_files: sha256 of each file of the checkpoint, by relative path.
+    state_names: the parameter names behind Orbax's positional keys, per part.
+    state_sha256: sha256 of ``state_files``.
+    theta: the Θ file's path, or None (not written).
+    update: the update file's path, or None (not written).
+    update_sha256: sha256 of the update file, or None.
+  """
+
+  fragment: int
+  version: int
+  nonce: str
+  state: str
+  state_files: Mapping[str, str]
+  state_names: Mapping[str, tuple[str, ...]]
+  state_sha256: str
+  theta: str | None = None
+  update: str | None = None
+  update_sha256: str | None = None
+
+
 def save_state(store: Store, fragment: int, state: FragmentState, nonce: str
-               ) -> dict[str, Any]:
-  """Saves ``state`` durably with Orbax; returns the commit record's fields for it."""
+               ) -> StoredState:
+  """Saves ``state`` durably with Orbax; returns what the commit record names of it."""
   rel = layout.state_dir(fragment, state.version, nonce)
   tree, names = _tree(state)
   if store.local_root is not None:
@@ -168,22 +201,20 @@ def save_state(store: Store, fragment: int, state: FragmentState, nonce: str
       for relfile in files:
         with open(os.path.join(target, *relfile.split("/")), "rb") as f:
           store.put(f"{rel}/{relfile}", f.read())
-  return {
-      "state": rel,
-      "state_files": files,
-      "state_names": names,
-      "state_sha256": sha256(json.dumps(files, sort_keys=True).encode()),
-  }
+  return StoredState(
+      fragment=fragment, version=state.version, nonce=nonce, state=rel, state_files=files,
+      state_names={part: tuple(n) for part, n in names.items()},
+      state_sha256=sha256(json.dumps(files, sort_keys=True).encode()))
 
 
-def load_state(store: Store, record: Mapping[str, Any]) -> FragmentState:
+def load_state(store: Store, record: RoundRecord) -> FragmentState:
   """The state a commit record names, after checking every file against its sha256.
 
   Raises:
     CorruptRecord: a file is missing or its sha256 differs from the record's.
   """
-  rel, files = record["state"], record["state_files"]
-  if sha256(json.dumps(files, sort_keys=True).encode()) != (record.get("sha256") or {}).get("state"):
+  rel, files = record.state, dict(record.state_files)
+  if sha256(json.dumps(files, sort_keys=True).encode()) != record.state_sha256:
     raise CorruptRecord(f"commit of {rel}: state_files do not match state_sha256")
   if store.local_root is not None:
     # Verified in place; a file changed after the check would need a writer with access
@@ -216,33 +247,34 @@ def _verified_file(store: Store, rel: str, relfile: str, digest: str) -> bytes:
     raise CorruptRecord(f"state file {rel}/{relfile} does not match its sha256") from error
 
 
-def _state_from_tree(tree: Mapping[str, Any], record: Mapping[str, Any]) -> FragmentState:
-  rel = record["state"]
-  names = record["state_names"]
+def _state_from_tree(tree: Mapping[str, Any], record: RoundRecord) -> FragmentState:
+  rel = record.state
+  names = record.state_names
   parts = {}
   for part in ("theta", "outer"):
+    if part not in names:
+      raise CorruptRecord(f"state {rel}: the record's state_names lack {part!r}")
     values = tree.get(part, {}) or {}
     if len(values) != len(names[part]):
       raise CorruptRecord(f"state {rel}: {part} holds {len(values)} arrays, the record names"
                           f" {len(names[part])}")
     parts[part] = {n: np.asarray(values[f"{i:05d}"]) for i, n in enumerate(names[part])}
-  return FragmentState(int(record["version"]), parts["theta"], parts["outer"])
+  return FragmentState(record.version, parts["theta"], parts["outer"])
 
 
-def save_theta(store: Store, fragment: int, version: int, nonce: str,
-               theta: Mapping[str, Any]) -> dict[str, Any]:
-  """Writes Θ of ``version`` beside its checkpoint; returns the record's field for it.
+def save_theta(store: Store, stored: StoredState, theta: Mapping[str, Any]) -> StoredState:
+  """Writes Θ of ``stored``'s version beside its checkpoint; returns ``stored`` naming it.
 
   Not synced to disk: Θ is a copy of the checkpoint's, checked against the record's
   ``theta_sha256`` when read, and read from the checkpoint if it was lost.
   """
-  rel = layout.theta_file(fragment, version, nonce)
-  store.put(rel, payload.dumps(theta, {"fragment": fragment, "version": version}),
-            durable=False)
-  return {"theta": rel}
+  rel = layout.theta_file(stored.fragment, stored.version, stored.nonce)
+  store.put(rel, payload.dumps(theta, {"fragment": stored.fragment,
+                                       "version": stored.version}), durable=False)
+  return dataclasses.replace(stored, theta=rel)
 
 
-def load_theta(store: Store, record: Mapping[str, Any]) -> dict[str, np.ndarray]:
+def load_theta(store: Store, record: RoundRecord) -> dict[str, np.ndarray]:
   """Θ of the version a commit record names, verified, without the outer state when it
   can: from the record's Θ file, else (no such file, or it does not verify) restored from
   the checkpoint. Either way it must match the record's ``theta_sha256``.
@@ -253,44 +285,50 @@ def load_theta(store: Store, record: Mapping[str, Any]) -> dict[str, np.ndarray]
   Raises:
     CorruptRecord: the checkpoint is missing, corrupt, or its Θ differs from the record's.
   """
-  rel = record.get("theta")
+  rel = record.theta
   if rel:
     try:
       entries, _ = payload.loads(store.get(rel))
-      names = (record.get("state_names") or {}).get("theta")
+      names = record.state_names.get("theta")
       if names is not None and sorted(entries) == sorted(names) and theta_digest(
-          entries) == record.get("theta_sha256"):
+          entries) == record.theta_sha256:
         return entries
       log.warning("Θ file %s does not match its commit's theta_sha256; reading the"
                   " checkpoint instead", rel)
     except (FileNotFoundError, payload.PayloadError) as error:
       log.warning("Θ file %s is unreadable (%r); reading the checkpoint instead", rel, error)
   state = load_state(store, record)
-  if theta_digest(state.theta) != record.get("theta_sha256"):
-    raise CorruptRecord(f"state {record['state']} does not match the commit's theta_sha256")
+  if theta_digest(state.theta) != record.theta_sha256:
+    raise CorruptRecord(f"state {record.state} does not match the commit's theta_sha256")
   return dict(state.theta)
 
 
-def save_update(store: Store, fragment: int, version: int, nonce: str,
-                update: Mapping[str, Any]) -> dict[str, Any]:
-  rel = layout.update_file(fragment, version, nonce)
-  data = payload.dumps(update, {"fragment": fragment, "version": version})
+def save_update(store: Store, stored: StoredState, update: Mapping[str, Any]
+                ) -> StoredState:
+  """Writes the update that made ``stored``'s version, durably; returns ``stored``
+  naming it and its sha256."""
+  rel = layout.update_file(stored.fragment, stored.version, stored.nonce)
+  data = payload.dumps(update, {"fragment": stored.fragment, "version": stored.version})
   store.put(rel, data)
-  return {"update": rel, "update_sha256": sha256(data)}
+  return dataclasses.replace(stored, update=rel, update_sha256=sha256(data))
 
 
-def load_update(store: Store, record: Mapping[str, Any]) -> dict[str, np.ndarray]:
-  rel = record["update"]
-  data = store.get_verified(rel, (record.get("sha256") or {}).get("update") or "")
+def load_update(store: Store, record: RoundRecord) -> dict[str, np.ndarray]:
+  """The update a commit record names, verified against its sha256.
+
+  Raises:
+    FileNotFoundError: the record names no update, or its file is missing.
+    CorruptRecord: the file does not match the record's sha256.
+  """
+  if record.update is None:
+    raise FileNotFoundError(f"the commit of {record.state} names no update file")
+  data = store.get_verified(record.update, record.update_sha256 or "")
   entries, _ = payload.loads(data)
   return entries
 
 
-def remove_state(store: Store, fragment_record: Mapping[str, Any]) -> None:
+def remove_state(store: Store, stored: StoredState) -> None:
   """Deletes the files of a state, Θ and update that lost the commit race."""
-  for field in ("state", "theta", "update"):
-    rel = fragment_record.get(field)
+  for rel in (stored.state, stored.theta, stored.update):
     if rel:
       store.delete(rel)
-
-

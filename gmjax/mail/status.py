@@ -143,7 +143,7 @@ def format_status(run, *, last: int | None = 50, problems: Sequence[str] | None 
     problems = verify(run, deep=False)
   status = run.status()
   try:
-    rounds = run.round_records()
+    rounds = run.rounds()
   except CorruptRecord:
     rounds = []  # the problems above say which record
   shown = rounds if last is None else rounds[-last:]

@@ -25,6 +25,7 @@ from gmjax.mail import layout
 from gmjax.mail import retention
 from gmjax.mail import states
 from gmjax.mail.errors import AuthenticationError, CorruptRecord, RunNotFound
+from gmjax.mail.records import RoundRecord
 
 
 def verify(url: Any, key: bytes | str | None = None, *,
@@ -165,24 +166,28 @@ def _fields(run, fragment: int, version: int, record: dict[str, Any]) -> list[st
 
 
 def _files(run, record: dict[str, Any], where: str) -> list[str]:
+  try:
+    record = RoundRecord.from_json(record, where=where)
+  except CorruptRecord as error:
+    return [str(error)]
   problems = []
   store = run.store
   try:
     state = states.load_state(store, record)  # checks every file's sha256 first
-    if states.theta_digest(state.theta) != record["theta_sha256"]:
+    if states.theta_digest(state.theta) != record.theta_sha256:
       problems.append(f"{where}: the checkpoint's Θ does not match theta_sha256")
   except (CorruptRecord, FileNotFoundError, KeyError, TypeError, ValueError) as error:
-    problems.append(f"{where}: state {record.get('state')}: {error}")
-  if record.get("theta"):
+    problems.append(f"{where}: state {record.state}: {error}")
+  if record.theta:
     try:
-      entries, _ = payload.loads(store.get(record["theta"]))
-      if states.theta_digest(entries) != record["theta_sha256"]:
-        problems.append(f"{where}: {record['theta']} does not match theta_sha256")
+      entries, _ = payload.loads(store.get(record.theta))
+      if states.theta_digest(entries) != record.theta_sha256:
+        problems.append(f"{where}: {record.theta} does not match theta_sha256")
     except (FileNotFoundError, payload.PayloadError, ValueError) as error:
-      problems.append(f"{where}: {record['theta']} is unreadable: {error!r}")
-  if record.get("update"):
+      problems.append(f"{where}: {record.theta} is unreadable: {error!r}")
+  if record.update:
     try:
-      store.get_verified(record["update"], (record.get("sha256") or {}).get("update") or "")
+      store.get_verified(record.update, record.update_sha256 or "")
     except (FileNotFoundError, CorruptRecord) as error:
-      problems.append(f"{where}: update {record['update']}: {error!r}")
+      problems.append(f"{where}: update {record.update}: {error!r}")
   return problems

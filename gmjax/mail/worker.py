@@ -45,7 +45,7 @@ from gmjax.mail import states
 from gmjax.mail.closer import Closer, Watch
 from gmjax.mail.errors import CorruptRecord, LearnerClosed, RoundTimeout
 from gmjax.mail.heartbeats import Roster
-from gmjax.mail.records import RoundRecord, read_round
+from gmjax.mail.records import RoundRecord
 
 log = logging.getLogger(__name__)
 
@@ -342,15 +342,15 @@ class Worker:
     """Whether ``version`` is committed; resolves the requests for its Θ if so (with
     the newest commit's, when ``version`` was pruned: ``retention.resolve``)."""
     try:
-      record = read_round(self.store, fragment, version, self.key)
+      record = states.read_commit(self.store, fragment, version, self.key)
     except states.DamagedCommit:
       return False
     except FileNotFoundError:
       if not self._maybe_pruned(fragment, version):
         return False
       try:
-        record = RoundRecord.from_json(retention.resolve(
-            self.store, fragment, version, self.key, self.manifest.keep_versions))
+        record = retention.resolve(self.store, fragment, version, self.key,
+                                   self.manifest.keep_versions)
       except FileNotFoundError:
         return False
     self._deliver(record, (fragment, version))
@@ -389,7 +389,7 @@ class Worker:
           if self.manifest.keep_versions is not None else None)
       if newest is None:
         raise
-      record = RoundRecord.from_json(newest)
+      record = newest
       theta = self._fetch(record)
     commit = Commit(theta, record)
     for future in futures:
@@ -409,7 +409,7 @@ class Worker:
     if state is not None and state.version == version:
       theta = dict(state.theta)
     elif record.update and held is not None and held[0] == version - 1:
-      update = states.load_update(self.store, record.to_json())
+      update = states.load_update(self.store, record)
       specs = self.fragment_schemas[fragment].parameters
       rebuilt = outer.rebuild_jit(held[1], update, specs,
                                   self.manifest.config.commit_wire)
@@ -421,7 +421,7 @@ class Worker:
                     " reading the committed Θ instead", fragment, version)
     if theta is None:
       try:
-        theta = states.load_theta(self.store, record.to_json())
+        theta = states.load_theta(self.store, record)
       except CorruptRecord as error:  # a damaged state: supersede it (recovery.repair)
         _, state = recovery.repair(self.store, self.manifest, fragment, version, self.key,
                                    repr(error))
