@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -13,6 +15,7 @@ import numpy as np
 
 POLL = 0.02
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mail_worker.py")
+JAX_JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mail_jax_job.py")
 
 
 def params0():
@@ -138,6 +141,36 @@ def spawn(url, name, index, steps, *, mode="normal", poll=POLL, step_sleep=0.0):
       [sys.executable, WORKER, url, name, str(index), str(steps), mode, str(poll),
        str(step_sleep)],
       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+
+
+def two_process_job(url, steps, outs, *extra):
+  """One learner of two JAX processes (``mail_jax_job.py``, ``jax.distributed`` on
+  127.0.0.1, two CPU devices each) training ``steps`` steps; returns what each process
+  wrote to its file of ``outs``.
+
+  Raises:
+    AssertionError: a process did not exit with 0 (its output in the message).
+  """
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  jobs = [subprocess.Popen([sys.executable, JAX_JOB, url, str(port), str(i), str(steps),
+                            outs[i], *extra],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                           text=True) for i in range(2)]
+  try:
+    logs = [j.communicate(timeout=240)[0] for j in jobs]
+  finally:
+    for j in jobs:
+      kill(j)
+  assert [j.returncode for j in jobs] == [0, 0], logs
+  seen = []
+  for out in outs:
+    with open(out) as f:
+      seen.append(json.load(f))
+  return seen
 
 
 def kill(process):

@@ -7,10 +7,6 @@ tokens the round records report, and the step counts against the speeds.
 
 import dataclasses
 import json
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -276,23 +272,8 @@ def test_a_two_process_learner_agrees_on_its_deadlines(tmp_path):
   config = gmjax.DiLoCo(sync_every=4, adaptive_steps=True)
   url = str(tmp_path / "run")
   run = mail.create(url, ms.params0(), config, keep_versions=None)
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=2")
   outs = [str(tmp_path / f"p{i}.json") for i in range(2)]
-  job = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mail_jax_job.py")
-  jobs = [subprocess.Popen([sys.executable, job, url, str(port), str(i), "9", outs[i]],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                           text=True) for i in range(2)]
-  try:
-    logs = [j.communicate(timeout=240)[0] for j in jobs]
-  finally:
-    for j in jobs:
-      ms.kill(j)
-  assert [j.returncode for j in jobs] == [0, 0], logs
-  seen = [json.load(open(o)) for o in outs]
+  seen = ms.two_process_job(url, 9, outs)
   assert seen[0]["final"] == seen[1]["final"]
   records = run.rounds()
   assert all([p.learner for p in r.participants] == ["job"] for r in records)

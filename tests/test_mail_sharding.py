@@ -1,11 +1,5 @@
 """``pull`` and ``step`` keep the parameters' shardings; a learner may be a JAX job."""
 
-import json
-import os
-import socket
-import subprocess
-import sys
-
 import jax
 import numpy as np
 import pytest
@@ -16,8 +10,6 @@ from gmjax import mail
 from gmjax.mail import states
 
 import mail_support as ms
-
-JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mail_jax_job.py")
 
 
 def _same(tree, shardings):
@@ -44,12 +36,6 @@ def test_pull_and_step_keep_the_sharding(tmp_path):
   assert isinstance(mixed["c"], np.ndarray)  # numpy stays numpy
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("settings", [{}, dict(outer_delay=1, eager=True)],
@@ -58,20 +44,8 @@ def test_a_two_process_jax_job_is_one_learner(tmp_path, settings):
   config = gmjax.DiLoCo(sync_every=2, **settings)
   url = str(tmp_path / "run")
   run = mail.create(url, ms.params0(), config)
-  port = _free_port()
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=2")
   outs = [str(tmp_path / f"p{i}.json") for i in range(2)]
-  jobs = [subprocess.Popen([sys.executable, JOB, url, str(port), str(i), "5", outs[i]],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                           text=True) for i in range(2)]
-  try:
-    logs = [j.communicate(timeout=240)[0] for j in jobs]
-  finally:
-    for j in jobs:
-      ms.kill(j)
-  assert [j.returncode for j in jobs] == [0, 0], logs
-  seen = [json.load(open(o)) for o in outs]
+  seen = ms.two_process_job(url, 5, outs)
   assert [s["primary"] for s in seen] == [True, False]
   assert all(s["pull_sharding"] and s["step_sharding"] for s in seen)
   assert seen[0]["final"] == seen[1]["final"]
@@ -100,23 +74,10 @@ def test_a_two_process_jax_job_is_one_learner(tmp_path, settings):
 def test_a_two_process_job_keeps_its_state_in_a_state_dir(tmp_path):
   url, state_dir = str(tmp_path / "run"), str(tmp_path / "state")
   mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=2")
   seen = []
   for steps in (4, 0):  # trains 4 steps (saves at 2 and 4), then rejoins and restores
-    port = _free_port()
     outs = [str(tmp_path / f"p{i}-{steps}.json") for i in range(2)]
-    jobs = [subprocess.Popen([sys.executable, JOB, url, str(port), str(i), str(steps),
-                              outs[i], state_dir],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                             text=True) for i in range(2)]
-    try:
-      logs = [j.communicate(timeout=240)[0] for j in jobs]
-    finally:
-      for j in jobs:
-        ms.kill(j)
-    assert [j.returncode for j in jobs] == [0, 0], logs
-    seen.append([json.load(open(o)) for o in outs])
+    seen.append(ms.two_process_job(url, steps, outs, state_dir))
   assert all("restored" not in s for s in seen[0])
   for s in seen[1]:  # both processes get the state handed at step 4, sharded as given
     assert s["restored"]["position"] == 4 and s["restored"]["exact"]
