@@ -1,6 +1,7 @@
 """Durability and recovery: synced states, damaged newest versions, orphaned states."""
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -16,10 +17,15 @@ import mail_support as ms
 
 
 def _train(url, names, steps, key=None, first=0):
+  # Every learner joins and pulls before any steps: one that joined late could find a
+  # round re-closed without it (from the others' and the earlier contributions) and
+  # train on past the rounds the test counts.
   out = {}
   threads = ms.Threads()
+  together = threading.Barrier(len(names), timeout=60)
   for m, name in enumerate(names):
-    threads.start(ms.train, mail.open(url, key=key), name, first + m, steps, out=out)
+    threads.start(ms.train, mail.open(url, key=key), name, first + m, steps, out=out,
+                  together=together)
   threads.join(timeout=100)
   return out
 
