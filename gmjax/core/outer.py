@@ -165,14 +165,18 @@ def transformation(name: str, options: Mapping[str, Any]) -> optax.GradientTrans
 
 
 def apply_outer(
-    transform: optax.GradientTransformation, gradient: Tree, state: Any, master: Tree
-) -> tuple[Tree, Any]:
+    transform: optax.GradientTransformation, gradient: Tree, state: Any, master: Tree,
+    with_updates: bool = False,
+) -> tuple[Tree, Any] | tuple[Tree, Any, Tree]:
   """One outer step: ``master ← master + transform.update(g, state, master)``, in F32.
 
   The outer gradient ``g`` is taken as a gradient (SGD moves against it). Returns
-  ``(new_master, new_state)``.
+  ``(new_master, new_state)``, and with ``with_updates`` the updates in F32 too
+  (``new_master`` is ``master + updates``).
   """
   updates, state = transform.update(gradient, state, master)
-  new_master = jax.tree.map(lambda m, u: (m + u.astype(jnp.float32)).astype(jnp.float32),
-                            master, updates)
+  updates = jax.tree.map(lambda u: u.astype(jnp.float32), updates)
+  new_master = jax.tree.map(lambda m, u: (m + u).astype(jnp.float32), master, updates)
+  if with_updates:
+    return new_master, state, updates
   return new_master, state

@@ -232,7 +232,8 @@ def outer_round(
     anchor: the current Θ by name.
     specs: the fragment's specs (the shapes ``gradient`` has).
     commit_wire: how commits travel (``DiLoCo.commit_wire``).
-    publish: Θ from the new masters by another route, and its count of non-finite
+    publish: ``publish(new_master, updates)`` (by name; ``new_master`` is ``master +
+      updates``): Θ from the new masters by another route, and its count of non-finite
       values, or the published values themselves (a list, counted with the rest) (the
       in-mesh rounds: each learner publishes its part); None: ``outer.publish`` on
       whole leaves.
@@ -249,19 +250,21 @@ def outer_round(
   """
   names = [s.name for s in specs]
   if as_tuple:
-    new_master, new_state = outer.apply_outer(
-        tx, tuple(gradient[n] for n in names), state, tuple(master[n] for n in names))
-    new_master = dict(zip(names, new_master))
+    new_master, new_state, updates = outer.apply_outer(
+        tx, tuple(gradient[n] for n in names), state, tuple(master[n] for n in names),
+        with_updates=True)
+    new_master, updates = dict(zip(names, new_master)), dict(zip(names, updates))
   else:
-    new_master, new_state = outer.apply_outer(
-        tx, {n: gradient[n] for n in names}, state, {n: master[n] for n in names})
+    new_master, new_state, updates = outer.apply_outer(
+        tx, {n: gradient[n] for n in names}, state, {n: master[n] for n in names},
+        with_updates=True)
   values = [*gradient.values(), *new_master.values(), *jax.tree.leaves(new_state)]
   if publish is None:
     theta, update = outer.publish(new_master, anchor, specs, commit_wire)
     values += [*theta.values(), *(update or {}).values()]
     published = 0.0
   else:
-    (theta, published), update = publish(new_master), None
+    (theta, published), update = publish(new_master, updates), None
     if isinstance(published, list):
       values, published = values + published, 0.0
   bad = published + count(values, total)

@@ -170,6 +170,7 @@ def publish(
     learners: int | None,
     learner: Any,
     gather: bool = True,
+    updates: Sequence[jax.Array] | None = None,
 ) -> tuple[dict[str, jax.Array], jax.Array]:
   """The new Θ of every piece from the new master buckets, and a finiteness count.
 
@@ -190,6 +191,11 @@ def publish(
     learners: ``M`` when sharded, else None.
     learner: this learner's index on the axis when sharded.
     gather: False: only what this learner publishes, to be checked (no collective).
+    updates: the outer updates, a bucket each (``master`` is ``old + updates``);
+      replicated with F32 commits, Θ of a bucket whose master is Θ itself (F32, no
+      master kept) is then formed piece by piece as ``Θ_old + update``, the same
+      values, so that XLA writes the new Θ where the old lies (unpacked from the
+      master bucket, each piece would be a copy in the step's scratch).
 
   Returns:
     ``(theta, bad)``: Θ by piece at the parameter dtype, and 1 for each published
@@ -232,8 +238,22 @@ def publish(
   if not gather:
     return {}, gathered
   theta, rows = {}, buckets.unpack(gathered)
+  if updates is not None and learners is None and commit_wire.precision is None:
+    # A bucket whose master is Θ itself (F32: no master kept) holds Θ_old + update:
+    # formed piece by piece, the same values are written where Θ_old lies (unpacked
+    # from the bucket, each piece would be a copy).
+    plain = [d == "F32" for d in buckets.dtypes]
+    each = buckets.unpack([u[:, :, None] if p else g
+                           for u, g, p in zip(updates, gathered, plain)])
+    in_place = {n for group, p in zip(buckets.groups, plain) if p for n in group}
+  else:
+    in_place = set()
   for spec in specs:
     dtype = JNP_DTYPES[spec.dtype]
+    if spec.name in in_place:
+      theta[spec.name] = (anchor[spec.name].astype(jnp.float32) + shards.from_rows(
+          each[spec.name], spec.shape, anchor[spec.name])).astype(dtype)
+      continue
     value = shards.from_rows(rows[spec.name], spec.shape, anchor[spec.name])
     if commit_wire.precision is None:
       theta[spec.name] = value.astype(dtype)

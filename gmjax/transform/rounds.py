@@ -178,9 +178,10 @@ def _sync(layout, config, tx, axis_name, learner, names, anchor, master, outer_s
     if not all(keeps):
       current = [layout.own(b, learner) for b in buckets.pack(layout.rows(anchor))]
     old = [m if keep else current[i] for i, (m, keep) in enumerate(zip(master, keeps))]
-    publish = lambda new_master: exchange.publish(
+    publish = lambda new_master, updates: exchange.publish(
         buckets, [new_master[k] for k in keys], anchor, specs, config.commit_wire,
-        axis_name, layout.learners, learner, gather=gather)
+        axis_name, layout.learners, learner, gather=gather,
+        updates=[updates[k] for k in keys])
     # A round none of whose deltas was kept has no outer step: counted with the
     # non-finite values, so that whether the round is kept comes out of the (closing)
     # psum, and XLA does not copy the screening into each bucket's selects.
