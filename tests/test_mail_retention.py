@@ -46,11 +46,13 @@ def _usage(store):
 
 
 def _train_pair(run_url, steps, storage_options=None):
+  # Both join and pull before either steps, so both start at the same committed step.
   out = {}
   threads = ms.Threads()
+  together = threading.Barrier(2, timeout=60)
   for m in range(2):
     threads.start(ms.train, mail.open(run_url, storage_options=storage_options), f"a{m}",
-                  m, steps, out=out)
+                  m, steps, out=out, together=together)
   threads.join(timeout=120)
   return out
 
@@ -139,7 +141,7 @@ def test_storage_stays_bounded_and_restarted_learners_rejoin(tmp_path, kind, req
   assert long[0] <= short[0] + 2 and long[1] <= 1.05 * short[1], (short, long)
   for fragment, version in newest.items():
     kept = states.committed_versions(run.store, fragment)
-    assert kept == [version - 1, version]
+    assert kept == [version - 1, version], (fragment, kept, newest)
     entries = run.store.list(layout.fragment_dir(fragment))
     assert all(int(e.split(".")[0].split("-")[0]) >= version - 1 for e in entries), entries
   if kind == "local":  # pruned with their versions
