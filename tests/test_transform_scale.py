@@ -95,6 +95,23 @@ def test_collectives_do_not_grow_with_leaves(name):
   assert few <= 8 * fragments + 4, few
 
 
+def _mlp():
+  return {"w1": jnp.ones((256, 512)), "w2": jnp.ones((512, 256)), "b": jnp.zeros(256)}
+
+
+def _mlp_step(optimizer):
+  """One learner's donated step of ``optimizer`` on ``_mlp()``, compiled."""
+  x, params = jnp.ones((32, 256)), _mlp()
+
+  def step(params, state):
+    grads = jax.grad(lambda p: jnp.mean(jnp.square(jax.nn.gelu(x @ p["w1"]) @ p["w2"]
+                                                    + p["b"])))(params)
+    updates, state = optimizer.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return jax.jit(step, donate_argnums=(0, 1)).lower(params, optimizer.init(params)).compile()
+
+
 @pytest.mark.parametrize("fragments, precision, over", [
     # The updates (one copy of the parameters), and:
     (1, None, 2.0),  # the delta's bucket and Θ_old's (read by the finiteness probes),
@@ -114,22 +131,9 @@ def test_one_learners_step_keeps_the_state_in_place(fragments, precision, over):
   # (before: 2.9 copies of the parameters over adamw's scratch, with one fragment or two). Finiteness
   # checks add no mask of a leaf (``round.non_finite_flag``). With F32 commits the new
   # Θ is formed leaf by leaf (``exchange.publish``), which XLA writes in place.
-  params = {"w1": jnp.ones((256, 512)), "w2": jnp.ones((512, 256)), "b": jnp.zeros(256)}
-  x = jnp.ones((32, 256))
-
-  def compiled(optimizer):
-    def step(params, state):
-      grads = jax.grad(lambda p: jnp.mean(jnp.square(jax.nn.gelu(x @ p["w1"]) @ p["w2"]
-                                                      + p["b"])))(params)
-      updates, state = optimizer.update(grads, state, params)
-      return optax.apply_updates(params, updates), state
-
-    return jax.jit(step, donate_argnums=(0, 1)).lower(
-        params, optimizer.init(params)).compile()
-
-  size = sum(v.size * 4 for v in params.values())
-  plain = compiled(optax.adamw(1e-3)).memory_analysis().temp_size_in_bytes
-  step = compiled(gmjax.diloco(optax.adamw(1e-3), gmjax.DiLoCo(
+  size = sum(v.size * 4 for v in _mlp().values())
+  plain = _mlp_step(optax.adamw(1e-3)).memory_analysis().temp_size_in_bytes
+  step = _mlp_step(gmjax.diloco(optax.adamw(1e-3), gmjax.DiLoCo(
       sync_every=4, fragments=fragments, delta_precision=precision)))
   text = step.as_text()
   entry = text[text.index("\nENTRY"):]
@@ -144,20 +148,8 @@ def test_accumulated_steps_cost_the_scratch_of_one_fragment_over_multisteps():
   # gmjax.diloco(optax.MultiSteps(adamw, 4)): a micro-step skips the round (a loop
   # that does not run) and carries the updates; its scratch is MultiSteps' own (which
   # copies its state between its branches) and less than half the parameters more.
-  params = {"w1": jnp.ones((256, 512)), "w2": jnp.ones((512, 256)), "b": jnp.zeros(256)}
-  x = jnp.ones((32, 256))
-
-  def scratch(optimizer):
-    def step(params, state):
-      grads = jax.grad(lambda p: jnp.mean(jnp.square(jax.nn.gelu(x @ p["w1"]) @ p["w2"]
-                                                      + p["b"])))(params)
-      updates, state = optimizer.update(grads, state, params)
-      return optax.apply_updates(params, updates), state
-
-    return jax.jit(step, donate_argnums=(0, 1)).lower(
-        params, optimizer.init(params)).compile().memory_analysis().temp_size_in_bytes
-
-  size = sum(v.size * 4 for v in params.values())
+  scratch = lambda optimizer: _mlp_step(optimizer).memory_analysis().temp_size_in_bytes
+  size = sum(v.size * 4 for v in _mlp().values())
   accumulate = lambda: optax.MultiSteps(optax.adamw(1e-3), 4)
   plain = scratch(accumulate())
   diloco = scratch(gmjax.diloco(accumulate(), gmjax.DiLoCo(sync_every=16, fragments=3)))
