@@ -27,8 +27,9 @@ FSDP = 2
 BYTES = {None: 4.0, "F32": 4.0, "BF16": 2.0, "F8_E4M3": 1.125, "I4": 0.625, "I2": 0.375}
 
 
-def compiled(learners: int, precision: str | None, shard_outer: bool, size: int):
-  """The compiled text of the sync step, and its mesh."""
+def compiled(learners: int, precision: str | None, shard_outer: bool, size: int,
+             explicit: bool = False):
+  """The compiled text of the sync step, and its mesh (Auto axes, or Explicit)."""
   import jax
   import jax.numpy as jnp
   import optax
@@ -41,7 +42,7 @@ def compiled(learners: int, precision: str | None, shard_outer: bool, size: int)
   optimizer = gmjax.diloco(optax.sgd(0.1), config, axis_name="learner",
                            shard_outer=shard_outer)
   mesh = jax.make_mesh((learners, FSDP), ("learner", "fsdp"),
-                       axis_types=(AxisType.Auto,) * 2,
+                       axis_types=(AxisType.Explicit if explicit else AxisType.Auto,) * 2,
                        devices=jax.devices()[:learners * FSDP])
   first = lambda tree: jax.tree.map(lambda a: a[0], tree)
   stack = lambda tree: jax.tree.map(lambda a: a[None], tree)

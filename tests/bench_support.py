@@ -10,7 +10,10 @@ BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 
 
 def load(name: str) -> types.ModuleType:
-  """``benchmarks/<name>.py`` as the module ``gmjax_<name>``."""
+  """``benchmarks/<name>.py`` as the module ``gmjax_<name>`` (the scripts import their
+  siblings, such as ``inmesh``, as the interpreter running one would find them)."""
+  if BENCHMARKS not in sys.path:
+    sys.path.append(BENCHMARKS)
   spec = importlib.util.spec_from_file_location(f"gmjax_{name}",
                                                 os.path.join(BENCHMARKS, f"{name}.py"))
   module = importlib.util.module_from_spec(spec)

@@ -17,45 +17,24 @@ rows (``gmjax.transform.collectives``), so:
 import collections
 import functools
 
-import jax
-import jax.numpy as jnp
-import optax
 import pytest
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType
 
-import gmjax
 from gmjax.transform import hlo
 
+import bench_support
+
 FSDP, N = 2, 4096  # (64, 64): whole rows of 32·M on each fsdp device for M ≤ 4
+
+
+partially_manual = bench_support.load("partially_manual")
 
 
 @functools.cache
 def _compiled(learners, shard_outer, axis_type=AxisType.Auto):
   """The compiled text of a sync step (F8_E4M3 deltas, Θ at F32), and its mesh."""
-  config = gmjax.DiLoCo(sync_every=2, delta_precision="F8_E4M3")
-  optimizer = gmjax.diloco(optax.sgd(0.1), config, axis_name="learner",
-                           shard_outer=shard_outer)
-  mesh = jax.make_mesh((learners, FSDP), ("learner", "fsdp"), axis_types=(axis_type,) * 2,
-                       devices=jax.devices()[:learners * FSDP])
-  first = lambda tree: jax.tree.map(lambda a: a[0], tree)
-  stack = lambda tree: jax.tree.map(lambda a: a[None], tree)
-
-  def step(params, state, grads):
-    params, state, grads = first((params, state, grads))
-    state = state._replace(count=jnp.asarray(1, state.count.dtype))  # t = 2: a sync
-    updates, state = optimizer.update(grads, state, params)
-    return stack((optax.apply_updates(params, updates), state))
-
-  manual = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("learner"),
-                                           out_specs=P("learner"),
-                                           axis_names={"learner"}))
-  with jax.set_mesh(mesh):
-    params = {"w": jax.device_put(jnp.ones((learners, 64, 64), jnp.float32),
-                                  NamedSharding(mesh, P("learner", "fsdp")))}
-    state = manual(lambda p: stack(optimizer.init(first(p))))(params)
-    text = manual(step).lower(params, state, params).compile().as_text()
-  return text, mesh
+  return partially_manual.compiled(learners, "F8_E4M3", shard_outer, N,
+                                   explicit=axis_type == AxisType.Explicit)
 
 
 # On an explicit mesh JAX replicates the operands' fsdp split at the boundary of a
