@@ -5,10 +5,13 @@ A small MLP (about 2.1M F32 parameters) trains with ``jit(optax.adamw)`` and wit
 computing the loss gradient, the optimizer update and ``apply_updates``. Every variant
 runs twice: with the parameters and optimizer state donated to the step (as training
 loops do), and without donation; each ratio is against ``optax.adamw`` run the same way.
-Each figure is the median over repetitions of the mean step time of a window of
-``sync_every`` steps (so the window holds every fragment's sync once), after a warm-up
-window (compilation); ``--sync-every`` far above the window count measures steps
-without any sync. ``temp`` is the compiled step's scratch memory, which XLA on CPU
+Each figure is the mean step time of a window of ``sync_every`` steps (so the window
+holds every fragment's sync once), after a warm-up window (compilation), over
+``--repeats`` windows that interleave the variants; ``--sync-every`` far above the
+window count measures steps without any sync. Two clocks: the wall clock, and the
+process's CPU time (all its threads), to which other jobs on the machine add little;
+for each, "ratio" is the median of the windows' ratios to the reference and "least"
+the ratio of the least windows (other work only ever adds time). ``temp`` is the compiled step's scratch memory, which XLA on CPU
 allocates on every call: a rarely taken branch that needs more of it slows every step.
 
 With ``--learners M`` (M > 1) the same runs on ``M`` fake CPU devices, one learner each:
@@ -121,14 +124,15 @@ class Trainer:
     return compiled.memory_analysis().temp_size_in_bytes
 
   def window(self, steps):
-    """Mean seconds per step over ``steps`` steps."""
-    start = time.perf_counter()
+    """Mean seconds per step over ``steps`` steps: ``(wall, cpu)``, ``cpu`` the
+    process's CPU time (every thread's), which other jobs on the machine do not add to."""
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
       self.params, self.state = self.step(self.params, self.state, self.x, self.y)
       if self.await_each:
         jax.block_until_ready((self.params, self.state))
     jax.block_until_ready((self.params, self.state))
-    return (time.perf_counter() - start) / steps
+    return ((time.perf_counter() - start) / steps, (time.process_time() - cpu) / steps)
 
 
 def variants(sync_every, learners, multisteps=1):
@@ -198,13 +202,19 @@ def main():
   for (label, _), trainer in trainers.items():
     if trainer.step._cache_size() > (1 if mesh is None else 2):
       raise RuntimeError(f"{label}: the step compiled {trainer.step._cache_size()} times")
+  print(f"  {'':38s} {'':8s} {'wall ms/step':>13s}  {'ratio':>5s}  {'least':>5s}"
+        f"  {'cpu ms/step':>11s}  {'ratio':>5s}  {'least':>5s}  scratch")
   for (label, donate), times in seconds.items():
     base = seconds[reference, donate]
-    ratio = statistics.median(t / b for t, b in zip(times, base))
+    columns = []
+    for clock in (0, 1):  # wall, cpu: the median of the windows' ratios, then of minima
+      ratio = statistics.median(t[clock] / b[clock] for t, b in zip(times, base))
+      least = min(t[clock] for t in times) / min(b[clock] for b in base)
+      columns.append(f"{statistics.median(t[clock] for t in times) * 1e3:{11 + 2 * (1 - clock)}.3f}"
+                     f"  {ratio:.2f}x  {least:.2f}x")
     temp = trainers[label, donate].temp_bytes() / 2**20
-    print(f"  {label:38s} {'donated' if donate else 'copied ':8s}"
-          f" {statistics.median(times) * 1e3:8.3f} ms/step  {ratio:.2f}x"
-          f"  temp {temp:6.1f} MiB")
+    print(f"  {label:38s} {'donated' if donate else 'copied ':8s} {columns[0]}  {columns[1]}"
+          f"  {temp:6.1f} MiB")
 
 
 if __name__ == "__main__":
