@@ -310,6 +310,15 @@ def test_sparse_deltas_match_numpy_and_keep_the_fsdp_split(axis_type, mode, shar
   if mode == "vmap":
     assert _fsdp_gathers(axis_type, mode, shard_outer, delta_precision="I4", **sparse) == []
 
+
+def test_sparse_deltas_gather_a_leaf_whose_pieces_are_not_whole_chunks():
+  # Top-3 of 64 at I4: a device's 1024 values of "w" are 16 chunks keeping 48 values,
+  # not whole blocks of 32 (that takes 2048), so the round replicates "w"'s F32 delta
+  # over fsdp: one all-gather, each device sending the 1024 values it holds.
+  gathers = _fsdp_gathers(AxisType.Explicit, "vmap", True, delta_precision="I4",
+                          delta_topk=3, delta_chunk=64)
+  assert [(c.dtype, c.shape, c.bytes_sent) for c in gathers] == [("f32", (1, 64, 32), 4096)]
+
 # The boundary of a shard_map with only the learner axis manual, on an explicit mesh:
 # JAX (0.10.2) replicates the non-manual axes of every operand there, even for
 # `lambda x: 2 * x` (test below). Inside, on both kinds of mesh, XLA gathers an
