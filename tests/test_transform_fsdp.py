@@ -288,8 +288,10 @@ def test_eager_state_keeps_the_fsdp_split(shard_outer):
 
 # Sparse I4 deltas, top-3 of each chunk of 16: each fsdp device holds 1024 values of "w",
 # whole chunks whose kept values fill whole codec blocks (512 values: 32 chunks keep 96),
-# so "w" is selected, encoded and decoded where it lies; "u" (192 values a device) is
-# not, and is replicated over fsdp for the round, as the dense path does with it.
+# so "w" is selected, encoded and decoded where it lies and the compiled step gathers
+# nothing over fsdp (but for JAX's gathers at a partially manual shard_map's boundary on
+# an explicit mesh, below); "u" (192 values a device) is not, and is replicated over
+# fsdp for the round, as the dense path does with it.
 @pytest.mark.parametrize("axis_type,mode,shard_outer", [
     (AxisType.Explicit, "vmap", True), (AxisType.Explicit, "vmap", False),
     (AxisType.Explicit, "shard_map", True), (AxisType.Explicit, "shard_map", False),
@@ -307,8 +309,10 @@ def test_sparse_deltas_match_numpy_and_keep_the_fsdp_split(axis_type, mode, shar
   harness.assert_tree_close({n: v[0] for n, v in state.anchor.items()}, expected["anchor"],
                             what="anchor")
   assert int(state.stats.rounds[0]) == len(expected["log"]) and int(state.stats.skipped[0]) == 0
-  if mode == "vmap":
-    assert _fsdp_gathers(axis_type, mode, shard_outer, delta_precision="I4", **sparse) == []
+  gathers = _fsdp_gathers(axis_type, mode, shard_outer, delta_precision="I4", **sparse)
+  if mode == "shard_map" and axis_type == AxisType.Explicit:  # JAX's, at the boundary
+    gathers = [c for c in gathers if c.op_name != _BOUNDARY]
+  assert gathers == []
 
 
 def test_sparse_deltas_gather_a_leaf_whose_pieces_are_not_whole_chunks():
