@@ -122,6 +122,15 @@ def test_index_dtypes():
   np.testing.assert_array_equal(entries["w.index"], [65536, 70000 - 65537 - 1])
 
 
+
+@pytest.mark.parametrize("k,chunk,run", [(3, 16, 512), (32, 256, 256), (24, 256, 1024),
+                                         (64, 16, 32), (1, 4096, 131072)])
+def test_whole_run_is_the_fewest_chunks_whose_kept_values_fill_blocks(k, chunk, run):
+  assert sparse.whole_run(k, chunk) == Wire("I4", k, chunk).whole_run == run
+  kept = sparse.kept_size(run, k, chunk)
+  assert kept % 32 == 0 and all(sparse.kept_size(r, k, chunk) % 32
+                                for r in range(chunk, run, chunk))
+
 def test_ties_go_to_the_lower_index():
   x = np.array([2, -2, 2, 1, 0, 0, 0, 0, -1, 1, 1, -1], np.float32)
   entries, back = check(x, "F32", 2, 4)

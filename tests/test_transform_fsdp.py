@@ -30,8 +30,9 @@ SHARDED = {"w": True, "u": True, "b": False}
 
 
 def _setup(delta_precision, commit_precision=None, outer="sgd", error_feedback=None,
-           eager=False):
+           eager=False, delta_topk=None, delta_chunk=4096):
   # eager: delayed outer gradients with eager updates (no overlap steps, no mixing).
+  # delta_topk: sparse deltas, top-k of each chunk of delta_chunk values.
   mixing, overlap = (0.0, 0) if eager else (0.5, 1)
   rng = np.random.default_rng(1)
   draw = lambda scale: {n: (scale * rng.standard_normal(s)).astype(np.float32)
@@ -39,6 +40,7 @@ def _setup(delta_precision, commit_precision=None, outer="sgd", error_feedback=N
   config = gmjax.DiLoCo(sync_every=3, fragments=2, overlap_steps=overlap, mixing=mixing,
                         delta_precision=delta_precision, commit_precision=commit_precision,
                         error_feedback=error_feedback, outer_delay=int(eager), eager=eager,
+                        delta_topk=delta_topk, delta_chunk=delta_chunk,
                         **({"outer": "adam", "outer_learning_rate": 0.05} if outer == "adam"
                            else {}))
   theta0 = [draw(1.0) for _ in range(LEARNERS)]
@@ -49,6 +51,7 @@ def _setup(delta_precision, commit_precision=None, outer="sgd", error_feedback=N
       delta_precision=delta_precision, commit_precision=commit_precision, mixing=mixing,
       overlap=overlap, outer=outer, outer_lr=0.05 if outer == "adam" else 0.7,
       error_feedback=error_feedback, outer_delay=int(eager), eager=eager,
+      delta_topk=delta_topk, delta_chunk=delta_chunk,
   )
   return setup, config
 
@@ -216,10 +219,12 @@ def _by_leaf(plan, per_fragment, sharded, layout):
   return out
 
 
-def _fsdp_gathers(axis_type, mode, shard_outer, error_feedback=None, eager=False):
+def _fsdp_gathers(axis_type, mode, shard_outer, error_feedback=None, eager=False,
+                  delta_precision="F8_E4M3", delta_topk=None, delta_chunk=4096):
   """All-gathers of the compiled step over groups other than the learners' (fsdp)."""
   shapes = {"w": (64, 32), "b": (40,)}  # "w" holds whole rows on each fsdp device
-  setup, config = _setup("F8_E4M3", error_feedback=error_feedback, eager=eager)
+  setup, config = _setup(delta_precision, error_feedback=error_feedback, eager=eager,
+                         delta_topk=delta_topk, delta_chunk=delta_chunk)
   setup.theta0 = [{n: t[n] for n in shapes} for t in setup.theta0]
   setup.targets = [{n: t[n] for n in shapes} for t in setup.targets]
   optimizer = gmjax.diloco(optax.sgd(setup.lr), config, axis_name="learner",
@@ -279,6 +284,44 @@ def test_eager_state_keeps_the_fsdp_split(shard_outer):
                               expected["begin"][m], what=f"learner {m} start")
   assert _fsdp_gathers(AxisType.Explicit, "vmap", shard_outer, eager=True) == []
 
+
+
+# Sparse I4 deltas, top-3 of each chunk of 16: each fsdp device holds 1024 values of "w",
+# whole chunks whose kept values fill whole codec blocks (512 values: 32 chunks keep 96),
+# so "w" is selected, encoded and decoded where it lies and the compiled step gathers
+# nothing over fsdp (but for JAX's gathers at a partially manual shard_map's boundary on
+# an explicit mesh, below); "u" (192 values a device) is not, and is replicated over
+# fsdp for the round, as the dense path does with it.
+@pytest.mark.parametrize("axis_type,mode,shard_outer", [
+    (AxisType.Explicit, "vmap", True), (AxisType.Explicit, "vmap", False),
+    (AxisType.Explicit, "shard_map", True), (AxisType.Explicit, "shard_map", False),
+    (AxisType.Auto, "vmap", True), (AxisType.Auto, "shard_map", False),
+], ids=["explicit-vmap-sharded", "explicit-vmap-replicated", "explicit-shard_map-sharded",
+        "explicit-shard_map-replicated", "auto-vmap-sharded", "auto-shard_map-replicated"])
+def test_sparse_deltas_match_numpy_and_keep_the_fsdp_split(axis_type, mode, shard_outer):
+  sparse = dict(delta_topk=3, delta_chunk=16)
+  setup, config = _setup("I4", **sparse)
+  (params, state), _ = _run(setup, config, mode, axis_type, shard_outer)
+  expected = reference.run(setup, STEPS)
+  for m in range(LEARNERS):
+    harness.assert_tree_close({n: v[m] for n, v in params.items()}, expected["theta"][m],
+                              what=f"learner {m}")
+  harness.assert_tree_close({n: v[0] for n, v in state.anchor.items()}, expected["anchor"],
+                            what="anchor")
+  assert int(state.stats.rounds[0]) == len(expected["log"]) and int(state.stats.skipped[0]) == 0
+  gathers = _fsdp_gathers(axis_type, mode, shard_outer, delta_precision="I4", **sparse)
+  if mode == "shard_map" and axis_type == AxisType.Explicit:  # JAX's, at the boundary
+    gathers = [c for c in gathers if c.op_name != _BOUNDARY]
+  assert gathers == []
+
+
+def test_sparse_deltas_gather_a_leaf_whose_pieces_are_not_whole_chunks():
+  # Top-3 of 64 at I4: a device's 1024 values of "w" are 16 chunks keeping 48 values,
+  # not whole blocks of 32 (that takes 2048), so the round replicates "w"'s F32 delta
+  # over fsdp: one all-gather, each device sending the 1024 values it holds.
+  gathers = _fsdp_gathers(AxisType.Explicit, "vmap", True, delta_precision="I4",
+                          delta_topk=3, delta_chunk=64)
+  assert [(c.dtype, c.shape, c.bytes_sent) for c in gathers] == [("f32", (1, 64, 32), 4096)]
 
 # The boundary of a shard_map with only the learner axis manual, on an explicit mesh:
 # JAX (0.10.2) replicates the non-manual axes of every operand there, even for

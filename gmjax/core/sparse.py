@@ -20,11 +20,14 @@ encodes and decodes with them.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from gmjax.core.kernels import BLOCK
 from gmjax.core.schema import INDEX
 
 _ABS_BITS = 0x7FFFFFFF
@@ -56,8 +59,25 @@ def kept_size(size: int, topk: int, chunk: int) -> int:
   return sum(chunk_counts(size, topk, chunk))
 
 
+def whole_run(topk: int, chunk: int) -> int:
+  """The values of a flat leaf that a device's piece must hold a multiple of to encode,
+  travel and decode on its own.
+
+  Whole chunks (each chunk chooses its values among its own), enough of them that their
+  ``min(topk, chunk)`` kept values each fill whole blocks of 32 (the blocks of the
+  quantized formats' scales and of the finiteness probe run over the kept values end
+  to end): ``chunk · 32 / gcd(min(topk, chunk), 32)``.
+  """
+  return chunk * (BLOCK // math.gcd(min(topk, chunk), BLOCK))
+
+
 def select(value: jax.Array, topk: int, chunk: int) -> tuple[jax.Array, jax.Array]:
   """The kept values of ``value`` (flattened) and their indices within their chunks.
+
+  Chunk by chunk: one sort of each chunk's magnitudes with their positions, the first
+  ``k`` of each kept, then one sort of those by position. A value split row-major over
+  devices (FSDP) in pieces of whole chunks is selected where it lies: nothing is
+  gathered.
 
   Returns:
     ``(values, indices)``, both ``(K,)``: ``value``'s dtype, and int32.
@@ -65,17 +85,28 @@ def select(value: jax.Array, topk: int, chunk: int) -> tuple[jax.Array, jax.Arra
   flat = jnp.ravel(value)
   size = flat.size
   chunks = -(-size // chunk)
+  kept = min(topk, chunk)
   key = lax.bitcast_convert_type(flat.astype(jnp.float32), jnp.int32) & _ABS_BITS
   key = jnp.where(key < _SMALLEST_NORMAL_BITS, 0, key)
-  # Padding ranks below every value, so it is kept only where a chunk is shorter than k,
-  # and then after every real index.
-  key = jnp.pad(key, (0, chunks * chunk - size), constant_values=-1).reshape(chunks, chunk)
-  order = lax.broadcasted_iota(jnp.int32, key.shape, 1)
-  _, order = lax.sort((-key, order), dimension=1, num_keys=2)
-  top = jnp.sort(order[:, :min(topk, chunk)], axis=1)
-  count = kept_size(size, topk, chunk)
-  indices = top.reshape(-1)[:count]
-  return flat[_chunk_starts(size, topk, chunk) + indices], indices
+  pad = chunks * chunk - size
+  if pad:
+    # Padding ranks below every value, so it is kept only where a chunk is shorter than
+    # k, and then after every real index. A padded leaf's chunks cannot be its devices'
+    # pieces: its kept values are read from the leaf by position.
+    key = jnp.pad(key, (0, pad), constant_values=-1).reshape(chunks, chunk)
+    order = lax.broadcasted_iota(jnp.int32, key.shape, 1)
+    _, order = lax.sort((-key, order), dimension=1, num_keys=2)
+    indices = jnp.sort(order[:, :kept], axis=1).reshape(-1)[:kept_size(size, topk, chunk)]
+    return flat[_chunk_starts(size, topk, chunk) + indices], indices
+  # Whole chunks: the values ride the sorts with their positions, so that chunks lying on
+  # different devices are selected where they lie; the positions take the magnitudes'
+  # layout (on an explicit mesh a sort's operands must share one).
+  key, flat = key.reshape(chunks, chunk), flat.reshape(chunks, chunk)
+  order = lax.broadcasted_iota(jnp.int32, key.shape, 1,
+                               out_sharding=jax.typeof(key).sharding)
+  _, order, flat = lax.sort((-key, order, flat), dimension=1, num_keys=2)
+  order, flat = lax.sort((order[:, :kept], flat[:, :kept]), dimension=1, num_keys=1)
+  return flat.reshape(-1), order.reshape(-1)
 
 
 def _chunk_starts(size: int, topk: int, chunk: int) -> np.ndarray:
@@ -86,9 +117,23 @@ def _chunk_starts(size: int, topk: int, chunk: int) -> np.ndarray:
 
 def scatter(values: jax.Array, indices: jax.Array, size: int, topk: int, chunk: int
             ) -> jax.Array:
-  """The ``(size,)`` F32 vector holding ``values`` at their chunks' ``indices``, else 0."""
-  positions = _chunk_starts(size, topk, chunk) + jnp.asarray(indices).astype(jnp.int32)
-  return jnp.zeros(size, jnp.float32).at[positions].set(values.astype(jnp.float32))
+  """The ``(size,)`` F32 vector holding ``values`` at their chunks' ``indices``, else 0.
+
+  Chunk by chunk (one scatter batched over the chunks), so that values split over
+  devices in pieces of whole chunks are written where they lie.
+  """
+  chunks = -(-size // chunk)
+  kept = min(topk, chunk)
+  values = jnp.asarray(values).astype(jnp.float32)
+  indices = jnp.asarray(indices).astype(jnp.int32)
+  missing = chunks * kept - values.size
+  if missing:  # the last chunk keeps fewer: its extra positions lie past the chunk
+    values = jnp.pad(values, (0, missing))
+    indices = jnp.pad(indices, (0, missing), constant_values=chunk)
+  values, indices = values.reshape(chunks, kept), indices.reshape(chunks, kept)
+  out = jax.vmap(lambda i, v: jnp.zeros(chunk, jnp.float32).at[i].set(v, mode="drop"))(
+      indices, values).reshape(-1)
+  return out if out.size == size else out[:size]
 
 
 def index_problem(index: np.ndarray, size: int, topk: int, chunk: int) -> str | None:

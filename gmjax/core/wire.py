@@ -25,7 +25,7 @@ import numpy as np
 
 from gmjax.core import sparse
 from gmjax.core.kernels import CODE_BITS, all_finite, dequantize, num_blocks, packed_size
-from gmjax.core.kernels import quantize
+from gmjax.core.kernels import BLOCK, quantize
 from gmjax.core.records import DTYPES, PRECISIONS, QUANTIZED, Precision
 from gmjax.core.schema import NUMPY_DTYPES, ParameterSpec, Schema, dtype_code, scale_name
 
@@ -65,6 +65,15 @@ class Wire:
   @property
   def sparse(self) -> bool:
     return self.topk is not None
+
+  @property
+  def whole_run(self) -> int:
+    """The values of a flat leaf that a device's piece must hold a multiple of for the
+    encoding of the piece to be the piece of the encoding: with ``topk``, whole chunks
+    whose kept values fill whole blocks of 32 (``sparse.whole_run``); dense, a block."""
+    if self.topk is not None:
+      return sparse.whole_run(self.topk, self.chunk)
+    return BLOCK
 
   def code(self, dtype: str) -> str:
     """The dtype code a dense leaf of ``dtype`` travels as (its codes when quantized)."""

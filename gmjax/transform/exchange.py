@@ -104,8 +104,12 @@ def receive_sparse(
     delta decoded from the entries it sends, by leaf name in the leaf's shape.
   """
   flat = [ParameterSpec(s.name, s.dtype, (s.size,)) for s in specs]
-  entries, _ = wire.encode_values({s.name: jnp.ravel(delta[s.name]) for s in specs},
-                                  {s.name: s.dtype for s in specs})
+  # A leaf split over other axes (FSDP) keeps its row-major pieces where they lie when
+  # each encodes on its own (whole chunks whose kept values fill whole codec blocks);
+  # the entries then come out split alike, and every learner's decode of them too.
+  entries, _ = wire.encode_values(
+      {s.name: explicit.flatten(delta[s.name], wire.whole_run) for s in specs},
+      {s.name: s.dtype for s in specs})
   crossing = _as_bytes(entries)
   gathered = {n: explicit.pin(g, gathered_spec(crossing[n])) for n, g in zip(
       crossing, collectives.all_gather(list(crossing.values()), axis_name, learners))}
@@ -117,11 +121,11 @@ def receive_sparse(
   decoded = {s.name: [] for s in specs}
   for m in range(learners):
     for s in specs:
-      value = explicit.like(values[s.name][m].reshape(s.shape), delta[s.name])
+      value = explicit.unflatten(values[s.name][m], delta[s.name])
       decoded[s.name].append(shards.own(shards.to_rows(value, learners), learner))
   mine = wire.decode_values(entries, flat)
   return ({n: jnp.stack(v, axis=1) for n, v in decoded.items()},
-          {s.name: mine[s.name].reshape(s.shape) for s in specs})
+          {s.name: explicit.unflatten(mine[s.name], delta[s.name]) for s in specs})
 
 
 def judge_and_sum(deltas: Sequence[jax.Array], counts: jax.Array, axis_name: Any,

@@ -17,7 +17,6 @@ from jax import lax
 
 from gmjax.core import eager, feedback, outer
 from gmjax.core import round as round_ops
-from gmjax.core.codec import BLOCK
 from gmjax.core.schema import ParameterSpec
 from gmjax.transform import control, exchange, explicit, replicated, shards
 from gmjax.transform import tokens as token_counts
@@ -130,11 +129,12 @@ def _exchange(layout, config, axis_name, learner, names, delta, rows, buckets, c
           buckets, buckets.pack(rows), counts, axis_name, config.rule)
       return gradient, verdict, cosine, unrows(sent)
     # The sparse codec chooses its entries on flat leaves, whose row-major pieces stay
-    # where an FSDP split of the leading dimension put them.
+    # where an FSDP split of the leading dimension put them when they encode on their
+    # own (whole chunks whose kept values fill whole codec blocks).
     flat = {s.name: dataclasses.replace(s, shape=(s.size,)) for s in specs}
     gradient, cosine, verdict, sent = replicated.aggregate_sparse(
-        {n: explicit.flatten(delta[n], BLOCK) for n in names}, counts, list(flat.values()),
-        wire, axis_name, config.rule)
+        {n: explicit.flatten(delta[n], wire.whole_run) for n in names}, counts,
+        list(flat.values()), wire, axis_name, config.rule)
     gradient = layout.rows({n: explicit.unflatten(g, delta[n]) for n, g in gradient.items()})
     return ([layout.own(b, None) for b in buckets.pack(gradient)], verdict, cosine,
             {n: explicit.unflatten(v, delta[n]) for n, v in sent.items()})
