@@ -127,6 +127,21 @@ def test_params_reshaped_after_init_are_named():
     optimizer.update({"w": jnp.ones((2, 3))}, state, {"w": jnp.ones((2, 3))})
 
 
+@pytest.mark.parametrize("inner", [optax.sgd(0.1), optax.adam(0.1)], ids=["sgd", "adam"])
+def test_updates_unlike_the_params_are_named(inner):
+  optimizer = gmjax.diloco(inner, gmjax.DiLoCo(sync_every=4))
+  params = {"w": jnp.ones((2, 3)), "b": jnp.ones(3)}
+  state = optimizer.init(params)
+  with pytest.raises(ValueError, match=r"updates\['w'\] of shape \(3,\) but params\['w'\]"
+                                       r" \(2, 3\).*gradients of these params"):
+    optimizer.update({"w": jnp.ones(3), "b": jnp.ones(3)}, state, params)
+  with pytest.raises(ValueError, match=r"updates structured as .*'v'.* but params as"
+                                       r" .*'w'.*gradients of these params"):
+    optimizer.update({"v": jnp.ones((2, 3)), "b": jnp.ones(3)}, state, params)
+  with pytest.raises(ValueError, match=r"updates structured as"):
+    optimizer.update(jnp.ones(3), state, params)
+
+
 def test_token_counts_stay_exact_past_2_to_the_24():
   # 2^24 + 1 tokens a step: an F32 count would lose the odd token at once.
   config = gmjax.DiLoCo(sync_every=8)

@@ -140,6 +140,24 @@ def _check_params(params: Any, anchor: Any) -> None:
       " they are now.")
 
 
+def _check_updates(updates: Any, params: Any) -> None:
+  """Raises unless ``updates`` (the gradients) have the structure and shapes of
+  ``params``: the inner optimizer and the step combine them leaf by leaf."""
+  found = structure.mismatch(updates, params)
+  if found is None:
+    return
+  kind, path, got, want = found
+  if kind == "structure":
+    raise ValueError(
+        f"gmjax.diloco: update got updates structured as {got} but params as {want};"
+        " pass the gradients of these params, structured like them:"
+        " update(grads, state, params).")
+  raise ValueError(
+      f"gmjax.diloco: update got updates{path} of shape {got} but params{path} {want};"
+      " pass the gradients of these params, shaped like them:"
+      " update(grads, state, params).")
+
+
 def _unbatched(count: jax.Array, dropped: jax.Array,
                axis_name: Any) -> tuple[jax.Array, jax.Array]:
   """The step count, and whether a learner's step is dropped, as values ``lax.cond``
@@ -340,6 +358,7 @@ def diloco(
           " update(grads, state, params)."
       )
     _check_params(params, state.anchor)
+    _check_updates(updates, params)
     if axis_name is not None and not sharded:
       _axis_size(axis_name, "update", sharded)  # the learners' axis must be bound
     layout = layout_of(params, "update")
