@@ -5,6 +5,8 @@ pending; it comes back at the parameters' dtype and sharding, inside the learner
 (every learner the same Θ) and outside it (one Θ without the learners' dimension).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,7 @@ from test_transform_fsdp import (LEARNERS, SHARDED, STEPS, _build, _mesh, _place
                                  _stacked)
 
 
+@functools.cache
 def _train(dtype=jnp.float32):
   """``STEPS`` steps on the explicit (learner, fsdp) mesh; ``(setup, mesh, params, state)``."""
   setup, config = _setup("F8_E4M3")
@@ -62,6 +65,25 @@ def test_finish_is_the_reference_anchor_laid_out_as_the_parameters():
                                     err_msg=f"{name} learner {m}")
   # Θ is not any learner's parameters: they trained on past the round.
   assert not np.allclose(np.asarray(params["w"])[0], outside["w"])
+
+
+def test_finish_outside_the_mesh_context_lays_theta_out_alike():
+  # The arrays carry their explicit mesh: finish needs no `jax.set_mesh` around it.
+  setup, mesh, params, state = _train()
+  theta = gmjax.finish(state, params, learner_axis=0)
+  harness.assert_tree_close(jax.device_get(theta), reference.run(setup, STEPS)["anchor"],
+                            what="Θ")
+  for name, leaf in theta.items():
+    assert leaf.sharding.mesh == mesh, name
+    assert tuple(leaf.sharding.spec)[:1] == (("fsdp",) if SHARDED[name] else (None,)), name
+  # One learner's state and parameters (learner_axis=None), laid out without the
+  # learners' axis.
+  one = jax.tree.map(
+      lambda x: jax.device_put(np.asarray(x)[0], NamedSharding(
+          mesh, P(*tuple(jax.typeof(x).sharding.spec)[1:]))), (state, params))
+  theta = gmjax.finish(*one)
+  for name, leaf in theta.items():
+    np.testing.assert_array_equal(np.asarray(leaf), np.asarray(state.anchor[name])[0])
 
 
 def test_finish_takes_the_parameters_dtype():

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from gmjax.transform import explicit, structure
 from gmjax.transform.state import DiLoCoState
@@ -36,6 +37,9 @@ def finish(state: DiLoCoState, params: Any, *, learner_axis: int | None = None) 
     returns): ``learner_axis=0`` (the stacking dimension). Returns one Θ, without that
     dimension, laid out as ``params`` without the learners' mesh axis (replicated over
     it, still split over the others, e.g. FSDP).
+
+  Parameters placed on an explicit mesh carry it: no ``jax.set_mesh`` is needed around
+  the call.
 
   Args:
     state: the ``gmjax.DiLoCoState`` of the run, as ``update`` returned it (for a chained
@@ -90,7 +94,28 @@ def finish(state: DiLoCoState, params: Any, *, learner_axis: int | None = None) 
     raise ValueError(
         f"gmjax.finish: learner_axis must be None or an int (the dimension the learners"
         f" are stacked on), got {learner_axis!r}.")
-  return jax.tree.map(lambda a, p: _one(a, p, learner_axis), anchor, params)
+  with _their_mesh(params):
+    return jax.tree.map(lambda a, p: _one(a, p, learner_axis), anchor, params)
+
+
+def _their_mesh(params: Any) -> contextlib.AbstractContextManager:
+  """The explicit mesh ``params`` lie on, set for Θ's layout where no mesh is set.
+
+  Laying Θ out on an explicit mesh (``auto_axes``, ``reshard``) needs the mesh in
+  context; arrays placed on one carry it in their type, so ``finish`` works outside
+  ``jax.set_mesh`` too.
+  """
+  if not jax.sharding.get_abstract_mesh().empty:
+    return contextlib.nullcontext()
+  for leaf in jax.tree.leaves(params):
+    mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
+    if mesh is None or mesh.empty or AxisType.Explicit not in tuple(mesh.axis_types):
+      continue
+    concrete = getattr(leaf, "sharding", None)
+    if isinstance(concrete, NamedSharding) and not isinstance(leaf, jax.core.Tracer):
+      return jax.set_mesh(concrete.mesh)
+    return jax.sharding.use_abstract_mesh(mesh)
+  return contextlib.nullcontext()
 
 
 def _one(theta: jax.Array, param: jax.Array, learner_axis: int | None) -> jax.Array:
