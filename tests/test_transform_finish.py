@@ -99,8 +99,15 @@ def test_finish_names_what_is_wrong():
   optimizer = gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=2, overlap_steps=0))
   params = {"w": jnp.ones(3)}
   state = optimizer.init(params)
-  with pytest.raises(TypeError, match="gmjax.DiLoCoState"):
+  with pytest.raises(TypeError, match=r"gmjax.DiLoCoState.*got tuple.*at state\[1\]"):
     gmjax.finish((optax.EmptyState(), state), params)
+  # Wrapped, e.g. gradient accumulation around gmjax.diloco: the message says where.
+  accumulated = optax.MultiSteps(optimizer, 2).init(params)
+  with pytest.raises(TypeError, match=r"got MultiStepsState.*gmjax.finish\(state"
+                                      r"\.inner_opt_state, params"):
+    gmjax.finish(accumulated, params)
+  with pytest.raises(TypeError, match=r"got dict.*no gmjax.DiLoCoState in it"):
+    gmjax.finish({"count": 1}, params)
   with pytest.raises(ValueError, match=r"params\['w'\] has shape \(4,\)"):
     gmjax.finish(state, {"w": jnp.ones(4)})
   with pytest.raises(ValueError, match="structured"):

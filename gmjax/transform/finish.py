@@ -42,8 +42,9 @@ def finish(state: DiLoCoState, params: Any, *, learner_axis: int | None = None) 
   the call.
 
   Args:
-    state: the ``gmjax.DiLoCoState`` of the run, as ``update`` returned it (for a chained
-      optimizer, the ``DiLoCoState`` inside the chain's state).
+    state: the ``gmjax.DiLoCoState`` of the run, as ``update`` returned it (for
+      ``gmjax.diloco`` inside a chain or ``optax.MultiSteps``, the ``DiLoCoState``
+      inside their state).
     params: the learner's parameters (stacked with ``learner_axis``); Θ takes their
       dtypes and, on an explicit mesh or for arrays placed with a ``NamedSharding``,
       their sharding.
@@ -54,7 +55,8 @@ def finish(state: DiLoCoState, params: Any, *, learner_axis: int | None = None) 
     Θ, a pytree like ``params`` (without the learners' dimension with ``learner_axis``).
 
   Raises:
-    TypeError: ``state`` is not a ``gmjax.DiLoCoState``.
+    TypeError: ``state`` is not a ``gmjax.DiLoCoState`` (the message names where one
+      lies in it, e.g. ``state.inner_opt_state`` of ``optax.MultiSteps``).
     ValueError: ``params`` is not structured or shaped like the state's anchor.
 
   Example:
@@ -74,10 +76,7 @@ def finish(state: DiLoCoState, params: Any, *, learner_axis: int | None = None) 
     (2,)
   """
   if not isinstance(state, DiLoCoState):
-    raise TypeError(
-        f"gmjax.finish: state must be the gmjax.DiLoCoState of gmjax.diloco, got"
-        f" {type(state).__name__}; for a chained optimizer pass the DiLoCoState inside"
-        " the chain's state (e.g. state[1] of optax.chain(clip, gmjax.diloco(...))).")
+    raise TypeError(_not_a_state(state))
   anchor = state.anchor
   found = structure.mismatch(params, anchor)
   if found is not None and found[0] == "structure":
@@ -96,6 +95,25 @@ def finish(state: DiLoCoState, params: Any, *, learner_axis: int | None = None) 
         f" are stacked on), got {learner_axis!r}.")
   with _their_mesh(params):
     return jax.tree.map(lambda a, p: _one(a, p, learner_axis), anchor, params)
+
+
+def _not_a_state(state: Any) -> str:
+  """The message for a ``state`` that is not a ``DiLoCoState``: where one lies in it."""
+  is_state = lambda x: isinstance(x, DiLoCoState)
+  found = [jax.tree_util.keystr(path) for path, leaf in
+           jax.tree_util.tree_flatten_with_path(state, is_leaf=is_state)[0]
+           if is_state(leaf)]
+  head = (f"gmjax.finish: state must be the gmjax.DiLoCoState of gmjax.diloco, got"
+          f" {type(state).__name__}")
+  if len(found) == 1:
+    return (f"{head}, which holds one at state{found[0]} (gmjax.diloco inside another"
+            f" optax transformation): call gmjax.finish(state{found[0]}, params).")
+  if found:
+    return (f"{head}, which holds several, at {['state' + p for p in found]}: pass the"
+            " one of the run whose params these are.")
+  return (f"{head}, with no gmjax.DiLoCoState in it; pass the optimizer state that"
+          " gmjax.diloco's update returned (for optax.chain(clip, gmjax.diloco(...)),"
+          " state[1]).")
 
 
 def _their_mesh(params: Any) -> contextlib.AbstractContextManager:
