@@ -132,6 +132,21 @@ def test_train_never_deletes_a_run_unless_forced(tmp_path):
   assert not list(out.glob("learner-*.log"))
 
 
+@pytest.mark.parametrize("out", ["afile", "afile/run1"])
+def test_train_refuses_an_out_that_is_or_is_under_a_file(tmp_path, capsys, out):
+  from gmjax.app import cli  # pylint: disable=g-import-not-at-top
+
+  config = tmp_path / "tiny.toml"
+  config.write_text(TINY)
+  (tmp_path / "afile").write_text("kept")
+  assert cli.main(["train", str(config), "--out", str(tmp_path / out)]) == 2
+  err = capsys.readouterr().err
+  assert f"output folder {tmp_path / out} (--out" in err, err
+  assert f"{tmp_path / 'afile'} is a file" in err and "pass a folder" in err, err
+  assert (tmp_path / "afile").read_text() == "kept"
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "tiny.toml"]
+
+
 def test_status_exits_quietly_when_the_reader_closes_the_pipe(tmp_path):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 

@@ -136,6 +136,17 @@ def _running(run) -> list[str]:
           and _alive(record.pid)]
 
 
+def _check_out(out: Path) -> None:
+  """Raises FileExistsError if ``out``, or a folder it would be made in, is a file."""
+  for place in (out, *out.parents):
+    if place.exists():
+      if place.is_dir():
+        return
+      raise FileExistsError(
+          f"the output folder {out} (--out, or the config's [train] out): {place} is a"
+          " file; pass a folder for the run and its metrics (a missing one is created)")
+
+
 def _resume_point(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
                   schema: gmjax.Schema) -> int:
   """The global step the run in ``run_dir`` reached (its newest committed round's), once
@@ -267,7 +278,8 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
 
   Raises:
     FileExistsError: ``<out>/run`` holds a run already and neither ``force`` nor
-      ``resume`` is set (a run is never deleted unless asked).
+      ``resume`` is set (a run is never deleted unless asked); ``<out>``, or a folder
+      it would be made in, is a file.
     FileNotFoundError: ``resume`` without a run in ``<out>/run``; the corpus is missing.
     ValueError: ``force`` with ``resume``; ``resume`` with a config other than the
       run's (the differing settings named), or while its learners still run; a config
@@ -278,6 +290,7 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
                      " pass one of them")
   out = Path(cfg.out)
   run_dir = out / "run"
+  _check_out(out)
   config_lib.check_data(cfg)
   _, params = model.build(cfg.model, seed=cfg.seed)
   schema = cfg.diloco.cut(gmjax.Schema.from_tree(params))
