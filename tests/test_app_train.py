@@ -165,6 +165,30 @@ def test_status_exits_quietly_when_the_reader_closes_the_pipe(tmp_path):
   assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
 
 
+def test_status_reads_the_key_from_the_named_variable_or_names_it(tmp_path, capsys,
+                                                                    monkeypatch):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  import gmjax  # pylint: disable=g-import-not-at-top
+  from gmjax.app import cli  # pylint: disable=g-import-not-at-top
+
+  run, key = str(tmp_path / "run"), "a-test-key-of-32-characters-0123"
+  gmjax.mail.create(run, {"w": jnp.ones(4)}, gmjax.DiLoCo(sync_every=2), key=key)
+  monkeypatch.delenv("GMJAX_TEST_KEY", raising=False)
+  assert cli.main(["status", run, "--key-env", "GMJAX_TEST_KEY"]) == 2
+  err = capsys.readouterr().err
+  assert "--key-env GMJAX_TEST_KEY: the environment variable GMJAX_TEST_KEY is not set" in err
+  monkeypatch.setenv("GMJAX_TEST_KEY", "")
+  assert cli.main(["status", run, "--key-env", "GMJAX_TEST_KEY"]) == 2
+  assert "GMJAX_TEST_KEY is empty" in capsys.readouterr().err
+  monkeypatch.setenv("GMJAX_TEST_KEY", key)
+  assert cli.main(["status", run, "--key-env", "GMJAX_TEST_KEY"]) == 0
+  assert f"run {run}:" in capsys.readouterr().out
+  with pytest.raises(SystemExit) as exit_:  # one way to give the key, not two
+    cli.main(["status", run, "--key", key, "--key-env", "GMJAX_TEST_KEY"])
+  assert exit_.value.code == 2 and "not allowed with" in capsys.readouterr().err
+
+
 def _train_cli(*args, timeout=280):
   return subprocess.run([sys.executable, "-m", "gmjax.app.cli", "train", *map(str, args)],
                         capture_output=True, text=True, timeout=timeout, check=False)
