@@ -114,5 +114,8 @@ def test_finish_names_what_is_wrong():
     gmjax.finish(state, {"v": jnp.ones(3)})
   with pytest.raises(ValueError, match="learner_axis=1"):
     gmjax.finish(state, params, learner_axis=1)
+  # A bool is an int to Python, but not a dimension: True would take axis 1 of (L, n).
+  with pytest.raises(ValueError, match="learner_axis must be None or an int.*got True"):
+    gmjax.finish(state, params, learner_axis=True)
   theta = gmjax.finish(state, params)
   np.testing.assert_array_equal(theta["w"], params["w"])

@@ -89,7 +89,8 @@ def finish(state: DiLoCoState, params: Any, *, learner_axis: int | None = None) 
         f"gmjax.finish: params{path} has shape {got} but the state's anchor {want}; pass"
         " the parameters the optimizer was updating"
         + (", stacked like the state" if learner_axis is not None else "") + ".")
-  if learner_axis is not None and not isinstance(learner_axis, int):
+  if learner_axis is not None and (not isinstance(learner_axis, int)
+                                   or isinstance(learner_axis, bool)):
     raise ValueError(
         f"gmjax.finish: learner_axis must be None or an int (the dimension the learners"
         f" are stacked on), got {learner_axis!r}.")
