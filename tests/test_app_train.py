@@ -147,6 +147,31 @@ def test_train_refuses_an_out_that_is_or_is_under_a_file(tmp_path, capsys, out):
   assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "tiny.toml"]
 
 
+@pytest.mark.timeout(120)  # deleting the live run, the job waited on its learners
+def test_force_refuses_to_delete_a_run_whose_learners_still_run(tmp_path, capsys):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  import gmjax  # pylint: disable=g-import-not-at-top
+  from gmjax.app import cli  # pylint: disable=g-import-not-at-top
+
+  config = tmp_path / "tiny.toml"
+  config.write_text(TINY)
+  out = tmp_path / "out"
+  run = str(out / "run")
+  gmjax.mail.create(run, {"w": jnp.ones(4)}, gmjax.DiLoCo(sync_every=2))
+  # A learner of that run, alive on this host (another gmjax train still at work).
+  learner = gmjax.mail.open(run).join("learner-0", poll_interval=0.02)
+  try:
+    assert cli.main(["train", str(config), "--out", str(out), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert f"--force: learners of the run in {out / 'run'} are still running" in err, err
+    assert "learner-0 (pid" in err and "stop that gmjax train first" in err, err
+    assert gmjax.mail.open(run).status()["learners"][0]["name"] == "learner-0"
+  finally:
+    learner.close({"w": jnp.ones(4)})
+  assert not list(out.glob("learner-*.log"))
+
+
 def test_status_exits_quietly_when_the_reader_closes_the_pipe(tmp_path):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 

@@ -268,7 +268,8 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
   Args:
     cfg: the job's config.
     show_progress: progress bars.
-    force: delete a run already in ``<out>/run`` and train anew.
+    force: delete a run already in ``<out>/run`` and train anew (not one whose
+      learners still run on this host).
     resume: continue the run in ``<out>/run``, started with this very config: its
       learners rejoin it at the step of its newest committed round (steps trained past
       it are lost with the stopped processes; the inner optimizer's moments start again,
@@ -282,7 +283,8 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
       it would be made in, is a file.
     FileNotFoundError: ``resume`` without a run in ``<out>/run``; the corpus is missing.
     ValueError: ``force`` with ``resume``; ``resume`` with a config other than the
-      run's (the differing settings named), or while its learners still run; a config
+      run's (the differing settings named); ``resume`` or ``force`` while the run's
+      learners still run on this host; a config
       the corpus or the model cannot train with.
   """
   if force and resume:
@@ -304,6 +306,15 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
         raise FileExistsError(
             f"{run_dir} holds a run already; pass --resume to continue it, --out DIR to"
             " train elsewhere, or --force to delete that run and train anew")
+      # Deleted under live learners, the run would be recreated around them: they
+      # would write into the new run and the new learners could not join under their
+      # names.
+      running = _running(gmjax.mail.open(str(run_dir))) if (
+          run_dir / layout.MANIFEST).is_file() else []
+      if running:
+        raise ValueError(
+            f"--force: learners of the run in {run_dir} are still running:"
+            f" {', '.join(running)}; stop that gmjax train first")
       print(f"gmjax train: --force: deleting the previous run in {run_dir}")
       shutil.rmtree(run_dir)
     out.mkdir(parents=True, exist_ok=True)
