@@ -99,7 +99,8 @@ def test_shipped_configs_load(path):
     ("[diloco]", "[model]\nseq_len = 100000\n[diloco]",
      r"\[model\] seq_len = 100000 is too long for the demo model.*set seq_len <= \d+"),
     ("[diloco]", "[model]\nseq_len = 0\n[diloco]", r"\[model\] seq_len = 0 must be a positive"),
-    ("[diloco]", "[model]\nd_model = '64'\n[diloco]", r"\[model\] d_model = '64' must be a"),
+    ("[diloco]", "[model]\nd_model = '64'\n[diloco]", r'\[model\] d_model = "64" must be a'
+     r" positive whole number; e\.g\. d_model = 64"),
     ("[diloco]", "[model]\nvocab = 100\n[diloco]", r"\[model\] vocab = 100 is too small.*256"),
     ("[diloco]", "[model]\nd_model = 30\nheads = 4\n[diloco]",
      r"\[model\] heads = 4 does not divide d_model = 30.*e.g. 3"),
@@ -107,6 +108,17 @@ def test_shipped_configs_load(path):
     ("sync_every = 2", "sync_every = 2\nouter_momentum = 1.5", r"\[diloco\].*outer_momentum"),
     ("steps = 4", "steps = 4\nseq_len = 64", r"\[train\]: unknown key 'seq_len'; it belongs in"
      r" \[model\]"),
+    # A value of the wrong type, spelled as in the TOML file, with one of the right type.
+    ("steps = 4", 'steps = "4"', r'\[train\] steps = "4" must be a whole number; e\.g\.'
+     r" steps = 240"),
+    ("steps = 4", "steps = true", r"\[train\] steps = true must be a whole number"),
+    ("steps = 4", "steps = 4\nbaseline = 1", r"\[train\] baseline = 1 must be true or false;"
+     r" e\.g\. baseline = true"),
+    ("learning_rate = 1e-3", 'learning_rate = "1e-3"', r'\[train\] learning_rate = "1e-3" must'
+     r" be a number; e\.g\. learning_rate = 0\.003"),
+    ("steps = 4", "steps = 4\nlearner_speeds = 0.5", r"\[train\] learner_speeds = 0\.5 must be"
+     r" a list; e\.g\. learner_speeds = \[1, 1, 0\.5, 0\.25\]"),
+    ("learners = 2\n", "", r"\[train\] lacks learners; set it, e\.g\. learners = 2"),
 ])
 def test_every_value_is_checked_with_a_fix(tmp_path, old, new, message):
   with pytest.raises(ValueError, match=message) as error:

@@ -132,6 +132,46 @@ def test_train_never_deletes_a_run_unless_forced(tmp_path):
   assert not list(out.glob("learner-*.log"))
 
 
+@pytest.mark.parametrize("out", ["afile", "afile/run1"])
+def test_train_refuses_an_out_that_is_or_is_under_a_file(tmp_path, capsys, out):
+  from gmjax.app import cli  # pylint: disable=g-import-not-at-top
+
+  config = tmp_path / "tiny.toml"
+  config.write_text(TINY)
+  (tmp_path / "afile").write_text("kept")
+  assert cli.main(["train", str(config), "--out", str(tmp_path / out)]) == 2
+  err = capsys.readouterr().err
+  assert f"output folder {tmp_path / out} (--out" in err, err
+  assert f"{tmp_path / 'afile'} is a file" in err and "pass a folder" in err, err
+  assert (tmp_path / "afile").read_text() == "kept"
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "tiny.toml"]
+
+
+@pytest.mark.timeout(120)  # deleting the live run, the job waited on its learners
+def test_force_refuses_to_delete_a_run_whose_learners_still_run(tmp_path, capsys):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  import gmjax  # pylint: disable=g-import-not-at-top
+  from gmjax.app import cli  # pylint: disable=g-import-not-at-top
+
+  config = tmp_path / "tiny.toml"
+  config.write_text(TINY)
+  out = tmp_path / "out"
+  run = str(out / "run")
+  gmjax.mail.create(run, {"w": jnp.ones(4)}, gmjax.DiLoCo(sync_every=2))
+  # A learner of that run, alive on this host (another gmjax train still at work).
+  learner = gmjax.mail.open(run).join("learner-0", poll_interval=0.02)
+  try:
+    assert cli.main(["train", str(config), "--out", str(out), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert f"--force: learners of the run in {out / 'run'} are still running" in err, err
+    assert "learner-0 (pid" in err and "stop that gmjax train first" in err, err
+    assert gmjax.mail.open(run).status()["learners"][0]["name"] == "learner-0"
+  finally:
+    learner.close({"w": jnp.ones(4)})
+  assert not list(out.glob("learner-*.log"))
+
+
 def test_status_exits_quietly_when_the_reader_closes_the_pipe(tmp_path):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
@@ -148,6 +188,30 @@ def test_status_exits_quietly_when_the_reader_closes_the_pipe(tmp_path):
   _, err = process.communicate(timeout=120)
   assert process.returncode == 0, err.decode()
   assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
+
+
+def test_status_reads_the_key_from_the_named_variable_or_names_it(tmp_path, capsys,
+                                                                    monkeypatch):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  import gmjax  # pylint: disable=g-import-not-at-top
+  from gmjax.app import cli  # pylint: disable=g-import-not-at-top
+
+  run, key = str(tmp_path / "run"), "a-test-key-of-32-characters-0123"
+  gmjax.mail.create(run, {"w": jnp.ones(4)}, gmjax.DiLoCo(sync_every=2), key=key)
+  monkeypatch.delenv("GMJAX_TEST_KEY", raising=False)
+  assert cli.main(["status", run, "--key-env", "GMJAX_TEST_KEY"]) == 2
+  err = capsys.readouterr().err
+  assert "--key-env GMJAX_TEST_KEY: the environment variable GMJAX_TEST_KEY is not set" in err
+  monkeypatch.setenv("GMJAX_TEST_KEY", "")
+  assert cli.main(["status", run, "--key-env", "GMJAX_TEST_KEY"]) == 2
+  assert "GMJAX_TEST_KEY is empty" in capsys.readouterr().err
+  monkeypatch.setenv("GMJAX_TEST_KEY", key)
+  assert cli.main(["status", run, "--key-env", "GMJAX_TEST_KEY"]) == 0
+  assert f"run {run}:" in capsys.readouterr().out
+  with pytest.raises(SystemExit) as exit_:  # one way to give the key, not two
+    cli.main(["status", run, "--key", key, "--key-env", "GMJAX_TEST_KEY"])
+  assert exit_.value.code == 2 and "not allowed with" in capsys.readouterr().err
 
 
 def _train_cli(*args, timeout=280):

@@ -208,3 +208,19 @@ def test_bounded_read_refuses_what_is_not_a_regular_file(tmp_path):
   with pytest.raises(store_lib.BadObject, match="holds 3221225472 bytes"):
     local.read("r/sparse.bin", 1 << 20)
   assert issubclass(store_lib.BadObject, ValueError)
+
+
+def test_a_path_under_a_file_holds_nothing(tmp_path):
+  # A run URL that names a file (a config passed as the run, a typo): nothing is stored
+  # under it, as under a missing folder, and opening it says there is no run.
+  afile = tmp_path / "config.toml"
+  afile.write_text("[train]\n")
+  store = store_lib.open_store(str(afile))
+  for read in (lambda: store.get("manifest.json"), lambda: store.read("manifest.json", 64),
+               lambda: store.size("manifest.json"),
+               lambda: store.get_verified("manifest.json", hashlib.sha256().hexdigest())):
+    with pytest.raises(FileNotFoundError):
+      read()
+  assert not store.exists("manifest.json") and store.list("") == []
+  with pytest.raises(mail.RunNotFound, match="no run at"):
+    mail.open(str(afile))

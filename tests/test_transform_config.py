@@ -127,6 +127,56 @@ def test_params_reshaped_after_init_are_named():
     optimizer.update({"w": jnp.ones((2, 3))}, state, {"w": jnp.ones((2, 3))})
 
 
+@pytest.mark.parametrize("inner", [optax.sgd(0.1), optax.adam(0.1)], ids=["sgd", "adam"])
+def test_updates_unlike_the_params_are_named(inner):
+  optimizer = gmjax.diloco(inner, gmjax.DiLoCo(sync_every=4))
+  params = {"w": jnp.ones((2, 3)), "b": jnp.ones(3)}
+  state = optimizer.init(params)
+  with pytest.raises(ValueError, match=r"updates\['w'\] of shape \(3,\) but params\['w'\]"
+                                       r" \(2, 3\).*gradients of these params"):
+    optimizer.update({"w": jnp.ones(3), "b": jnp.ones(3)}, state, params)
+  with pytest.raises(ValueError, match=r"updates structured as .*'v'.* but params as"
+                                       r" .*'w'.*gradients of these params"):
+    optimizer.update({"v": jnp.ones((2, 3)), "b": jnp.ones(3)}, state, params)
+  with pytest.raises(ValueError, match=r"updates structured as"):
+    optimizer.update(jnp.ones(3), state, params)
+
+
+@pytest.mark.parametrize("built,used,where", [
+    ({"fragments": 2}, {"fragments": 3}, r"state\.anchor|state\.master"),
+    ({"delta_precision": "I4"}, {"delta_precision": "I4", "error_feedback": 1.0},
+     r"state\.residual"),
+    ({"delta_precision": "I4", "error_feedback": 1.0}, {"delta_precision": "I4"},
+     r"state\.residual"),
+    ({}, {"outer": "adam", "outer_learning_rate": 0.1}, r"state\.outer_state"),
+    ({}, {"commit_precision": "F8_E4M3"}, r"state\.master"),
+    ({"overlap_steps": 0}, {"overlap_steps": 0, "outer_delay": 1}, r"state\.delay"),
+    ({}, {"layer_axis": {"w": 0}}, r"state\.(anchor|master|outer_state)"),
+], ids=["fragments", "feedback_on", "feedback_off", "outer", "commit", "delay", "layers"])
+def test_a_state_built_for_another_configuration_is_named(built, used, where):
+  # A checkpoint restored under a changed config: the state's layout is not the one
+  # this optimizer's init builds, which update says instead of failing inside JAX.
+  base = {"sync_every": 4, "fragments": 2, "overlap_steps": 1}
+  make = lambda changes: gmjax.diloco(optax.adam(0.1), gmjax.DiLoCo(**{**base, **changes}),
+                                      axis_name="learner")
+  params = {"w": jnp.ones((2, 64, 32)), "b": jnp.ones((2, 40)), "c": jnp.ones((2, 16))}
+  state = jax.vmap(make(built).init, axis_name="learner")(params)
+  update = jax.vmap(make(used).update, axis_name="learner")
+  with pytest.raises(ValueError, match=where + r".*built for another configuration.*"
+                                       r"restore it with the config it was saved with"):
+    update(params, state, params)
+
+
+def test_a_state_built_for_another_outer_layout_is_named():
+  config = gmjax.DiLoCo(sync_every=4, fragments=2, overlap_steps=1)
+  params = {"w": jnp.ones((2, 64, 32)), "b": jnp.ones((2, 40))}
+  replicated = gmjax.diloco(optax.adam(0.1), config, axis_name="learner", shard_outer=False)
+  sharded = gmjax.diloco(optax.adam(0.1), config, axis_name="learner")
+  state = jax.vmap(replicated.init, axis_name="learner")(params)
+  with pytest.raises(ValueError, match=r"state\.(master|outer_state).*shape"):
+    jax.vmap(sharded.update, axis_name="learner")(params, state, params)
+
+
 def test_token_counts_stay_exact_past_2_to_the_24():
   # 2^24 + 1 tokens a step: an F32 count would lose the odd token at once.
   config = gmjax.DiLoCo(sync_every=8)

@@ -5,6 +5,8 @@ pending; it comes back at the parameters' dtype and sharding, inside the learner
 (every learner the same Θ) and outside it (one Θ without the learners' dimension).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,7 @@ from test_transform_fsdp import (LEARNERS, SHARDED, STEPS, _build, _mesh, _place
                                  _stacked)
 
 
+@functools.cache
 def _train(dtype=jnp.float32):
   """``STEPS`` steps on the explicit (learner, fsdp) mesh; ``(setup, mesh, params, state)``."""
   setup, config = _setup("F8_E4M3")
@@ -64,6 +67,25 @@ def test_finish_is_the_reference_anchor_laid_out_as_the_parameters():
   assert not np.allclose(np.asarray(params["w"])[0], outside["w"])
 
 
+def test_finish_outside_the_mesh_context_lays_theta_out_alike():
+  # The arrays carry their explicit mesh: finish needs no `jax.set_mesh` around it.
+  setup, mesh, params, state = _train()
+  theta = gmjax.finish(state, params, learner_axis=0)
+  harness.assert_tree_close(jax.device_get(theta), reference.run(setup, STEPS)["anchor"],
+                            what="Θ")
+  for name, leaf in theta.items():
+    assert leaf.sharding.mesh == mesh, name
+    assert tuple(leaf.sharding.spec)[:1] == (("fsdp",) if SHARDED[name] else (None,)), name
+  # One learner's state and parameters (learner_axis=None), laid out without the
+  # learners' axis.
+  one = jax.tree.map(
+      lambda x: jax.device_put(np.asarray(x)[0], NamedSharding(
+          mesh, P(*tuple(jax.typeof(x).sharding.spec)[1:]))), (state, params))
+  theta = gmjax.finish(*one)
+  for name, leaf in theta.items():
+    np.testing.assert_array_equal(np.asarray(leaf), np.asarray(state.anchor[name])[0])
+
+
 def test_finish_takes_the_parameters_dtype():
   _, mesh, params, state = _train(jnp.bfloat16)
   with jax.set_mesh(mesh):
@@ -77,13 +99,23 @@ def test_finish_names_what_is_wrong():
   optimizer = gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=2, overlap_steps=0))
   params = {"w": jnp.ones(3)}
   state = optimizer.init(params)
-  with pytest.raises(TypeError, match="gmjax.DiLoCoState"):
+  with pytest.raises(TypeError, match=r"gmjax.DiLoCoState.*got tuple.*at state\[1\]"):
     gmjax.finish((optax.EmptyState(), state), params)
+  # Wrapped, e.g. gradient accumulation around gmjax.diloco: the message says where.
+  accumulated = optax.MultiSteps(optimizer, 2).init(params)
+  with pytest.raises(TypeError, match=r"got MultiStepsState.*gmjax.finish\(state"
+                                      r"\.inner_opt_state, params"):
+    gmjax.finish(accumulated, params)
+  with pytest.raises(TypeError, match=r"got dict.*no gmjax.DiLoCoState in it"):
+    gmjax.finish({"count": 1}, params)
   with pytest.raises(ValueError, match=r"params\['w'\] has shape \(4,\)"):
     gmjax.finish(state, {"w": jnp.ones(4)})
   with pytest.raises(ValueError, match="structured"):
     gmjax.finish(state, {"v": jnp.ones(3)})
   with pytest.raises(ValueError, match="learner_axis=1"):
     gmjax.finish(state, params, learner_axis=1)
+  # A bool is an int to Python, but not a dimension: True would take axis 1 of (L, n).
+  with pytest.raises(ValueError, match="learner_axis must be None or an int.*got True"):
+    gmjax.finish(state, params, learner_axis=True)
   theta = gmjax.finish(state, params)
   np.testing.assert_array_equal(theta["w"], params["w"])

@@ -93,8 +93,13 @@ def _status(args: argparse.Namespace) -> int:
   from gmjax.mail.status import format_status  # pylint: disable=g-import-not-at-top
 
   key = args.key
-  if key is None and args.key_env:
-    key = os.environ.get(args.key_env) or None
+  if args.key_env is not None:
+    key = os.environ.get(args.key_env)
+    if not key:
+      raise ValueError(
+          f"--key-env {args.key_env}: the environment variable {args.key_env} is"
+          f" {'not set' if key is None else 'empty'}; export the run's key in it, or"
+          " drop --key-env for a run without a key")
   run = gmjax.mail.open(args.run, key=key)
   problems = gmjax.mail.verify(run, deep=args.verify)
   if args.json:
@@ -128,9 +133,10 @@ def main(argv: list[str] | None = None) -> int:
   status.add_argument("--verify", action="store_true",
                       help="re-read every commit, state and update and check every sha256;"
                       " exit 1 on any problem")
-  status.add_argument("--key", help="the run's key (checks signatures)")
-  status.add_argument("--key-env", metavar="VAR",
-                      help="read the run's key from this environment variable instead")
+  keys = status.add_mutually_exclusive_group()
+  keys.add_argument("--key", help="the run's key (checks signatures)")
+  keys.add_argument("--key-env", metavar="VAR",
+                    help="read the run's key from this environment variable instead")
   status.set_defaults(func=_status)
   args = parser.parse_args(argv)
   try:

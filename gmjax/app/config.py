@@ -80,6 +80,30 @@ _DEFAULTS = {
 }
 
 
+# A value of the right type for each ``[train]`` key, for the messages (quickstart's).
+_EXAMPLES = {
+    "name": "quickstart", "out": "runs/quickstart", "learners": 2, "steps": 240, "seed": 0,
+    "batch_size": 16, "learning_rate": 0.003, "weight_decay": 0.1, "warmup_steps": 20,
+    "eval_every": 40, "eval_batches": 4, "poll_interval": 0.02, "baseline": True,
+    "corpus_bytes": 2000000, "learner_speeds": [1, 1, 0.5, 0.25], "step_ms": 100.0,
+}
+_KINDS = {int: "a whole number", float: "a number", bool: "true or false",
+          str: "a string", list: "a list"}
+
+
+def _toml(value: Any) -> str:
+  """``value`` as a TOML file spells it, for messages: ``true``, ``"64"``, ``[1, 0.5]``."""
+  if isinstance(value, bool):
+    return "true" if value else "false"
+  if isinstance(value, str):
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+  if isinstance(value, (list, tuple)):
+    return "[" + ", ".join(_toml(v) for v in value) + "]"
+  if isinstance(value, dict):
+    return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
+  return repr(value)
+
+
 _TABLES = {
     "train": set(_RUN_KEYS),
     "model": {f.name for f in dataclasses.fields(ModelConfig)},
@@ -153,7 +177,9 @@ def _model(raw: dict[str, Any]) -> ModelConfig:
   """The ``[model]`` table as a ``ModelConfig``; raises ValueError naming a bad value."""
   for key, value in raw.items():
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise ValueError(f"config [model] {key} = {value!r} must be a positive int")
+      example = getattr(ModelConfig(), key, 1)
+      raise ValueError(f"config [model] {key} = {_toml(value)} must be a positive whole"
+                       f" number; e.g. {key} = {example}")
   model = ModelConfig(**raw)
   if model.vocab < data.VOCAB:
     raise ValueError(f"config [model] vocab = {model.vocab} is too small for the demo"
@@ -243,12 +269,16 @@ def load(path: str | Path) -> TrainConfig:
     kind = _RUN_KEYS[key]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
       value = float(value)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-      raise ValueError(f"config [train] {key} = {value!r} must be a {kind.__name__}")
+    if not isinstance(value, kind) or (kind in (int, float) and isinstance(value, bool)):
+      raise ValueError(
+          f"config [train] {key} = {_toml(value)} must be {_KINDS[kind]}; e.g."
+          f" {key} = {_toml(_EXAMPLES[key])}")
     train[key] = value
-  missing = sorted(k for k in ("learners", "steps", "batch_size", "learning_rate") if k not in train)
+  missing = [k for k in ("learners", "steps", "batch_size", "learning_rate") if k not in train]
   if missing:
-    raise ValueError(f"config [train] lacks {missing}")
+    raise ValueError(
+        f"config [train] lacks {', '.join(missing)}; set {'it' if len(missing) == 1 else 'them'},"
+        f" e.g. {'; '.join(f'{k} = {_toml(_EXAMPLES[k])}' for k in missing)}")
   _check_train(train)
   model_fields = _TABLES["model"]
   bad = sorted(set(raw.get("model", {})) - model_fields)

@@ -136,6 +136,17 @@ def _running(run) -> list[str]:
           and _alive(record.pid)]
 
 
+def _check_out(out: Path) -> None:
+  """Raises FileExistsError if ``out``, or a folder it would be made in, is a file."""
+  for place in (out, *out.parents):
+    if place.exists():
+      if place.is_dir():
+        return
+      raise FileExistsError(
+          f"the output folder {out} (--out, or the config's [train] out): {place} is a"
+          " file; pass a folder for the run and its metrics (a missing one is created)")
+
+
 def _resume_point(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
                   schema: gmjax.Schema) -> int:
   """The global step the run in ``run_dir`` reached (its newest committed round's), once
@@ -257,7 +268,8 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
   Args:
     cfg: the job's config.
     show_progress: progress bars.
-    force: delete a run already in ``<out>/run`` and train anew.
+    force: delete a run already in ``<out>/run`` and train anew (not one whose
+      learners still run on this host).
     resume: continue the run in ``<out>/run``, started with this very config: its
       learners rejoin it at the step of its newest committed round (steps trained past
       it are lost with the stopped processes; the inner optimizer's moments start again,
@@ -267,10 +279,12 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
 
   Raises:
     FileExistsError: ``<out>/run`` holds a run already and neither ``force`` nor
-      ``resume`` is set (a run is never deleted unless asked).
+      ``resume`` is set (a run is never deleted unless asked); ``<out>``, or a folder
+      it would be made in, is a file.
     FileNotFoundError: ``resume`` without a run in ``<out>/run``; the corpus is missing.
     ValueError: ``force`` with ``resume``; ``resume`` with a config other than the
-      run's (the differing settings named), or while its learners still run; a config
+      run's (the differing settings named); ``resume`` or ``force`` while the run's
+      learners still run on this host; a config
       the corpus or the model cannot train with.
   """
   if force and resume:
@@ -278,6 +292,7 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
                      " pass one of them")
   out = Path(cfg.out)
   run_dir = out / "run"
+  _check_out(out)
   config_lib.check_data(cfg)
   _, params = model.build(cfg.model, seed=cfg.seed)
   schema = cfg.diloco.cut(gmjax.Schema.from_tree(params))
@@ -291,6 +306,15 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
         raise FileExistsError(
             f"{run_dir} holds a run already; pass --resume to continue it, --out DIR to"
             " train elsewhere, or --force to delete that run and train anew")
+      # Deleted under live learners, the run would be recreated around them: they
+      # would write into the new run and the new learners could not join under their
+      # names.
+      running = _running(gmjax.mail.open(str(run_dir))) if (
+          run_dir / layout.MANIFEST).is_file() else []
+      if running:
+        raise ValueError(
+            f"--force: learners of the run in {run_dir} are still running:"
+            f" {', '.join(running)}; stop that gmjax train first")
       print(f"gmjax train: --force: deleting the previous run in {run_dir}")
       shutil.rmtree(run_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -140,6 +140,41 @@ def _check_params(params: Any, anchor: Any) -> None:
       " they are now.")
 
 
+def _check_updates(updates: Any, params: Any) -> None:
+  """Raises unless ``updates`` (the gradients) have the structure and shapes of
+  ``params``: the inner optimizer and the step combine them leaf by leaf."""
+  found = structure.mismatch(updates, params)
+  if found is None:
+    return
+  kind, path, got, want = found
+  if kind == "structure":
+    raise ValueError(
+        f"gmjax.diloco: update got updates structured as {got} but params as {want};"
+        " pass the gradients of these params, structured like them:"
+        " update(grads, state, params).")
+  raise ValueError(
+      f"gmjax.diloco: update got updates{path} of shape {got} but params{path} {want};"
+      " pass the gradients of these params, shaped like them:"
+      " update(grads, state, params).")
+
+
+def _check_state(state: Any, expected: Any) -> None:
+  """Raises unless ``state`` is laid out as ``expected``, what ``init`` builds for the
+  parameters now (shapes only, so that no layout or dtype detail of a restored
+  checkpoint counts)."""
+  found = structure.state_mismatch(state, expected)
+  if found is None:
+    return
+  path, got, want = found
+  raise ValueError(
+      f"gmjax.diloco: update got a state whose state{path} is {got}, where this"
+      f" optimizer's init builds {want}: the state was built for another configuration"
+      " (fragments, layer_axis, error_feedback, commit_precision, outer_delay, the outer"
+      " optimizer, shard_outer, the learners' count, the inner optimizer); build it with"
+      " this optimizer's init, or, for a checkpoint, restore it with the config it was"
+      " saved with.")
+
+
 def _unbatched(count: jax.Array, dropped: jax.Array,
                axis_name: Any) -> tuple[jax.Array, jax.Array]:
   """The step count, and whether a learner's step is dropped, as values ``lax.cond``
@@ -269,8 +304,10 @@ def diloco(
       ``config.outer`` other than ``"custom"``, or ``"custom"`` without ``outer``; a
       sharded outer step with an outer optimizer that is not elementwise (pass
       ``shard_outer=False``), or with ``init`` outside the mapped axis; ``update``
-      without params, or with ``tokens`` that is not one number, or, when static, not
-      a non-negative whole number below 2^31.
+      without params, with params or updates unlike the state's or each other's
+      shapes, with a state that ``init`` would lay out otherwise for these params
+      (built under another configuration), or with ``tokens`` that is not one number,
+      or, when static, not a non-negative whole number below 2^31.
     TypeError: ``config`` is not a ``gmjax.DiLoCo``, or ``inner``/``outer`` not a
       transformation.
 
@@ -340,9 +377,11 @@ def diloco(
           " update(grads, state, params)."
       )
     _check_params(params, state.anchor)
+    _check_updates(updates, params)
     if axis_name is not None and not sharded:
       _axis_size(axis_name, "update", sharded)  # the learners' axis must be bound
-    layout = layout_of(params, "update")
+    layout = layout_of(params, "update")  # checks that the learners' axis is bound
+    _check_state(state, jax.eval_shape(init_fn, params))
     step_tokens, bad_tokens = token_counts.step_tokens(tokens)
     learner = lax.axis_index(axis_name) if sharded else None
     # The inner step takes each learner's own parameters, where its gradients were

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from gmjax.transform import explicit, structure
 from gmjax.transform.state import DiLoCoState
@@ -37,9 +38,13 @@ def finish(state: DiLoCoState, params: Any, *, learner_axis: int | None = None) 
     dimension, laid out as ``params`` without the learners' mesh axis (replicated over
     it, still split over the others, e.g. FSDP).
 
+  Parameters placed on an explicit mesh carry it: no ``jax.set_mesh`` is needed around
+  the call.
+
   Args:
-    state: the ``gmjax.DiLoCoState`` of the run, as ``update`` returned it (for a chained
-      optimizer, the ``DiLoCoState`` inside the chain's state).
+    state: the ``gmjax.DiLoCoState`` of the run, as ``update`` returned it (for
+      ``gmjax.diloco`` inside a chain or ``optax.MultiSteps``, the ``DiLoCoState``
+      inside their state).
     params: the learner's parameters (stacked with ``learner_axis``); Θ takes their
       dtypes and, on an explicit mesh or for arrays placed with a ``NamedSharding``,
       their sharding.
@@ -50,7 +55,8 @@ def finish(state: DiLoCoState, params: Any, *, learner_axis: int | None = None) 
     Θ, a pytree like ``params`` (without the learners' dimension with ``learner_axis``).
 
   Raises:
-    TypeError: ``state`` is not a ``gmjax.DiLoCoState``.
+    TypeError: ``state`` is not a ``gmjax.DiLoCoState`` (the message names where one
+      lies in it, e.g. ``state.inner_opt_state`` of ``optax.MultiSteps``).
     ValueError: ``params`` is not structured or shaped like the state's anchor.
 
   Example:
@@ -70,10 +76,7 @@ def finish(state: DiLoCoState, params: Any, *, learner_axis: int | None = None) 
     (2,)
   """
   if not isinstance(state, DiLoCoState):
-    raise TypeError(
-        f"gmjax.finish: state must be the gmjax.DiLoCoState of gmjax.diloco, got"
-        f" {type(state).__name__}; for a chained optimizer pass the DiLoCoState inside"
-        " the chain's state (e.g. state[1] of optax.chain(clip, gmjax.diloco(...))).")
+    raise TypeError(_not_a_state(state))
   anchor = state.anchor
   found = structure.mismatch(params, anchor)
   if found is not None and found[0] == "structure":
@@ -86,11 +89,52 @@ def finish(state: DiLoCoState, params: Any, *, learner_axis: int | None = None) 
         f"gmjax.finish: params{path} has shape {got} but the state's anchor {want}; pass"
         " the parameters the optimizer was updating"
         + (", stacked like the state" if learner_axis is not None else "") + ".")
-  if learner_axis is not None and not isinstance(learner_axis, int):
+  if learner_axis is not None and (not isinstance(learner_axis, int)
+                                   or isinstance(learner_axis, bool)):
     raise ValueError(
         f"gmjax.finish: learner_axis must be None or an int (the dimension the learners"
         f" are stacked on), got {learner_axis!r}.")
-  return jax.tree.map(lambda a, p: _one(a, p, learner_axis), anchor, params)
+  with _their_mesh(params):
+    return jax.tree.map(lambda a, p: _one(a, p, learner_axis), anchor, params)
+
+
+def _not_a_state(state: Any) -> str:
+  """The message for a ``state`` that is not a ``DiLoCoState``: where one lies in it."""
+  is_state = lambda x: isinstance(x, DiLoCoState)
+  found = [jax.tree_util.keystr(path) for path, leaf in
+           jax.tree_util.tree_flatten_with_path(state, is_leaf=is_state)[0]
+           if is_state(leaf)]
+  head = (f"gmjax.finish: state must be the gmjax.DiLoCoState of gmjax.diloco, got"
+          f" {type(state).__name__}")
+  if len(found) == 1:
+    return (f"{head}, which holds one at state{found[0]} (gmjax.diloco inside another"
+            f" optax transformation): call gmjax.finish(state{found[0]}, params).")
+  if found:
+    return (f"{head}, which holds several, at {['state' + p for p in found]}: pass the"
+            " one of the run whose params these are.")
+  return (f"{head}, with no gmjax.DiLoCoState in it; pass the optimizer state that"
+          " gmjax.diloco's update returned (for optax.chain(clip, gmjax.diloco(...)),"
+          " state[1]).")
+
+
+def _their_mesh(params: Any) -> contextlib.AbstractContextManager:
+  """The explicit mesh ``params`` lie on, set for Θ's layout where no mesh is set.
+
+  Laying Θ out on an explicit mesh (``auto_axes``, ``reshard``) needs the mesh in
+  context; arrays placed on one carry it in their type, so ``finish`` works outside
+  ``jax.set_mesh`` too.
+  """
+  if not jax.sharding.get_abstract_mesh().empty:
+    return contextlib.nullcontext()
+  for leaf in jax.tree.leaves(params):
+    mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
+    if mesh is None or mesh.empty or AxisType.Explicit not in tuple(mesh.axis_types):
+      continue
+    concrete = getattr(leaf, "sharding", None)
+    if isinstance(concrete, NamedSharding) and not isinstance(leaf, jax.core.Tracer):
+      return jax.set_mesh(concrete.mesh)
+    return jax.sharding.use_abstract_mesh(mesh)
+  return contextlib.nullcontext()
 
 
 def _one(theta: jax.Array, param: jax.Array, learner_axis: int | None) -> jax.Array:

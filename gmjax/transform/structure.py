@@ -43,6 +43,36 @@ def mismatch(params: Any, anchor: Any) -> tuple[str, str, tuple, tuple] | None:
   return None
 
 
+def state_mismatch(state: Any, expected: Any) -> tuple[str, str, str] | None:
+  """Where ``state`` differs from ``expected`` (what ``init`` builds for the parameters
+  now), or None if it does not.
+
+  Returns ``(path, got, want)`` for the first leaf in flattening order whose path,
+  kind (``optax.MaskedNode`` for a part the configuration leaves out) or shape differs,
+  ``path`` as ``jax.tree_util.keystr`` writes it, for the callers' messages.
+  """
+  is_masked = lambda x: isinstance(x, optax.MaskedNode)
+  describe = lambda x: "optax.MaskedNode()" if is_masked(x) else f"shape {jnp.shape(x)}"
+  got = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_masked)[0]
+  want = jax.tree_util.tree_flatten_with_path(expected, is_leaf=is_masked)[0]
+  for (got_path, g), (want_path, w) in zip(got, want):
+    if got_path != want_path:
+      return (jax.tree_util.keystr(got_path), describe(g),
+              f"{describe(w)} at state{jax.tree_util.keystr(want_path)}")
+    if is_masked(g) != is_masked(w) or (not is_masked(g) and jnp.shape(g) != jnp.shape(w)):
+      return jax.tree_util.keystr(got_path), describe(g), describe(w)
+  if len(got) != len(want):
+    longer, other = (got, "nothing") if len(got) > len(want) else (want, None)
+    path, leaf = longer[min(len(got), len(want))]
+    if other is None:
+      return "", f"{len(got)} leaves", f"{len(want)} leaves, up to state{jax.tree_util.keystr(path)}"
+    return jax.tree_util.keystr(path), describe(leaf), other
+  if jax.tree.structure(state, is_leaf=is_masked) != jax.tree.structure(expected,
+                                                                        is_leaf=is_masked):
+    return "", str(jax.tree.structure(state)), str(jax.tree.structure(expected))
+  return None
+
+
 def sync_table(schedule: RoundSchedule) -> np.ndarray:
   """``table[t mod H]``: 1 + the fragment that syncs at global step ``t``, or 0."""
   table = np.zeros(schedule.sync_every, np.int32)

@@ -9,6 +9,7 @@ them and logs a warning.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -100,7 +101,7 @@ class LocalStore(Store):
     target = self._path(path)
     if os.path.isdir(target):
       raise FileNotFoundError(target)
-    with open(target, "rb") as f:
+    with _absent_under_a_file(target), open(target, "rb") as f:
       return f.read()
 
   def _get_hashed(self, path: str, digest: Any) -> bytes:
@@ -108,7 +109,7 @@ class LocalStore(Store):
     if os.path.isdir(target):
       raise FileNotFoundError(target)
     chunks = []
-    with open(target, "rb") as f:
+    with _absent_under_a_file(target), open(target, "rb") as f:
       while chunk := f.read(_CHUNK):
         digest.update(chunk)
         chunks.append(chunk)
@@ -119,7 +120,8 @@ class LocalStore(Store):
     try:
       # O_NONBLOCK: opening a FIFO must not wait for a writer; O_NOFOLLOW: the store
       # writes no links, so a link here (to /dev/zero, say) was planted.
-      fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+      with _absent_under_a_file(target):
+        fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError as error:
       if error.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
         raise BadObject(path, f"is not a regular file ({error.strerror})") from None
@@ -141,7 +143,9 @@ class LocalStore(Store):
     return data
 
   def _size(self, path: str) -> int:
-    return os.stat(self._path(path)).st_size
+    target = self._path(path)
+    with _absent_under_a_file(target):
+      return os.stat(target).st_size
 
   def _list(self, prefix: str) -> list[str]:
     try:
@@ -181,6 +185,20 @@ class LocalStore(Store):
       shutil.rmtree(target, ignore_errors=True)
     else:
       _unlink_quietly(target)
+
+
+@contextlib.contextmanager
+def _absent_under_a_file(target: str):
+  """Raises FileNotFoundError where reading ``target`` finds a file among its folders.
+
+  Nothing is stored under a file: a run URL that names one (a config passed as the run)
+  holds no run, as a missing folder holds none, and callers that handle a missing
+  object (``RunNotFound``: "no run at ...") handle it.
+  """
+  try:
+    yield
+  except NotADirectoryError:
+    raise FileNotFoundError(errno.ENOENT, "a file is on its path", target) from None
 
 
 def _unlink_quietly(path: str) -> None:
