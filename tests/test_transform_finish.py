@@ -119,3 +119,13 @@ def test_finish_names_what_is_wrong():
     gmjax.finish(state, params, learner_axis=True)
   theta = gmjax.finish(state, params)
   np.testing.assert_array_equal(theta["w"], params["w"])
+
+
+def test_finish_takes_a_numpy_integer_axis():
+  # An axis read from an array's shape or a config (np.int64) is a dimension too.
+  optimizer = gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=2, overlap_steps=0))
+  stacked = {"w": jnp.arange(6.0).reshape(2, 3)}
+  state = jax.vmap(optimizer.init)(stacked)
+  for axis in (np.int64(0), np.int32(-2)):
+    theta = gmjax.finish(state, stacked, learner_axis=axis)
+    np.testing.assert_array_equal(theta["w"], stacked["w"][0])

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from gmjax.transform import explicit, structure
@@ -89,11 +91,14 @@ def finish(state: DiLoCoState, params: Any, *, learner_axis: int | None = None) 
         f"gmjax.finish: params{path} has shape {got} but the state's anchor {want}; pass"
         " the parameters the optimizer was updating"
         + (", stacked like the state" if learner_axis is not None else "") + ".")
-  if learner_axis is not None and (not isinstance(learner_axis, int)
-                                   or isinstance(learner_axis, bool)):
-    raise ValueError(
-        f"gmjax.finish: learner_axis must be None or an int (the dimension the learners"
-        f" are stacked on), got {learner_axis!r}.")
+  if learner_axis is not None:
+    # Any integer (np.int64 from a shape or a config too), but not a bool: True would
+    # take axis 1.
+    if isinstance(learner_axis, (bool, np.bool_)) or not hasattr(learner_axis, "__index__"):
+      raise ValueError(
+          f"gmjax.finish: learner_axis must be None or an int (the dimension the learners"
+          f" are stacked on), got {learner_axis!r}.")
+    learner_axis = operator.index(learner_axis)
   with _their_mesh(params):
     return jax.tree.map(lambda a, p: _one(a, p, learner_axis), anchor, params)
 
