@@ -214,6 +214,24 @@ def test_status_reads_the_key_from_the_named_variable_or_names_it(tmp_path, caps
   assert exit_.value.code == 2 and "not allowed with" in capsys.readouterr().err
 
 
+def test_status_of_unreachable_storage_says_so_in_one_line(capsys, monkeypatch):
+  import socket  # pylint: disable=g-import-not-at-top
+
+  from gmjax.app import cli  # pylint: disable=g-import-not-at-top
+
+  with socket.socket() as s:  # a port nothing listens on: every request is refused
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
+  assert cli.main(["status", "gs://gmjax-nowhere/run", "--retry-seconds", "1"]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("gmjax status: the storage at gs://gmjax-nowhere/run did not answer"
+                        " within 1 s"), err
+  assert "--retry-seconds" in err and "Traceback" not in err and err.count("\n") == 1, err
+  assert cli.main(["status", "gs://gmjax-nowhere/run", "--retry-seconds", "0"]) == 2
+  assert "--retry-seconds 0: must be a positive number" in capsys.readouterr().err
+
+
 def _train_cli(*args, timeout=280):
   return subprocess.run([sys.executable, "-m", "gmjax.app.cli", "train", *map(str, args)],
                         capture_output=True, text=True, timeout=timeout, check=False)

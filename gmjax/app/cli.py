@@ -88,6 +88,10 @@ def _train(args: argparse.Namespace) -> int:
   return 0
 
 
+class _Unavailable(Exception):
+  """The run's storage did not answer in time: one line for the user."""
+
+
 def _status(args: argparse.Namespace) -> int:
   import gmjax  # pylint: disable=g-import-not-at-top
   from gmjax.mail.status import format_status  # pylint: disable=g-import-not-at-top
@@ -100,7 +104,19 @@ def _status(args: argparse.Namespace) -> int:
           f"--key-env {args.key_env}: the environment variable {args.key_env} is"
           f" {'not set' if key is None else 'empty'}; export the run's key in it, or"
           " drop --key-env for a run without a key")
-  run = gmjax.mail.open(args.run, key=key)
+  if not 0 < args.retry_seconds < float("inf"):
+    raise ValueError(f"--retry-seconds {args.retry_seconds:g}: must be a positive number of"
+                     " seconds, e.g. --retry-seconds 30")
+  try:
+    run = gmjax.mail.open(args.run, key=key, retry_seconds=args.retry_seconds)
+  except gmjax.mail.StorageUnavailable as error:
+    cause = error.__cause__ or error
+    said = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+    raise _Unavailable(
+        f"the storage at {args.run} did not answer within {args.retry_seconds:g} s"
+        f" ({said}); check the URL, the credentials and the"
+        " network (or STORAGE_EMULATOR_HOST), or wait longer with --retry-seconds"
+    ) from error
   problems = gmjax.mail.verify(run, deep=args.verify)
   if args.json:
     print(json.dumps({"status": run.status(), "rounds": [r.to_json() for r in run.rounds()], "problems": problems},
@@ -130,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
   status = commands.add_parser("status", help="print a run's rounds and learners")
   status.add_argument("run", help="the run's URL or directory")
   status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+  status.add_argument("--retry-seconds", type=float, default=30.0, metavar="S",
+                      help="how long to retry a storage that does not answer (30 s)")
   status.add_argument("--verify", action="store_true",
                       help="re-read every commit, state and update and check every sha256;"
                       " exit 1 on any problem")
@@ -142,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
   try:
     return args.func(args)
   except (FileNotFoundError, FileExistsError, ValueError, PermissionError,
-          MissingExtra) as error:
+          MissingExtra, _Unavailable) as error:
     print(f"gmjax {args.command}: {error}", file=sys.stderr)
     return 2
   except BrokenPipeError:
