@@ -212,6 +212,19 @@ def test_status_reads_the_key_from_the_named_variable_or_names_it(tmp_path, caps
   with pytest.raises(SystemExit) as exit_:  # one way to give the key, not two
     cli.main(["status", run, "--key", key, "--key-env", "GMJAX_TEST_KEY"])
   assert exit_.value.code == 2 and "not allowed with" in capsys.readouterr().err
+  # A key missing, wrong or given to an unsigned run: named as the command line gives it.
+  assert cli.main(["status", run]) == 2
+  assert capsys.readouterr().err == (
+      f"gmjax status: run {run} is signed: give its key with --key KEY or --key-env VAR\n")
+  assert cli.main(["status", run, "--key", "x" * 32]) == 2
+  assert capsys.readouterr().err == (
+      f"gmjax status: run {run} is signed with another key than --key gives\n")
+  unsigned = str(tmp_path / "unsigned")
+  gmjax.mail.create(unsigned, {"w": jnp.ones(4)}, gmjax.DiLoCo(sync_every=2))
+  assert cli.main(["status", unsigned, "--key-env", "GMJAX_TEST_KEY"]) == 2
+  assert capsys.readouterr().err == (
+      f"gmjax status: run {unsigned} was created without a key: drop --key-env"
+      " GMJAX_TEST_KEY\n")
 
 
 def test_status_of_unreachable_storage_says_so_in_one_line(capsys, monkeypatch):

@@ -109,6 +109,14 @@ def _status(args: argparse.Namespace) -> int:
                      " seconds, e.g. --retry-seconds 30")
   try:
     run = gmjax.mail.open(args.run, key=key, retry_seconds=args.retry_seconds)
+  except gmjax.mail.AuthenticationError as error:
+    flag = "--key" if args.key is not None else f"--key-env {args.key_env}"
+    fixes = {"unexpected": f"was created without a key: drop {flag}",
+             "missing": "is signed: give its key with --key KEY or --key-env VAR",
+             "wrong": f"is signed with another key than {flag} gives"}
+    if error.key not in fixes:
+      raise
+    raise PermissionError(f"run {args.run} {fixes[error.key]}") from error
   except gmjax.mail.StorageUnavailable as error:
     cause = error.__cause__ or error
     said = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__

@@ -30,7 +30,17 @@ class ContributionRejected(ValueError):
 
 
 class AuthenticationError(PermissionError):
-  """The run's key is missing or wrong, or a signed record does not verify."""
+  """The run's key is missing or wrong, or a signed record does not verify.
+
+  Attributes:
+    key: for a key given to an unsigned run, ``"unexpected"``; not given for a signed
+      run, ``"missing"``; not the run's, ``"wrong"``; else None (a record or the
+      manifest does not verify). Front ends name their own way of giving the key.
+  """
+
+  def __init__(self, message: str, *, key: str | None = None):
+    super().__init__(message)
+    self.key = key
 
 
 class CorruptRecord(ValueError):

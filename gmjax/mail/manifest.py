@@ -127,17 +127,15 @@ class Manifest:
       if key is not None:
         raise AuthenticationError(
             f"run {url!r} was created without a key, but key= was given; open it"
-            " without key=."
-        )
+            " without key=.", key="unexpected")
       return
     if key is None:
       raise AuthenticationError(
           f"run {url!r} is signed with"
           f" {self.auth.get('scheme') if isinstance(self.auth, dict) else 'a key'};"
-          " pass its key with key=."
-      )
+          " pass its key with key=.", key="missing")
     if not self.key_matches(key):
-      raise AuthenticationError(f"key= is not the key of run {url!r}.")
+      raise AuthenticationError(f"key= is not the key of run {url!r}.", key="wrong")
     self.check_signature(key, url)
 
   def key_matches(self, key: bytes) -> bool:
