@@ -114,3 +114,23 @@ def test_memory_run_with_jax_arrays():
   learner.close(pulled)
   assert [r.round for r in run.rounds()] == [0, 1]
   assert run.learners()["solo"].status == "closed"
+
+
+@pytest.mark.parametrize("loss", [np.ones(3, np.float32), "0.5", [0.5]])
+def test_a_loss_that_is_not_a_number_is_refused_before_the_step_counts(loss):
+  url = f"memory://create-loss-{os.getpid()}-{type(loss).__name__}"
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  learner = run.join("solo", poll_interval=0.01)
+  params = learner.pull(ms.params0())
+  params = learner.step(params, loss=1.0)
+  # The step that would publish round 0: refused whole, before it counts or publishes.
+  with pytest.raises(ValueError, match=r"loss must be None or a real number, got .*pass one number"):
+    learner.step(params, loss=loss)
+  assert (learner.step_count, learner.local_step) == (1, 1)
+  assert run.rounds() == []
+  params = learner.step(params, loss=jnp.float32(0.25))  # a scalar array is a number
+  assert learner.step_count == 2
+  learner.close(params)
+  assert [r.round for r in run.rounds()] == [0]
+  assert [p.steps for p in run.rounds()[0].participants] == [2]
+  assert run.learners()["solo"].loss == 0.25

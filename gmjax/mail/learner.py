@@ -37,6 +37,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from gmjax.core import guards
 from gmjax.core.schema import Schema
 from gmjax.mail import delayed
 from gmjax.mail import heartbeats
@@ -374,6 +375,7 @@ class Learner(Rounds):
                              restore_checked=self._restore_checked)
     if tokens is not None and (isinstance(tokens, bool) or int(tokens) != tokens or tokens < 0):
       raise ValueError(f"tokens must be a non-negative int or None, got {tokens!r}.")
+    loss = _loss_value(loss)
     # A step's seconds run from the last step() to this one, and after a step() that
     # published or merged a round only from its end: never the time step() waits for a
     # round to close, which the slowest learner sets and which, counted, would lengthen
@@ -419,7 +421,7 @@ class Learner(Rounds):
         self.step_count = min(self.step_count, self.schedule.step_of(round_) - 1)
     if self._state_dir is not None and self._applied != applied:
       self._save(state, position)
-    self._beat(step=self.step_count, **({} if loss is None else {"loss": float(loss)}))
+    self._beat(step=self.step_count, **({} if loss is None else {"loss": loss}))
     self._last_step_end = time.perf_counter()
     return self._tree_schema.unflatten(flat)
 
@@ -487,3 +489,25 @@ class Learner(Rounds):
 
   def __repr__(self) -> str:
     return f"Learner({self.name!r}, step={self.step_count}, versions={self._versions})"
+
+
+def _loss_value(loss: Any) -> float | None:
+  """``step``'s ``loss`` as a float, checked before the step counts or publishes.
+
+  Raises:
+    ValueError: ``loss`` is not None nor one real number (a Python number or a 0-d
+      numpy or jax array).
+  """
+  if loss is None:
+    return None
+  shape = np.shape(loss) if not isinstance(loss, (str, bytes)) else None
+  if shape == ():
+    try:
+      return float(loss)
+    except (TypeError, ValueError):
+      pass
+  described = (f"{type(loss).__name__} of shape {shape}" if shape
+               else f"{type(loss).__name__} {guards.quote(loss)}")
+  raise ValueError(
+      f"step(loss=...): loss must be None or a real number, got {described}; pass one"
+      " number for the step (e.g. float(losses.mean()) for per-example losses).")
