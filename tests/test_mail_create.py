@@ -124,7 +124,8 @@ def test_a_loss_that_is_not_a_number_is_refused_before_the_step_counts(loss):
   params = learner.pull(ms.params0())
   params = learner.step(params, loss=1.0)
   # The step that would publish round 0: refused whole, before it counts or publishes.
-  with pytest.raises(ValueError, match=r"loss must be None or a real number, got .*pass one number"):
+  with pytest.raises(ValueError,
+                     match=r"loss must be None or a real number, got .*pass one number"):
     learner.step(params, loss=loss)
   assert (learner.step_count, learner.local_step) == (1, 1)
   assert run.rounds() == []
