@@ -312,3 +312,30 @@ def test_a_save_counts_the_rounds_in_flight(tmp_path):
   assert counters.versions == {0: 1, 1: 0}
   _assert_bits_equal(state, given[3])
   learner.close(params)
+
+
+@pytest.mark.timeout(120)
+def test_restore_refuses_a_like_that_is_not_shaped_like_the_save(tmp_path):
+  url, state_dir = str(tmp_path / "run"), tmp_path / "state"
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  learner = run.join("a", poll_interval=ms.POLL, state_dir=state_dir)
+  params, given = _train(learner, learner.pull(ms.params0()), 2, 10)
+  learner.close(params)
+
+  learner = run.join("a", poll_interval=ms.POLL, state_dir=state_dir)
+  params = learner.pull(ms.params0())
+  transposed = {"mu": np.zeros((3, 4), np.float32), "count": np.asarray(0, np.int32)}
+  with pytest.raises(ValueError, match=r"restore\(like\).*'mu'.*\(3, 4\).*\(4, 3\)"):
+    learner.restore(transposed)
+  renamed = {"m": np.zeros((4, 3), np.float32), "count": np.asarray(0, np.int32)}
+  with pytest.raises(ValueError, match=r"restore\(like\).*like has 2 leaves \['count'\],"
+                     r" \['m'\]; the save 2 \['count'\], \['mu'\]"):
+    learner.restore(renamed)
+  with pytest.raises(ValueError, match=r"restore\(like\).*like has 1 leaves \['mu'\]; the save 2"):
+    learner.restore({"mu": np.zeros((4, 3), np.float32)})
+  assert (learner.step_count, learner.local_step) == (2, 0)  # nothing taken back yet
+  restored = learner.restore(_state(0))  # the right like still restores the save
+  assert restored.exact and restored.position == {"offset": 12}
+  _assert_bits_equal(restored.state, given[1])
+  assert learner.local_step == 2
+  learner.close(params)

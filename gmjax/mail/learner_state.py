@@ -254,7 +254,7 @@ class StateDir:
 
     meta = {"run": self.run_id, "url": self.run_url, "name": self.name,
             "counters": counters.to_json(), "position": position,
-            "residuals": residuals is not None}
+            "residuals": residuals is not None, "state_leaves": _leaf_shapes(state)}
     items = {"meta": ocp.args.JsonSave(meta)}
     if jax.tree.leaves(state):
       items["state"] = ocp.args.StandardSave(state)
@@ -279,6 +279,8 @@ class StateDir:
       raise FileNotFoundError(f"state_dir={self.path!r} holds no saved state.")
     meta = self._read_meta(step)
     self._check_owner(meta, step)
+    if "state_leaves" in meta:  # saves before it was recorded are not checked
+      self._check_like(like, meta["state_leaves"], step)
     items = {}
     if jax.tree.leaves(like):
       items["state"] = ocp.args.StandardRestore(like)
@@ -299,6 +301,29 @@ class StateDir:
     self._meta = meta
     return SavedCounters.from_json(meta["counters"]), state, meta["position"], residuals
 
+  def _check_like(self, like: Any, saved: list[list[Any]], step: int) -> None:
+    """Raises a ValueError when ``like``'s leaves are not the saved state's (paths, shapes).
+
+    Orbax would restore a numpy leaf at its saved shape whatever ``like`` says, and put
+    the saved leaves into ``like``'s tree in order whatever their names.
+    """
+    given = _leaf_shapes(like)
+    saved = [[path, list(shape)] for path, shape in saved]
+    if given == saved:
+      return
+    if [p for p, _ in given] != [p for p, _ in saved]:
+      problem = (f"like has {len(given)} leaves {_paths(given)}; the save {len(saved)}"
+                 f" {_paths(saved)}")
+    else:
+      problem = "; ".join(
+          f"leaf {path} of like has shape {tuple(shape)}, the save {tuple(other)}"
+          for (path, shape), (_, other) in zip(given, saved) if shape != other)
+    raise ValueError(
+        f"learner {self.name!r}: restore(like): like is not shaped like the state saved in"
+        f" state_dir={self.path!r} at local step {step}: {problem}. Pass a tree like the"
+        " state given to step(..., state=...) (e.g. optimizer.init(params) of the same"
+        " optimizer and parameters), or delete the state_dir to start afresh.")
+
   def close(self) -> None:
     with _LOCK:
       self._manager.close()
@@ -307,3 +332,14 @@ class StateDir:
 def _residual_tree(residuals: dict[int, dict[str, np.ndarray]]) -> dict[str, Any]:
   # Lists in name order: parameter names may hold "/" or ".", which Orbax reads as paths.
   return {f"f{f}": [leaves[n] for n in sorted(leaves)] for f, leaves in residuals.items()}
+
+
+def _leaf_shapes(tree: Any) -> list[list[Any]]:
+  """``[[path, shape], ...]`` of ``tree``'s leaves, in order (JSON, kept in a save)."""
+  return [[jax.tree_util.keystr(path), list(np.shape(leaf))]
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _paths(leaves: list[list[Any]], limit: int = 8) -> str:
+  shown = ", ".join(path for path, _ in leaves[:limit])
+  return shown + (f", ... ({len(leaves) - limit} more)" if len(leaves) > limit else "")
