@@ -2,6 +2,8 @@
 
 import json
 
+import numpy as np
+
 import pytest
 
 import gmjax
@@ -88,3 +90,27 @@ def test_unknown_fields_are_kept_known_ones_are_checked(trained):
   broken = dict(parsed, participants=[{"learner": "w0", "steps": 2}])
   with pytest.raises(mail.CorruptRecord, match="local_step"):
     RoundRecord.from_json(broken)
+
+
+def test_commit_of_a_version_or_fragment_that_is_not_there_says_which(tmp_path):
+  url = f"memory://records-missing-{tmp_path.name}"
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2), keep_versions=2)
+  learner = run.join("w0", poll_interval=0.01)
+  params = learner.pull(ms.params0())
+  for _ in range(6):  # versions 1, 2, 3 commit; keep_versions=2 prunes 0 and 1
+    params = learner.step(ms.inner(params, ms.target(0)))
+  learner.close(params)
+  assert run.commit(0, 3).version == 3
+  with pytest.raises(FileNotFoundError,
+                     match=r"version 7 of fragment 0 is not committed.*2 to 3.*newest"):
+    run.commit(0, 7)
+  with pytest.raises(FileNotFoundError,
+                     match=r"version 0 of fragment 0 is not committed.*keep_versions=2"):
+    run.commit(0, 0)
+  with pytest.raises(ValueError, match=r"fragment=1 .*has 1 fragment"):
+    run.commit(1, 0)
+  with pytest.raises(ValueError, match=r"version=-1 .*non-negative"):
+    run.commit(0, -1)
+  with pytest.raises(TypeError, match=r"fragment must be an int, got str '0'"):
+    run.commit("0", 3)
+  assert run.commit(np.int64(0), np.int64(3)).version == 3  # numpy integers are ints

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import numbers
 import uuid
 from typing import Any
 
 import jax
 
+from gmjax.core import guards
 from gmjax.core.aggregator import DiLoCoAggregator
 from gmjax.core.diloco import CUSTOM, DiLoCo
 from gmjax.core.schedule import Estimates
@@ -26,7 +28,7 @@ from gmjax.mail import layout
 from gmjax.mail import retention
 from gmjax.mail import signing
 from gmjax.mail import states
-from gmjax.mail.commits import NOT_SIGNED, commit_slots
+from gmjax.mail.commits import NOT_SIGNED, DamagedCommit, commit_slots
 from gmjax.mail.errors import AuthenticationError, CorruptRecord, RunExists, RunNotFound
 from gmjax.mail.manifest import Manifest, utc_now
 from gmjax.mail.heartbeats import Heartbeat
@@ -158,11 +160,38 @@ class Run:
     in a keyed run, stays in ``extra``).
 
     Raises:
-      FileNotFoundError: the version is not committed (``DamagedCommit``: its records
-        are all damaged).
+      FileNotFoundError: the version is not committed, or was pruned (the message
+        names the versions kept); ``DamagedCommit``: its records are all damaged.
       CorruptRecord: the record lacks a field or holds one of the wrong type.
+      TypeError: ``fragment`` or ``version`` is not an int.
+      ValueError: ``fragment`` is not one of the run's, or ``version`` is negative.
     """
-    return states.read_commit(self.store, fragment, version, self.signing_key)
+    fragment, version = _integer("fragment", fragment), _integer("version", version)
+    if not 0 <= fragment < len(self.plan):
+      raise ValueError(
+          f"fragment={fragment} is not a fragment of run {self.url!r}: it has"
+          f" {len(self.plan)} fragment(s), 0 to {len(self.plan) - 1}.")
+    if version < 0:
+      raise ValueError(f"version={version} is not a version: versions are non-negative"
+                       " ints, from 0 (the run's start).")
+    try:
+      return states.read_commit(self.store, fragment, version, self.signing_key)
+    except DamagedCommit:
+      raise
+    except FileNotFoundError:
+      pass
+    versions = states.committed_versions(self.store, fragment)
+    kept = (f"{versions[0]} to {versions[-1]}" if len(versions) > 1
+            else str(versions[0]) if versions else "none")
+    if versions and version < versions[0]:
+      why = (f"versions below {versions[0]} were pruned (keep_versions="
+             f"{self.manifest.keep_versions})")
+    else:
+      why = f"the newest is {versions[-1] if versions else None}"
+    raise FileNotFoundError(
+        f"run {self.url!r}: version {version} of fragment {fragment} is not committed"
+        f" (versions on storage: {kept}; {why}); ask for one of those, e.g. the"
+        f" newest, run.newest_versions()[{fragment}].")
 
   def rounds(self) -> list[RoundRecord]:
     """The committed rounds' typed records (``gmjax.mail.RoundRecord``, without their
@@ -239,6 +268,14 @@ class Run:
 
   def __repr__(self) -> str:
     return f"Run({self.url!r}, fragments={len(self.plan)})"
+
+
+def _integer(argument: str, value: Any) -> int:
+  """``value`` as an int (numpy integers included); a TypeError naming ``argument``."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise TypeError(f"{argument} must be an int, got {type(value).__name__}"
+                    f" {guards.quote(value)}.")
+  return int(value)
 
 
 def _key(key):
