@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -339,3 +340,27 @@ def test_restore_refuses_a_like_that_is_not_shaped_like_the_save(tmp_path):
   _assert_bits_equal(restored.state, given[1])
   assert learner.local_step == 2
   learner.close(params)
+
+
+@pytest.mark.timeout(120)
+def test_a_lone_learner_stopped_before_merging_its_own_round_restores_inexactly(
+    tmp_path, caplog):
+  url, state_dir = str(tmp_path / "run"), tmp_path / "state"
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, overlap_steps=1))
+  with pytest.raises(RuntimeError, match="stopped"):
+    with run.join("a", poll_interval=ms.POLL, state_dir=state_dir) as learner:
+      # Round 0 publishes at step 2 and merges at 3 (a save); round 1 publishes at 4.
+      _train(learner, learner.pull(ms.params0()), 4, 10)
+      while run.newest_versions() != {0: 2}:  # round 1 commits, not yet merged
+        time.sleep(0.01)
+      raise RuntimeError("stopped")  # before the step that would merge it
+  assert sorted(n for n in os.listdir(state_dir) if n.isdigit()) == ["3"]
+  learner = run.join("a", poll_interval=ms.POLL, state_dir=state_dir)
+  learner.pull(ms.params0())
+  with caplog.at_level(logging.WARNING, logger="gmjax.mail.learner"):
+    restored = learner.restore(_state(0))
+  # Alone in its run, yet the run moved on past its save: its own round committed.
+  assert not restored.exact and "moved on while it was away" in caplog.text
+  assert restored.position == {"offset": 13}
+  assert (learner.step_count, learner.local_step) == (4, 3)
+  learner.close(None)
