@@ -135,3 +135,24 @@ def test_a_loss_that_is_not_a_number_is_refused_before_the_step_counts(loss):
   assert [r.round for r in run.rounds()] == [0]
   assert [p.steps for p in run.rounds()[0].participants] == [2]
   assert run.learners()["solo"].loss == 0.25
+
+
+@pytest.mark.parametrize("argument,value,error,match", [
+    ("poll_interval", float("inf"), ValueError, r"poll_interval must be a positive, finite"
+     r" number of seconds, got inf"),
+    ("startup_timeout", np.nan, ValueError, r"startup_timeout must be a positive number of"
+     r" seconds, got nan"),
+    ("wait_timeout", "5", TypeError, r"wait_timeout must be None .* got str '5'"),
+    ("process_index", "0", TypeError, r"process_index must be None .* an int, got str '0'"),
+    ("process_count", 1.0, TypeError, r"process_count must be None .* an int, got float"),
+])
+def test_join_refuses_bad_timeouts_and_process_numbers(argument, value, error, match):
+  url = f"memory://create-join-{os.getpid()}-{argument}-{type(value).__name__}"
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  with pytest.raises(error, match=match):
+    run.join("a", **{"poll_interval": 0.01, argument: value})
+  assert run.learners() == {}  # refused before it claimed the name or beat
+  # numpy numbers are numbers; an endless wait is allowed (an endless poll is not).
+  learner = run.join("a", poll_interval=np.float32(0.01), wait_timeout=np.inf,
+                     startup_timeout=np.float64(np.inf))
+  learner.close(learner.pull(ms.params0()))

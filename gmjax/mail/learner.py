@@ -30,6 +30,8 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import math
+import numbers
 import time
 import uuid
 from typing import Any
@@ -80,14 +82,15 @@ class Learner(Rounds):
                wait_timeout: float | None = None, startup_timeout: float = 60.0,
                process_index: int | None = None, process_count: int | None = None,
                state_dir: Any = None):
-    for argument, value in (("poll_interval", poll_interval),
-                            ("startup_timeout", startup_timeout)):
-      if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{argument} must be a positive number of seconds, got {value!r}.")
-    if wait_timeout is not None and not wait_timeout > 0:
-      raise ValueError(f"wait_timeout must be None or positive seconds, got {wait_timeout!r}.")
-    self.process_index = jax.process_index() if process_index is None else process_index
-    self.process_count = jax.process_count() if process_count is None else process_count
+    poll_interval = _seconds("poll_interval", poll_interval, finite=True)
+    startup_timeout = _seconds("startup_timeout", startup_timeout)
+    if wait_timeout is not None:
+      wait_timeout = _seconds("wait_timeout", wait_timeout,
+                              none="None (the run's timeout, at least 120 s) or ")
+    self.process_index = (jax.process_index() if process_index is None
+                          else _process_number("process_index", process_index))
+    self.process_count = (jax.process_count() if process_count is None
+                          else _process_number("process_count", process_count))
     if not 0 <= self.process_index < self.process_count:
       raise ValueError(f"process_index must be in [0, process_count), got"
                        f" {self.process_index} of {self.process_count}.")
@@ -511,3 +514,40 @@ def _loss_value(loss: Any) -> float | None:
   raise ValueError(
       f"step(loss=...): loss must be None or a real number, got {described}; pass one"
       " number for the step (e.g. float(losses.mean()) for per-example losses).")
+
+
+def _seconds(argument: str, value: Any, *, finite: bool = False, none: str = "") -> float:
+  """``value`` as positive seconds (numpy numbers included), for ``join``.
+
+  Args:
+    argument: the argument's name, for the message.
+    value: what was passed.
+    finite: refuse infinity too (a poll interval times queue waits, which overflow).
+    none: how the message says None is allowed, if it is.
+
+  Returns:
+    ``value`` as a float.
+
+  Raises:
+    TypeError: ``value`` is a str.
+    ValueError: ``value`` is not a positive number (or, with ``finite``, is infinite).
+  """
+  what = f"{argument} must be {none}a positive{', finite' if finite else ''} number of seconds"
+  if isinstance(value, (str, bytes)):
+    raise TypeError(f"{what}, got {type(value).__name__} {guards.quote(value)}; pass a"
+                    " number.")
+  good = (not isinstance(value, bool) and isinstance(value, numbers.Real)
+          and float(value) > 0 and not (finite and math.isinf(float(value))))
+  if not good:
+    raise ValueError(f"{what}, got {guards.quote(value)}; pass e.g. {argument}="
+                     f"{'0.05' if argument == 'poll_interval' else '60.0'}.")
+  return float(value)
+
+
+def _process_number(argument: str, value: Any) -> int:
+  """``value`` as an int (numpy integers included), for ``join``'s process numbers."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise TypeError(
+        f"{argument} must be None (from jax) or an int, got {type(value).__name__}"
+        f" {guards.quote(value)}; pass jax.process_index() / jax.process_count().")
+  return int(value)

@@ -97,7 +97,8 @@ class Run:
       A ``Learner``: call ``pull(params)`` first.
 
     Raises:
-      ValueError/TypeError: a bad name, poll interval, timeout or state_dir.
+      ValueError/TypeError: a bad name, poll interval (positive, finite seconds),
+        timeout (positive seconds), process index or count (ints), or state_dir.
       NameTaken: a live learner of the run has this name.
       StateDirMismatch: ``state_dir`` holds another run's or another learner's state.
 
