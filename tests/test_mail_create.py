@@ -156,3 +156,19 @@ def test_join_refuses_bad_timeouts_and_process_numbers(argument, value, error, m
   learner = run.join("a", poll_interval=np.float32(0.01), wait_timeout=np.inf,
                      startup_timeout=np.float64(np.inf))
   learner.close(learner.pull(ms.params0()))
+
+
+@pytest.mark.parametrize("tokens", [np.array([3, 4]), object(), float("nan"), float("inf"),
+                                    -1, 2.5, True])
+def test_tokens_that_are_not_a_count_are_refused_naming_tokens(tokens):
+  url = f"memory://create-tokens-{os.getpid()}-{type(tokens).__name__}-{tokens!s:.8}"
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  learner = run.join("solo", poll_interval=0.01)
+  params = learner.pull(ms.params0())
+  with pytest.raises(ValueError, match=r"tokens must be a non-negative int or None, got"):
+    learner.step(params, tokens=tokens)
+  assert (learner.step_count, learner.local_step) == (0, 0)
+  for count in (np.int64(3), jnp.asarray(5), 7.0):  # integers in any form count
+    params = learner.step(params, tokens=count)
+  learner.close(params)
+  assert [[p.tokens for p in r.participants] for r in run.rounds()] == [[8], [7]]

@@ -376,8 +376,7 @@ class Learner(Rounds):
       raise ValueError(f"learner {self.name!r}: call pull(params) before step().")
     learner_state.check_step(self._state_dir, self.name, state, position,
                              restore_checked=self._restore_checked)
-    if tokens is not None and (isinstance(tokens, bool) or int(tokens) != tokens or tokens < 0):
-      raise ValueError(f"tokens must be a non-negative int or None, got {tokens!r}.")
+    tokens = _tokens_value(tokens)
     loss = _loss_value(loss)
     # A step's seconds run from the last step() to this one, and after a step() that
     # published or merged a round only from its end: never the time step() waits for a
@@ -492,6 +491,30 @@ class Learner(Rounds):
 
   def __repr__(self) -> str:
     return f"Learner({self.name!r}, step={self.step_count}, versions={self._versions})"
+
+
+def _tokens_value(tokens: Any) -> int | None:
+  """``step``'s ``tokens`` as an int, checked before the step counts.
+
+  Raises:
+    ValueError: ``tokens`` is not None nor a non-negative integer (an int, a float with
+      no fraction, a numpy integer or a 0-d array of one).
+  """
+  if tokens is None:
+    return None
+  try:
+    good = (not isinstance(tokens, (bool, np.bool_, str, bytes)) and np.ndim(tokens) == 0
+            and int(tokens) == tokens and tokens >= 0)
+  except (TypeError, ValueError, OverflowError):  # NaN, infinity, not a number
+    good = False
+  if not good:
+    shape = np.shape(tokens) if not isinstance(tokens, (str, bytes)) else ()
+    described = (f"{type(tokens).__name__} of shape {shape}" if shape
+                 else guards.quote(tokens))
+    raise ValueError(
+        f"tokens must be a non-negative int or None, got {described}; pass the step's"
+        " token count (e.g. int(batch.size)), or None to count 1 a step.")
+  return int(tokens)
 
 
 def _loss_value(loss: Any) -> float | None:
