@@ -172,3 +172,13 @@ def test_tokens_that_are_not_a_count_are_refused_naming_tokens(tokens):
     params = learner.step(params, tokens=count)
   learner.close(params)
   assert [[p.tokens for p in r.participants] for r in run.rounds()] == [[8], [7]]
+
+
+def test_create_refuses_an_empty_leaf_before_writing_anything(tmp_path):
+  url = str(tmp_path / "run")
+  params = {**ms.params0(), "unused": np.zeros((0, 3), np.float32)}
+  with pytest.raises(ValueError, match=r"leaf 'unused' .*shape \(0, 3\).*no elements"):
+    mail.create(url, params, gmjax.DiLoCo(sync_every=2))
+  assert not os.path.exists(url)  # no half-created run
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))  # the URL is still free
+  assert run.newest_versions() == {0: 0}

@@ -290,7 +290,8 @@ def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = N
 
   Args:
     url: a directory, ``memory://name``, ``gs://bucket/prefix`` or another fsspec URL.
-    params: the initial parameters, a pytree of F32/F16/BF16 arrays.
+    params: the initial parameters, a pytree of F32/F16/BF16 arrays (float64 is taken
+      as F32), each with at least one element.
     config: a ``gmjax.DiLoCo``.
     key: an HMAC-SHA256 key (bytes or str): contributions and commits are signed with it
       and unsigned ones are rejected. Every learner opens the run with the same key.
@@ -308,8 +309,9 @@ def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = N
     TypeError: ``config`` is not a ``gmjax.DiLoCo``, or ``keep_versions`` is not an
       int or None.
     ValueError: ``config`` does not fit ``params`` (``DiLoCo.check_parameters``), its
-      ``outer`` is ``"custom"`` (learners build the outer step from the config), or
-      ``keep_versions`` is below 2.
+      ``outer`` is ``"custom"`` (learners build the outer step from the config),
+      ``keep_versions`` is below 2, or a leaf of ``params`` has no elements (refused
+      before anything is written).
     ImportError: a ``gs://`` or ``s3://`` URL without gcsfs or s3fs installed (the
       message names the extra: ``pip install 'gmjax[gcs]'``, ``'gmjax[s3]'``).
 
@@ -339,6 +341,14 @@ def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = N
   store = open_store(url, storage_options=storage_options)
   schema = config.cut(Schema.from_tree(params))
   config.check_parameters(schema)
+  empty = [p for p in schema.parameters if p.size == 0]
+  if empty:
+    # Orbax, which stores every state, refuses arrays without elements; refuse them
+    # here, before the manifest is written, rather than leave a half-created run.
+    raise ValueError(
+        f"gmjax.mail.create: params leaf {empty[0].name!r} has shape {empty[0].shape}, no"
+        f" elements ({len(empty)} such leaf(s)); a run cannot store an empty array: leave"
+        " it out of the parameters the run trains.")
   manifest = Manifest.new(schema, config, key, keep_versions)
   if not store.create(layout.MANIFEST, manifest.dumps()):
     existing = _read_manifest(store, url)
