@@ -182,3 +182,21 @@ def test_create_refuses_an_empty_leaf_before_writing_anything(tmp_path):
   assert not os.path.exists(url)  # no half-created run
   run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))  # the URL is still free
   assert run.newest_versions() == {0: 0}
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"l5": np.zeros(4, np.float32)}, r"leaf 'l5' is F32 \(4,\), the run's F32 \(3,\)"),
+    ({"l5": np.zeros(3, np.float16)}, r"leaf 'l5' is F16 \(3,\), the run's F32 \(3,\)"),
+    ({"l9": np.zeros(3, np.float32)}, r"like has 'l9', which the run does not"),
+    ({"l5": None}, r"like lacks 'l5'"),
+])
+def test_pull_names_the_leaves_that_differ_from_the_run(change, match):
+  params = {f"l{i}": np.zeros(3, np.float32) for i in range(6)}
+  url = f"memory://create-pull-{os.getpid()}-{sorted(change)[0]}-{id(change)}"
+  run = mail.create(url, params, gmjax.DiLoCo(sync_every=2))
+  learner = run.join("a", poll_interval=0.01)
+  like = {k: v for k, v in {**params, **change}.items() if v is not None}
+  with pytest.raises(ValueError, match=r"pull\(like\): like does not match the run's"
+                     r" parameters: " + match):
+    learner.pull(like)
+  learner.close(learner.pull(params))

@@ -236,9 +236,9 @@ class Learner(Rounds):
     schema = self.config.cut(Schema.from_tree(like))
     if schema != self.manifest.schema:
       raise ValueError(
-          f"pull(like): the tree's schema {schema.to_json()[:4]}... differs from the run's"
-          f" {self.manifest.schema.to_json()[:4]}...; pass parameters shaped like those the"
-          " run was created with.")
+          "pull(like): like does not match the run's parameters:"
+          f" {_schema_differences(schema, self.manifest.schema)}; pass parameters shaped"
+          " like those the run was created with (run.schema).")
     self._tree_schema = schema
     flat = schema.flatten(like)  # with layer blocks, pieces sliced only when read
     newest = self.run.newest_versions()
@@ -491,6 +491,19 @@ class Learner(Rounds):
 
   def __repr__(self) -> str:
     return f"Learner({self.name!r}, step={self.step_count}, versions={self._versions})"
+
+
+def _schema_differences(given: Schema, run: Schema, limit: int = 4) -> str:
+  """The leaves where ``given`` differs from ``run``: missing, extra, dtype or shape."""
+  specs = {p.name: p for p in given.parameters}
+  wanted = {p.name: p for p in run.parameters}
+  problems = [f"like lacks {n!r}" for n in wanted if n not in specs]
+  problems += [f"like has {n!r}, which the run does not" for n in specs if n not in wanted]
+  problems += [
+      f"leaf {n!r} is {specs[n].dtype} {specs[n].shape}, the run's {p.dtype} {p.shape}"
+      for n, p in wanted.items() if n in specs and specs[n] != p]
+  shown = "; ".join(problems[:limit])
+  return shown + (f"; and {len(problems) - limit} more" if len(problems) > limit else "")
 
 
 def _tokens_value(tokens: Any) -> int | None:
