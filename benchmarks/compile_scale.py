@@ -20,10 +20,14 @@ run; compile times on a 2-core machine vary by up to 2x from one compile to the 
 so the least is reported) and reports the compile time, the compiled HLO text's size,
 the collectives in it (all-reduce, all-gather, all-to-all, collective-permute,
 reduce-scatter) and the step's scratch
-(``memory_analysis().temp_size_in_bytes``), with ratios against data-parallel adamw.
+(``memory_analysis().temp_size_in_bytes``), with ratios against data-parallel adamw,
+and its kernels (the fusions in the compiled text: XLA:CPU generates one for each, and
+generating them is most of the compile time). ``--perf-windows`` prints each compile's
+``CLOCK_MONOTONIC`` start and end, to read the compile alone out of ``perf record -k mono
+-g -- ...`` with ``perf report --time START,END``.
 
 Run: .venv/bin/python benchmarks/compile_scale.py [--learners 1 2 8 32] [--layers 2 12 24]
-     [--width 64] [--variants NAME ...] [--repeats N]
+     [--width 64] [--variants NAME ...] [--repeats N] [--perf-windows]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import platform
 import re
+import sys
 import time
 
 import inmesh
@@ -106,6 +111,7 @@ def variants():
 
 
 REPEATS = 1
+PERF_WINDOWS = False
 
 
 def compile_timed(lower):
@@ -120,10 +126,18 @@ def compile_timed(lower):
   for _ in range(REPEATS):
     jax.clear_caches()  # JAX would return the executable it compiled before
     lowered = lower()
-    start = time.perf_counter()
+    start = time.monotonic()
     compiled = lowered.compile()
-    times.append(time.perf_counter() - start)
+    times.append(time.monotonic() - start)
+    if PERF_WINDOWS:  # for `perf record -k mono`, then `perf report --time START,END`
+      print(f"compile window {start:.6f},{time.monotonic():.6f}", file=sys.stderr,
+            flush=True)
   return compiled, min(times)
+
+
+def kernels(text):
+  """The fusions of a compiled module's text: XLA:CPU generates a kernel for each."""
+  return len(re.findall(r" fusion\(", text))
 
 
 def measure(make, data_parallel, mesh, layers, width):
@@ -162,6 +176,7 @@ def measure(make, data_parallel, mesh, layers, width):
   leaves = len(jax.tree.leaves(params))
   size = sum(p.size for p in jax.tree.leaves(params)) // learners
   return dict(seconds=seconds, chars=len(text), collectives=collectives,
+              kernels=kernels(text),
               temp=compiled.memory_analysis().temp_size_in_bytes, leaves=leaves, size=size)
 
 
@@ -184,7 +199,7 @@ def measure_one(make, layers, width):
   jitted = jax.jit(step, donate_argnums=(0, 1))
   compiled, seconds = compile_timed(lambda: jitted.lower(params, state, tokens))
   text = compiled.as_text()
-  return dict(seconds=seconds, chars=len(text), collectives=0,
+  return dict(seconds=seconds, chars=len(text), collectives=0, kernels=kernels(text),
               temp=compiled.memory_analysis().temp_size_in_bytes,
               leaves=len(jax.tree.leaves(params)),
               size=sum(p.size for p in jax.tree.leaves(params)))
@@ -198,9 +213,11 @@ def main():
   parser.add_argument("--variants", nargs="+", default=None)
   parser.add_argument("--repeats", type=int, default=1,
                       help="compile each step this many times and report the least time")
+  parser.add_argument("--perf-windows", action="store_true",
+                      help="print each compile's CLOCK_MONOTONIC start and end to stderr")
   args = parser.parse_args()
-  global REPEATS
-  REPEATS = args.repeats
+  global REPEATS, PERF_WINDOWS
+  REPEATS, PERF_WINDOWS = args.repeats, args.perf_windows
   inmesh.fake_cpu_devices(max(max(args.learners), 2))
   import jax
 
@@ -210,8 +227,8 @@ def main():
   print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({platform.machine()}),"
         f" GPT width {args.width}")
   print("| M | L | leaves | params | step | compile s | / base | HLO chars | / base"
-        " | collectives | scratch MiB | / base |")
-  print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        " | kernels | collectives | scratch MiB | / base |")
+  print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
   for learners in args.learners:
     mesh = None if learners == 1 else jax.make_mesh((learners,), ("learner",),
                                                     devices=jax.devices()[:learners])
@@ -224,7 +241,8 @@ def main():
         ratio = lambda key: "-" if base is None else f"{row[key] / max(base[key], 1):.2f}"
         print(f"| {learners} | {layers} | {row['leaves']} | {row['size'] / 1e6:.2f}M"
               f" | {label} | {row['seconds']:.1f} | {ratio('seconds')}"
-              f" | {row['chars'] / 1e6:.2f}M | {ratio('chars')} | {row['collectives']}"
+              f" | {row['chars'] / 1e6:.2f}M | {ratio('chars')} | {row['kernels']}"
+              f" | {row['collectives']}"
               f" | {row['temp'] / 2**20:.1f} | {ratio('temp')} |", flush=True)
 
 
