@@ -184,6 +184,20 @@ def test_create_refuses_an_empty_leaf_before_writing_anything(tmp_path):
   assert run.newest_versions() == {0: 0}
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_create_refuses_non_finite_parameters_before_writing_anything(tmp_path, bad):
+  # Θ at version 0 would hold them, and every learner's first delta (anchor − θ) would be
+  # non-finite: each contribution refused, no round ever committed.
+  url = str(tmp_path / "run")
+  params = ms.params0()
+  name = sorted(params)[-1]
+  params[name] = np.asarray(params[name]).copy()
+  params[name].reshape(-1)[-1] = bad
+  with pytest.raises(ValueError, match=rf"leaf {name!r} holds 1 NaN or Inf value"):
+    mail.create(url, params, gmjax.DiLoCo(sync_every=2))
+  assert not os.path.exists(url)
+
+
 @pytest.mark.parametrize("change,match", [
     ({"l5": np.zeros(4, np.float32)}, r"leaf 'l5' is F32 \(4,\), the run's F32 \(3,\)"),
     ({"l5": np.zeros(3, np.float16)}, r"leaf 'l5' is F16 \(3,\), the run's F32 \(3,\)"),

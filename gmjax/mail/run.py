@@ -17,6 +17,7 @@ import uuid
 from typing import Any
 
 import jax
+import numpy as np
 
 from gmjax.core import guards
 from gmjax.core.aggregator import DiLoCoAggregator
@@ -310,8 +311,8 @@ def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = N
       int or None.
     ValueError: ``config`` does not fit ``params`` (``DiLoCo.check_parameters``), its
       ``outer`` is ``"custom"`` (learners build the outer step from the config),
-      ``keep_versions`` is below 2, or a leaf of ``params`` has no elements (refused
-      before anything is written).
+      ``keep_versions`` is below 2, or a leaf of ``params`` has no elements or holds
+      a NaN or Inf (refused before anything is written).
     ImportError: a ``gs://`` or ``s3://`` URL without gcsfs or s3fs installed (the
       message names the extra: ``pip install 'gmjax[gcs]'``, ``'gmjax[s3]'``).
 
@@ -349,6 +350,14 @@ def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = N
         f"gmjax.mail.create: params leaf {empty[0].name!r} has shape {empty[0].shape}, no"
         f" elements ({len(empty)} such leaf(s)); a run cannot store an empty array: leave"
         " it out of the parameters the run trains.")
+  for name, leaf in Schema.from_tree(params).flatten(params).items():
+    bad = int(np.size(leaf) - np.count_nonzero(np.isfinite(np.asarray(leaf, np.float32))))
+    if bad:
+      # Θ at version 0 would hold them, and so would every learner's first delta.
+      raise ValueError(
+          f"gmjax.mail.create: params leaf {name!r} holds {bad} NaN or Inf value(s); a"
+          " run starts from finite parameters: initialize them again (or replace the"
+          " non-finite values) before create.")
   manifest = Manifest.new(schema, config, key, keep_versions)
   if not store.create(layout.MANIFEST, manifest.dumps()):
     existing = _read_manifest(store, url)
