@@ -178,10 +178,13 @@ class Run:
                        " ints, from 0 (the run's start).")
     try:
       return states.read_commit(self.store, fragment, version, self.signing_key)
-    except DamagedCommit:
-      raise
-    except FileNotFoundError:
-      pass
+    except FileNotFoundError as error:
+      if isinstance(error, DamagedCommit):  # there, but every record of it is damaged
+        raise
+      raise self._not_committed(fragment, version) from error
+
+  def _not_committed(self, fragment: int, version: int) -> FileNotFoundError:
+    """The error for a ``version`` of ``fragment`` not on storage, naming those kept."""
     versions = states.committed_versions(self.store, fragment)
     kept = (f"{versions[0]} to {versions[-1]}" if len(versions) > 1
             else str(versions[0]) if versions else "none")
@@ -190,7 +193,7 @@ class Run:
              f"{self.manifest.keep_versions})")
     else:
       why = f"the newest is {versions[-1] if versions else None}"
-    raise FileNotFoundError(
+    return FileNotFoundError(
         f"run {self.url!r}: version {version} of fragment {fragment} is not committed"
         f" (versions on storage: {kept}; {why}); ask for one of those, e.g. the"
         f" newest, run.newest_versions()[{fragment}].")
