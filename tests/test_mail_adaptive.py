@@ -152,15 +152,19 @@ def test_adaptive_with_other_options(options):
   regular = [r for r in records if not r.final]
   assert [r.round for r in regular] == list(range(4))
   steps_since = {"m0": [0] * schedule.fragments, "m1": [0] * schedule.fragments}
+  contributed = {"m0": 0, "m1": 0}
   for record in records:
     steps = _steps(record)
     assert record.rejected == () and record.outer_step
     assert sorted(steps) == ["m0", "m1"]
     total = sum(p.tokens for p in record.participants)
     for p in record.participants:
-      assert 1 <= p.steps <= schedule.sync_every
+      assert p.steps <= schedule.sync_every  # a round holds at most its own steps
       assert p.tokens == p.steps
+      contributed[p.learner] += p.steps
       assert p.weight == pytest.approx(p.tokens / total, rel=1e-6)
+  # Same wall time a round: m0, at a third of m1's seconds a step, trains more of it.
+  assert contributed["m0"] > contributed["m1"], contributed
   for name, (params, learner, beat) in out.items():
     assert learner.step_count == schedule.step_of(3)
     for leaf, value in params.items():
