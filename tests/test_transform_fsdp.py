@@ -135,6 +135,17 @@ def _run(setup, config, mode, axis_type=None, shard_outer=True):
     return jax.device_get((params, state)), step
 
 
+def _assert_matches_numpy(setup, params, state):
+  """Every learner's parameters, the anchor and the rounds run equal the numpy loop's."""
+  expected = reference.run(setup, STEPS)
+  for m in range(LEARNERS):
+    harness.assert_tree_close({n: v[m] for n, v in params.items()}, expected["theta"][m],
+                              what=f"learner {m}")
+  harness.assert_tree_close({n: v[0] for n, v in state.anchor.items()}, expected["anchor"],
+                            what="anchor")
+  assert int(state.stats.rounds[0]) == len(expected["log"]) and int(state.stats.skipped[0]) == 0
+
+
 @functools.cache
 def _plain(delta_precision, shard_outer):
   setup, config = _setup(delta_precision)
@@ -151,13 +162,7 @@ def test_fsdp_learners_match_numpy_and_the_unsharded_run(axis_type, mode, delta_
                                                           shard_outer):
   setup, config = _setup(delta_precision)
   (params, state), step = _run(setup, config, mode, axis_type, shard_outer)
-  expected = reference.run(setup, STEPS)
-  for m in range(LEARNERS):
-    harness.assert_tree_close({n: v[m] for n, v in params.items()}, expected["theta"][m],
-                              what=f"learner {m}")
-  harness.assert_tree_close({n: v[0] for n, v in state.anchor.items()}, expected["anchor"],
-                            what="anchor")
-  assert int(state.stats.rounds[0]) == len(expected["log"]) and int(state.stats.skipped[0]) == 0
+  _assert_matches_numpy(setup, params, state)
   # Elementwise arithmetic in the same order: the sharded layout changes no bit of the
   # parameters, anchors, masters or outer state (only reductions, e.g. the cosine, may
   # round differently).
@@ -302,13 +307,7 @@ def test_sparse_deltas_match_numpy_and_keep_the_fsdp_split(axis_type, mode, shar
   sparse = dict(delta_topk=3, delta_chunk=16)
   setup, config = _setup("I4", **sparse)
   (params, state), _ = _run(setup, config, mode, axis_type, shard_outer)
-  expected = reference.run(setup, STEPS)
-  for m in range(LEARNERS):
-    harness.assert_tree_close({n: v[m] for n, v in params.items()}, expected["theta"][m],
-                              what=f"learner {m}")
-  harness.assert_tree_close({n: v[0] for n, v in state.anchor.items()}, expected["anchor"],
-                            what="anchor")
-  assert int(state.stats.rounds[0]) == len(expected["log"]) and int(state.stats.skipped[0]) == 0
+  _assert_matches_numpy(setup, params, state)
   gathers = _fsdp_gathers(axis_type, mode, shard_outer, delta_precision="I4", **sparse)
   if mode == "shard_map" and axis_type == AxisType.Explicit:  # JAX's, at the boundary
     gathers = [c for c in gathers if c.op_name != _BOUNDARY]
