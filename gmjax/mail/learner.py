@@ -30,8 +30,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
-import math
-import numbers
 import time
 import uuid
 from typing import Any
@@ -39,11 +37,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from gmjax.core import guards
 from gmjax.core.schema import Schema
 from gmjax.mail import delayed
 from gmjax.mail import heartbeats
 from gmjax.mail import layout
+from gmjax.mail import learner_args
 from gmjax.mail import learner_state
 from gmjax.mail import names
 from gmjax.mail import pace
@@ -82,15 +80,15 @@ class Learner(Rounds):
                wait_timeout: float | None = None, startup_timeout: float = 60.0,
                process_index: int | None = None, process_count: int | None = None,
                state_dir: Any = None):
-    poll_interval = _seconds("poll_interval", poll_interval, finite=True)
-    startup_timeout = _seconds("startup_timeout", startup_timeout)
+    poll_interval = learner_args.seconds("poll_interval", poll_interval, finite=True)
+    startup_timeout = learner_args.seconds("startup_timeout", startup_timeout)
     if wait_timeout is not None:
-      wait_timeout = _seconds("wait_timeout", wait_timeout,
+      wait_timeout = learner_args.seconds("wait_timeout", wait_timeout,
                               none="None (the run's timeout, at least 120 s) or ")
     self.process_index = (jax.process_index() if process_index is None
-                          else _process_number("process_index", process_index))
+                          else learner_args.process_number("process_index", process_index))
     self.process_count = (jax.process_count() if process_count is None
-                          else _process_number("process_count", process_count))
+                          else learner_args.process_number("process_count", process_count))
     if not 0 <= self.process_index < self.process_count:
       raise ValueError(f"process_index must be in [0, process_count), got"
                        f" {self.process_index} of {self.process_count}.")
@@ -237,7 +235,7 @@ class Learner(Rounds):
     if schema != self.manifest.schema:
       raise ValueError(
           "pull(like): like does not match the run's parameters:"
-          f" {_schema_differences(schema, self.manifest.schema)}; pass parameters shaped"
+          f" {learner_args.schema_differences(schema, self.manifest.schema)}; pass parameters shaped"
           " like those the run was created with (run.schema).")
     self._tree_schema = schema
     flat = schema.flatten(like)  # with layer blocks, pieces sliced only when read
@@ -376,8 +374,8 @@ class Learner(Rounds):
       raise ValueError(f"learner {self.name!r}: call pull(params) before step().")
     learner_state.check_step(self._state_dir, self.name, state, position,
                              restore_checked=self._restore_checked)
-    tokens = _tokens_value(tokens)
-    loss = _loss_value(loss)
+    tokens = learner_args.tokens_value(tokens)
+    loss = learner_args.loss_value(loss)
     # A step's seconds run from the last step() to this one, and after a step() that
     # published or merged a round only from its end: never the time step() waits for a
     # round to close, which the slowest learner sets and which, counted, would lengthen
@@ -491,99 +489,3 @@ class Learner(Rounds):
 
   def __repr__(self) -> str:
     return f"Learner({self.name!r}, step={self.step_count}, versions={self._versions})"
-
-
-def _schema_differences(given: Schema, run: Schema, limit: int = 4) -> str:
-  """The leaves where ``given`` differs from ``run``: missing, extra, dtype or shape."""
-  specs = {p.name: p for p in given.parameters}
-  wanted = {p.name: p for p in run.parameters}
-  problems = [f"like lacks {n!r}" for n in wanted if n not in specs]
-  problems += [f"like has {n!r}, which the run does not" for n in specs if n not in wanted]
-  problems += [
-      f"leaf {n!r} is {specs[n].dtype} {specs[n].shape}, the run's {p.dtype} {p.shape}"
-      for n, p in wanted.items() if n in specs and specs[n] != p]
-  shown = "; ".join(problems[:limit])
-  return shown + (f"; and {len(problems) - limit} more" if len(problems) > limit else "")
-
-
-def _tokens_value(tokens: Any) -> int | None:
-  """``step``'s ``tokens`` as an int, checked before the step counts.
-
-  Raises:
-    ValueError: ``tokens`` is not None nor a non-negative integer (an int, a float with
-      no fraction, a numpy integer or a 0-d array of one).
-  """
-  if tokens is None:
-    return None
-  try:
-    good = (not isinstance(tokens, (bool, np.bool_, str, bytes)) and np.ndim(tokens) == 0
-            and int(tokens) == tokens and tokens >= 0)
-  except (TypeError, ValueError, OverflowError):  # NaN, infinity, not a number
-    good = False
-  if not good:
-    shape = np.shape(tokens) if not isinstance(tokens, (str, bytes)) else ()
-    described = (f"{type(tokens).__name__} of shape {shape}" if shape
-                 else guards.quote(tokens))
-    raise ValueError(
-        f"tokens must be a non-negative int or None, got {described}; pass the step's"
-        " token count (e.g. int(batch.size)), or None to count 1 a step.")
-  return int(tokens)
-
-
-def _loss_value(loss: Any) -> float | None:
-  """``step``'s ``loss`` as a float, checked before the step counts or publishes.
-
-  Raises:
-    ValueError: ``loss`` is not None nor one real number (a Python number or a 0-d
-      numpy or jax array).
-  """
-  if loss is None:
-    return None
-  shape = np.shape(loss) if not isinstance(loss, (str, bytes)) else None
-  if shape == ():
-    try:
-      return float(loss)
-    except (TypeError, ValueError):
-      pass
-  described = (f"{type(loss).__name__} of shape {shape}" if shape
-               else f"{type(loss).__name__} {guards.quote(loss)}")
-  raise ValueError(
-      f"step(loss=...): loss must be None or a real number, got {described}; pass one"
-      " number for the step (e.g. float(losses.mean()) for per-example losses).")
-
-
-def _seconds(argument: str, value: Any, *, finite: bool = False, none: str = "") -> float:
-  """``value`` as positive seconds (numpy numbers included), for ``join``.
-
-  Args:
-    argument: the argument's name, for the message.
-    value: what was passed.
-    finite: refuse infinity too (a poll interval times queue waits, which overflow).
-    none: how the message says None is allowed, if it is.
-
-  Returns:
-    ``value`` as a float.
-
-  Raises:
-    TypeError: ``value`` is a str.
-    ValueError: ``value`` is not a positive number (or, with ``finite``, is infinite).
-  """
-  what = f"{argument} must be {none}a positive{', finite' if finite else ''} number of seconds"
-  if isinstance(value, (str, bytes)):
-    raise TypeError(f"{what}, got {type(value).__name__} {guards.quote(value)}; pass a"
-                    " number.")
-  good = (not isinstance(value, bool) and isinstance(value, numbers.Real)
-          and float(value) > 0 and not (finite and math.isinf(float(value))))
-  if not good:
-    raise ValueError(f"{what}, got {guards.quote(value)}; pass e.g. {argument}="
-                     f"{'0.05' if argument == 'poll_interval' else '60.0'}.")
-  return float(value)
-
-
-def _process_number(argument: str, value: Any) -> int:
-  """``value`` as an int (numpy integers included), for ``join``'s process numbers."""
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise TypeError(
-        f"{argument} must be None (from jax) or an int, got {type(value).__name__}"
-        f" {guards.quote(value)}; pass jax.process_index() / jax.process_count().")
-  return int(value)

@@ -1,0 +1,107 @@
+"""Checks of what a user passes to ``Run.join``, ``Learner.pull`` and ``Learner.step``:
+each value as the learner uses it, or an error that names the argument, the value and
+the fix, raised before anything counts or is written."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+
+from gmjax.core import guards
+from gmjax.core.schema import Schema
+
+
+def schema_differences(given: Schema, run: Schema, limit: int = 4) -> str:
+  """The leaves where ``given`` differs from ``run``: missing, extra, dtype or shape."""
+  specs = {p.name: p for p in given.parameters}
+  wanted = {p.name: p for p in run.parameters}
+  problems = [f"like lacks {n!r}" for n in wanted if n not in specs]
+  problems += [f"like has {n!r}, which the run does not" for n in specs if n not in wanted]
+  problems += [
+      f"leaf {n!r} is {specs[n].dtype} {specs[n].shape}, the run's {p.dtype} {p.shape}"
+      for n, p in wanted.items() if n in specs and specs[n] != p]
+  shown = "; ".join(problems[:limit])
+  return shown + (f"; and {len(problems) - limit} more" if len(problems) > limit else "")
+
+
+def tokens_value(tokens: Any) -> int | None:
+  """``step``'s ``tokens`` as an int, checked before the step counts.
+
+  Raises:
+    ValueError: ``tokens`` is not None nor a non-negative integer (an int, a float with
+      no fraction, a numpy integer or a 0-d array of one).
+  """
+  if tokens is None:
+    return None
+  try:
+    good = (not isinstance(tokens, (bool, np.bool_, str, bytes)) and np.ndim(tokens) == 0
+            and int(tokens) == tokens and tokens >= 0)
+  except (TypeError, ValueError, OverflowError):  # NaN, infinity, not a number
+    good = False
+  if not good:
+    shape = np.shape(tokens) if not isinstance(tokens, (str, bytes)) else ()
+    described = (f"{type(tokens).__name__} of shape {shape}" if shape
+                 else guards.quote(tokens))
+    raise ValueError(
+        f"tokens must be a non-negative int or None, got {described}; pass the step's"
+        " token count (e.g. int(batch.size)), or None to count 1 a step.")
+  return int(tokens)
+
+
+def loss_value(loss: Any) -> float | None:
+  """``step``'s ``loss`` as a float, checked before the step counts or publishes.
+
+  Raises:
+    ValueError: ``loss`` is not None nor one real number (a Python number or a 0-d
+      numpy or jax array).
+  """
+  if loss is None:
+    return None
+  shape = np.shape(loss) if not isinstance(loss, (str, bytes)) else None
+  if shape == () and np.asarray(loss).dtype.kind in "biuf":  # a real number
+    return float(loss)
+  described = (f"{type(loss).__name__} of shape {shape}" if shape
+               else f"{type(loss).__name__} {guards.quote(loss)}")
+  raise ValueError(
+      f"step(loss=...): loss must be None or a real number, got {described}; pass one"
+      " number for the step (e.g. float(losses.mean()) for per-example losses).")
+
+
+def seconds(argument: str, value: Any, *, finite: bool = False, none: str = "") -> float:
+  """``value`` as positive seconds (numpy numbers included), for ``join``.
+
+  Args:
+    argument: the argument's name, for the message.
+    value: what was passed.
+    finite: refuse infinity too (a poll interval times queue waits, which overflow).
+    none: how the message says None is allowed, if it is.
+
+  Returns:
+    ``value`` as a float.
+
+  Raises:
+    TypeError: ``value`` is a str.
+    ValueError: ``value`` is not a positive number (or, with ``finite``, is infinite).
+  """
+  what = f"{argument} must be {none}a positive{', finite' if finite else ''} number of seconds"
+  if isinstance(value, (str, bytes)):
+    raise TypeError(f"{what}, got {type(value).__name__} {guards.quote(value)}; pass a"
+                    " number.")
+  good = (not isinstance(value, bool) and isinstance(value, numbers.Real)
+          and float(value) > 0 and not (finite and math.isinf(float(value))))
+  if not good:
+    raise ValueError(f"{what}, got {guards.quote(value)}; pass e.g. {argument}="
+                     f"{'0.05' if argument == 'poll_interval' else '60.0'}.")
+  return float(value)
+
+
+def process_number(argument: str, value: Any) -> int:
+  """``value`` as an int (numpy integers included), for ``join``'s process numbers."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise TypeError(
+        f"{argument} must be None (from jax) or an int, got {type(value).__name__}"
+        f" {guards.quote(value)}; pass jax.process_index() / jax.process_count().")
+  return int(value)
