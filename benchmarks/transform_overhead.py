@@ -25,10 +25,12 @@ With ``--multisteps K`` (one learner) every step is a micro-step of gradient
 accumulation over ``K`` micro-batches: ``optax.MultiSteps(optax.adamw, K)`` is the
 reference, against ``optax.MultiSteps(gmjax.diloco(adamw), K)`` (``sync_every`` counted
 in macro steps) and ``gmjax.diloco(optax.MultiSteps(adamw, K))`` (``sync_every·K`` micro-
-steps, the same schedule); a window is then ``sync_every·K`` micro-steps.
+steps, the same schedule); a window is then ``sync_every·K`` micro-steps. ``--window N``
+sets a window's length instead: with ``--sync-every`` far above the steps run, every
+window holds micro-steps alone (no round), which is what a micro-step costs.
 
 Run: .venv/bin/python benchmarks/transform_overhead.py [--repeats N] [--sync-every H]
-     [--learners M] [--multisteps K]
+     [--learners M] [--multisteps K] [--window N]
 """
 
 from __future__ import annotations
@@ -173,6 +175,10 @@ def main():
   parser.add_argument("--sync-every", type=int, default=50)
   parser.add_argument("--learners", type=int, default=1)
   parser.add_argument("--multisteps", type=int, default=1)
+  parser.add_argument("--window", type=int, default=None,
+                      help="steps a window (default sync_every x multisteps, so that a"
+                      " window holds every fragment's sync once); with a --sync-every far"
+                      " above it, windows hold no sync at all")
   args = parser.parse_args()
   if args.multisteps > 1 and args.learners > 1:
     parser.error("--multisteps runs one learner; leave --learners at 1")
@@ -180,7 +186,7 @@ def main():
     inmesh.fake_cpu_devices(args.learners)  # before JAX's first use of a device
   mesh = None if args.learners == 1 else jax.make_mesh((args.learners,), ("learner",))
   n = sum(p.size for p in jax.tree.leaves(init_mlp(jax.random.PRNGKey(0))))
-  window = args.sync_every * args.multisteps
+  window = args.window or args.sync_every * args.multisteps
   print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({platform.machine()}),"
         f" MLP {WIDTHS}, {n / 1e6:.2f}M params, batch {BATCH}, {args.learners} learner(s),"
         f" window {window} steps, median of {args.repeats}")
