@@ -84,13 +84,18 @@ def sync_table(schedule: RoundSchedule) -> np.ndarray:
 
 
 def lookup(table: np.ndarray, index: jax.Array) -> jax.Array:
-  """``table[index]`` as a masked sum over the (short) constant table.
+  """``table[index]`` as a masked sum over the table's nonzero entries.
 
   An indexed read of a constant by a learner-batched index is a gather, which explicit
-  sharding refuses to place on its own; a comparison and a sum are elementwise.
+  sharding refuses to place on its own; a comparison and a sum are elementwise. Only the
+  nonzero entries are compared (a schedule table holds ``P`` of them in ``sync_every``),
+  so the step's program and work do not grow with ``sync_every``.
   """
-  positions = np.arange(table.size, dtype=np.int32)
-  return jnp.sum(jnp.where(positions == index, jnp.asarray(table), 0))
+  (positions,) = np.nonzero(table)
+  if positions.size == 0:
+    return jnp.zeros([], table.dtype)
+  matches = positions.astype(np.int32) == index
+  return jnp.sum(jnp.where(matches, jnp.asarray(table[positions]), 0))
 
 
 class Layout:
