@@ -132,10 +132,10 @@ def test_updates_unlike_the_params_are_named(inner):
   optimizer = gmjax.diloco(inner, gmjax.DiLoCo(sync_every=4))
   params = {"w": jnp.ones((2, 3)), "b": jnp.ones(3)}
   state = optimizer.init(params)
-  with pytest.raises(ValueError, match=r"updates\['w'\] of shape \(3,\) but params\['w'\]"
-                                       r" \(2, 3\).*gradients of these params"):
+  with pytest.raises(ValueError, match=r"updates\['w'\] of shape \(3,\), but params\['w'\]"
+                                       r" has shape \(2, 3\).*gradients of these params"):
     optimizer.update({"w": jnp.ones(3), "b": jnp.ones(3)}, state, params)
-  with pytest.raises(ValueError, match=r"updates structured as .*'v'.* but params as"
+  with pytest.raises(ValueError, match=r"updates structured as .*'v'.*, but params are structured as"
                                        r" .*'w'.*gradients of these params"):
     optimizer.update({"v": jnp.ones((2, 3)), "b": jnp.ones(3)}, state, params)
   with pytest.raises(ValueError, match=r"updates structured as"):

@@ -124,38 +124,36 @@ def _axis_size(axis_name: Any, where: str, sharded: bool) -> int:
   ) from None
 
 
-def _check_params(params: Any, anchor: Any) -> None:
-  """Raises unless ``params`` has the structure and shapes the state was built for."""
-  found = structure.mismatch(params, anchor)
+def _check_like(what: str, tree: Any, like: Any, structured: str, shaped: str,
+                fix: str) -> None:
+  """Raises unless ``tree`` (named ``what``) has the structure and leaf shapes of
+  ``like``. ``structured`` and ``shaped`` say what ``like`` is (``shaped`` may name the
+  leaf's ``{path}``); ``fix`` ends the message."""
+  found = structure.mismatch(tree, like)
   if found is None:
     return
   kind, path, got, want = found
   if kind == "structure":
-    raise ValueError(
-        f"gmjax.diloco: update got params structured as {got}, but the state was built"
-        f" for {want}; build the state with optimizer.init on these params.")
-  raise ValueError(
-      f"gmjax.diloco: update got params{path} of shape {got}, but the state was built"
-      f" for shape {want}; build the state with optimizer.init on the parameters as"
-      " they are now.")
+    raise ValueError(f"gmjax.diloco: update got {what} structured as {got}, but"
+                     f" {structured} {want}; {fix}.")
+  raise ValueError(f"gmjax.diloco: update got {what}{path} of shape {got}, but"
+                   f" {shaped.format(path=path)} {want}; {fix}.")
+
+
+def _check_params(params: Any, anchor: Any) -> None:
+  """Raises unless ``params`` has the structure and shapes the state was built for."""
+  _check_like("params", params, anchor, "the state was built for",
+              "the state was built for shape",
+              "build the state with optimizer.init on the parameters as they are now")
 
 
 def _check_updates(updates: Any, params: Any) -> None:
   """Raises unless ``updates`` (the gradients) have the structure and shapes of
   ``params``: the inner optimizer and the step combine them leaf by leaf."""
-  found = structure.mismatch(updates, params)
-  if found is None:
-    return
-  kind, path, got, want = found
-  if kind == "structure":
-    raise ValueError(
-        f"gmjax.diloco: update got updates structured as {got} but params as {want};"
-        " pass the gradients of these params, structured like them:"
-        " update(grads, state, params).")
-  raise ValueError(
-      f"gmjax.diloco: update got updates{path} of shape {got} but params{path} {want};"
-      " pass the gradients of these params, shaped like them:"
-      " update(grads, state, params).")
+  _check_like("updates", updates, params, "params are structured as",
+              "params{path} has shape",
+              "pass the gradients of these params, shaped and structured like them:"
+              " update(grads, state, params)")
 
 
 def _check_state(state: Any, expected: Any) -> None:
