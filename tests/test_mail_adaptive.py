@@ -145,7 +145,8 @@ def test_speeds_set_the_steps_of_each_round():
     dict(outer_delay=1),
     dict(outer_delay=1, eager=True),
     dict(error_feedback=0.9, delta_precision="I4"),
-], ids=["fragments", "overlap-2", "overlap-3-fragments", "overlap-none", "in-flight", "delayed", "eager", "feedback"])
+], ids=["fragments", "overlap-2", "overlap-3-fragments", "overlap-none", "in-flight",
+        "delayed", "eager", "feedback"])
 def test_adaptive_with_other_options(options):
   config = gmjax.DiLoCo(sync_every=8, adaptive_steps=True, **options)
   run, out, merges = _train(config, [0.01, 0.03], rounds=4)
