@@ -34,9 +34,11 @@ Scenarios: ``homogeneous`` (speeds 1, 1, 1, 1), ``straggler`` (1, 1, 1/2, 1/4, f
 ``sync_every``), ``straggler-quorum`` (the same with ``quorum_size=3``: a round closes
 after three contributions and the run's grace period; the grace is the run's timeout,
 ``max(30·poll, 3·(step + quorum + sync))`` of its estimates, so ``--poll`` sets its floor),
-``kills`` (straggler speeds; about one learner per 20 rounds, chosen at random, is
-SIGKILLed at a random moment and restarted at once under the same name: a real rejoin,
-which pulls the newest Θ) and ``late`` (straggler speeds; learner ``l1`` starts once a
+``kills`` (straggler speeds; the driver watches the run's committed rounds and, at a
+random round of each block of ``--kill-every`` (20) committed rounds, for the run's whole
+length, SIGKILLs a random training learner at a random moment within that round's
+nominal time and restarts it at once under the same name: a real rejoin, which pulls
+the newest Θ; ``KillPlan``) and ``late`` (straggler speeds; learner ``l1`` starts once a
 quarter of the budget is trained). ``--adaptive on`` runs the chosen scenarios with
 ``gmjax.DiLoCo(adaptive_steps=True)`` (results named ``<scenario>+adaptive``), ``both``
 runs each both ways; ``--overlap-steps`` sets ``overlap_steps`` (``none``: a learner
@@ -248,6 +250,34 @@ def _utc(text: str) -> float:
   return datetime.datetime.fromisoformat(text).timestamp()
 
 
+class KillPlan:
+  """The committed rounds at which the ``kills`` scenario kills a learner: one at a
+  random round of each block of ``every`` rounds (rounds ``[b·every, (b + 1)·every)``),
+  for as long as the run goes on.
+
+  Args:
+    every: committed rounds per kill.
+    rng: the driver's ``random.Random``.
+  """
+
+  def __init__(self, every: int, rng: random.Random):
+    self.every, self.rng, self.block = every, rng, 0
+    self.round = rng.randrange(every)
+
+  def due(self, committed: int) -> bool:
+    """Whether a kill is due once ``committed`` rounds committed; if so, the plan moves
+    on to the next block's round (a call per kill: kills a slow poll missed follow)."""
+    if committed < self.round:
+      return False
+    self.block += 1
+    self.round = self.block * self.every + self.rng.randrange(self.every)
+    return True
+
+
+def _committed_rounds(run) -> int:
+  return sum(run.newest_versions().values())  # version v of a fragment is its v-th commit
+
+
 def run_scenario(args, scenario: Scenario, adaptive: bool) -> dict[str, Any]:
   """Runs one scenario's learner processes to the token budget; returns its results."""
   from gmjax import mail  # pylint: disable=g-import-not-at-top
@@ -272,9 +302,8 @@ def run_scenario(args, scenario: Scenario, adaptive: bool) -> dict[str, Any]:
     time.sleep(0.05)
   open(os.path.join(directory, "go"), "w").close()
   wall0, clock0 = time.time(), time.monotonic()
-  # Kills: about one per 20 rounds, each when a random share of the budget is trained.
-  kill_at = sorted(rng.uniform(0.15, 0.85) for _ in range(max(1, round(args.rounds / 20)))) \
-      if scenario.kills else []
+  plan = KillPlan(args.kill_every, rng) if scenario.kills else None
+  kill_time, kill_round = None, None  # the next kill's moment, once its round is due
   kills, stopped_at = [], None
   while any(p.poll() is None for p in processes.values()):
     if time.monotonic() > deadline:
@@ -284,16 +313,27 @@ def run_scenario(args, scenario: Scenario, adaptive: bool) -> dict[str, Any]:
     trained = sum(r["tokens"] for r in _progress(directory))
     if scenario.late is not None and scenario.late not in processes and trained >= budget / 4:
       processes[scenario.late] = _spawn(args, scenario, scenario.late, 0, url, directory, False)
-    if kill_at and trained >= kill_at[0] * budget and stopped_at is None:
-      kill_at.pop(0)
-      victim = rng.choice(sorted(i for i, p in processes.items() if p.poll() is None))
-      time.sleep(rng.uniform(0.0, args.sync_every * args.base_ms / 1000.0))
-      processes[victim].send_signal(signal.SIGKILL)
-      processes[victim].wait()
-      incarnations[victim] += 1
-      kills.append({"learner": f"l{victim}", "seconds": time.monotonic() - clock0})
-      processes[victim] = _spawn(args, scenario, victim, incarnations[victim], url,
-                                 directory, False)
+    if plan is not None and stopped_at is None:
+      if kill_time is None:
+        committed = _committed_rounds(run)
+        if plan.due(committed):
+          # A random moment of the round: its nominal time at the fastest learner's pace.
+          kill_round = committed
+          kill_time = time.monotonic() + rng.uniform(
+              0.0, args.sync_every * args.base_ms / 1000.0)
+      # A learner that trains: its incarnation has joined and pulled (its progress file).
+      training = sorted(i for i, p in processes.items() if p.poll() is None and os.path.exists(
+          os.path.join(directory, f"progress-l{i}-{incarnations[i]}.json")))
+      if kill_time is not None and time.monotonic() >= kill_time and training:
+        victim = rng.choice(training)
+        processes[victim].send_signal(signal.SIGKILL)
+        processes[victim].wait()
+        incarnations[victim] += 1
+        kills.append({"learner": f"l{victim}", "seconds": time.monotonic() - clock0,
+                      "round": kill_round})
+        processes[victim] = _spawn(args, scenario, victim, incarnations[victim], url,
+                                   directory, False)
+        kill_time = None
     if trained >= budget and stopped_at is None:
       open(os.path.join(directory, "stop"), "w").close()
       stopped_at = time.monotonic() - clock0
@@ -333,6 +373,7 @@ def run_scenario(args, scenario: Scenario, adaptive: bool) -> dict[str, Any]:
   return {
       "scenario": name, "speeds": list(scenario.speeds), "quorum_size": scenario.quorum_size,
       "adaptive": adaptive, "budget_tokens": budget,
+      "kill_every": args.kill_every if scenario.kills else None,
       "trained_tokens": sum(r["tokens"] for r in incarnation_records),
       "committed_tokens": committed_tokens, "steps_trained": trained,
       "steps_committed": committed, "goodput": committed / trained,
@@ -447,8 +488,12 @@ def main(argv: list[str] | None = None) -> None:
                       help="DiLoCo's outer_delay: 1 sends a phase's delta and starts the"
                       " next phase from the round before's Θ without waiting (needs"
                       " --overlap-steps 0)")
+  parser.add_argument("--kill-every", type=int, default=None, metavar="ROUNDS",
+                      help="the kills scenario kills a learner at a random round of each"
+                      " block of this many committed rounds (default 20; 2 with --quick)")
   parser.add_argument("--quick", action="store_true",
-                      help="a short smoke run: 3 rounds of 4 steps of 20 ms")
+                      help="a short smoke run: 3 rounds of 4 steps of 20 ms (and a kill"
+                      " every 2 rounds)")
   parser.add_argument("--poll", type=float, default=0.02)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--dp-gbps", type=float, default=10.0,
@@ -473,9 +518,12 @@ def main(argv: list[str] | None = None) -> None:
     return
   if args.quick:
     args.rounds, args.sync_every, args.base_ms = 3, 4, 20.0
-  if args.rounds < 1 or args.sync_every < 1 or args.base_ms <= 0:
-    parser.error(f"--rounds ({args.rounds}) and --sync-every ({args.sync_every}) must be"
-                 f" >= 1 and --base-ms ({args.base_ms}) > 0")
+  if args.kill_every is None:
+    args.kill_every = 2 if args.quick else 20
+  if args.rounds < 1 or args.sync_every < 1 or args.base_ms <= 0 or args.kill_every < 1:
+    parser.error(f"--rounds ({args.rounds}), --sync-every ({args.sync_every}) and"
+                 f" --kill-every ({args.kill_every}) must be >= 1 and --base-ms"
+                 f" ({args.base_ms}) > 0")
   names = args.scenario or list(SCENARIOS)
   args.work = args.work or tempfile.mkdtemp(prefix="gmjax-goodput-")
   results = []
@@ -486,7 +534,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{result['scenario']}: goodput {result['goodput']:.3f}, idle "
           + " ".join(f"{k} {v['idle']:.2f}" for k, v in result["learners"].items())
           + f", {result['rounds']} rounds, {result['wall_seconds']:.1f} s,"
-          f" loss {result['final_loss']:.4f}", flush=True)
+          f" loss {result['final_loss']:.4f}"
+          + "".join(f", {k['learner']} killed at round {k['round']} ({k['seconds']:.1f} s)"
+                    for k in result["kills"]), flush=True)
   reference = data_parallel(args, STRAGGLER)
   results.append(reference)
   target = TARGET * reference["curve"][0]["loss"]
@@ -497,7 +547,8 @@ def main(argv: list[str] | None = None) -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "goodput.json"), "w") as f:
       json.dump({"settings": {k: v for k, v in vars(args).items()
-                              if k in ("base_ms", "rounds", "sync_every", "poll", "seed",
+                              if k in ("base_ms", "rounds", "sync_every", "kill_every",
+                                       "poll", "seed",
                                        "adaptive", "overlap_steps", "outer_delay", "dp_gbps",
                                        "dp_latency_ms")},
                  "target_loss": target, "results": results}, f, indent=1)

@@ -13,7 +13,8 @@ ROOT = pathlib.Path(__file__).parent.parent
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.stem)
 def test_shipped_configs_load(path):
   cfg = config_lib.load(path)
-  assert cfg.learners >= 1 and cfg.steps >= cfg.diloco.sync_every
+  assert cfg.learners >= 1 and cfg.diloco.sync_every > 0
+  assert cfg.steps >= cfg.diloco.sync_every  # every shipped job reaches a round
 
 
 def _write(tmp_path, text):
@@ -70,15 +71,6 @@ def test_an_unknown_key_is_named_with_the_closest_known_one(tmp_path, table, wro
 def test_missing_file():
   with pytest.raises(FileNotFoundError, match="quickstart"):
     config_lib.load("no/such/file.toml")
-
-
-@pytest.mark.parametrize(
-    "path", sorted((pathlib.Path(__file__).parent.parent / "configs").glob("*.toml")),
-    ids=lambda p: p.name)
-def test_shipped_configs_load(path):
-  cfg = config_lib.load(path)
-  assert cfg.steps > 0 and cfg.learners >= 1
-  assert cfg.diloco.sync_every > 0
 
 
 @pytest.mark.parametrize("old, new, message", [

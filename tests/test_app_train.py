@@ -227,6 +227,48 @@ def test_status_reads_the_key_from_the_named_variable_or_names_it(tmp_path, caps
       " GMJAX_TEST_KEY\n")
 
 
+def test_status_json_carries_each_learners_pace_and_each_rounds_waits(tmp_path, capsys):
+  import gmjax  # pylint: disable=g-import-not-at-top
+  from gmjax.app import cli  # pylint: disable=g-import-not-at-top
+
+  import mail_support as ms  # pylint: disable=g-import-not-at-top
+
+  url = str(tmp_path / "run")
+  run = gmjax.mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, quorum_size=2))
+  threads = ms.Threads()
+  for m in range(2):
+    threads.start(ms.train, gmjax.mail.open(url), f"w{m}", m, 4)
+  threads.join(timeout=60)
+  assert cli.main(["status", url, "--json"]) == 0
+  shown = json.loads(capsys.readouterr().out)
+  expected = {l["name"]: l for l in run.status()["learners"]}
+  learners = {l["name"]: l for l in shown["status"]["learners"]}
+  assert sorted(learners) == ["w0", "w1"]
+  for name, learner in learners.items():
+    # Numbers, as Run.status() has them (not the strings json's default=str would make).
+    for field in ("step_seconds", "steps_per_second", "idle_seconds", "idle_fraction",
+                  "steps_per_round_mean", "goodput"):
+      assert isinstance(learner[field], float), (name, field, learner[field])
+      assert learner[field] == pytest.approx(expected[name][field], rel=1e-12), field
+    for field in ("trained", "steps_per_round_last", "committed_steps"):
+      assert learner[field] == expected[name][field] and type(learner[field]) is int
+    # Each trained 4 steps, all in its two committed rounds of 2 steps.
+    assert learner["trained"] == 4 and learner["committed_steps"] == 4
+    assert learner["steps_per_round_last"] == 2 and learner["goodput"] == 1.0
+    assert learner["step_seconds"] > 0 and 0 <= learner["idle_fraction"] <= 1
+    assert learner["steps_per_second"] == pytest.approx(1 / learner["step_seconds"])
+  records = {r.round: r for r in run.rounds()}
+  rounds = {r["round"]: r for r in shown["rounds"] if r["round"] is not None}
+  assert sorted(rounds) == [0, 1]
+  for number, record in rounds.items():
+    for field in ("quorum_seconds", "grace_seconds", "takeover_seconds", "wait_seconds",
+                  "sync_seconds"):
+      assert isinstance(record[field], float), (number, field, record[field])
+      assert record[field] == getattr(records[number], field), (number, field)
+    assert record["wait_seconds"] >= record["quorum_seconds"]
+    assert {p["learner"]: p["steps"] for p in record["participants"]} == {"w0": 2, "w1": 2}
+
+
 def test_status_of_unreachable_storage_says_so_in_one_line(capsys, monkeypatch):
   import socket  # pylint: disable=g-import-not-at-top
 

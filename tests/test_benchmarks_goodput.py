@@ -6,6 +6,7 @@ No timing thresholds: the machine's load sets the figures, not the code.
 
 import argparse
 import json
+import random
 
 import numpy as np
 import pytest
@@ -80,3 +81,14 @@ def test_data_parallel_reference_is_plain_sgd_on_the_learners_batches():
   expected = 0.5 * np.mean((x.astype(np.float64) @ w + b - y) ** 2)
   np.testing.assert_allclose(reference["final_loss"], expected, rtol=1e-4)
   assert [c["tokens"] for c in reference["curve"]] == [0, 3 * 4 * 16, 6 * 4 * 16]
+
+
+def test_kill_plan_kills_at_one_random_round_of_every_block_for_the_whole_run():
+  plan = goodput.KillPlan(20, random.Random(0))
+  kills = [committed for committed in range(200) if plan.due(committed)]
+  # One kill in each block of 20 committed rounds, all along, not a fixed count per run.
+  assert [k // 20 for k in kills] == list(range(10)), kills
+  assert len(set(k % 20 for k in kills)) > 1  # at random rounds of their blocks
+  # A poll that sees several rounds commit at once still kills once per block due.
+  plan = goodput.KillPlan(20, random.Random(0))
+  assert [plan.due(59) for _ in range(4)] == [True, True, True, False]

@@ -138,12 +138,15 @@ def test_speeds_set_the_steps_of_each_round():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("options", [
     dict(fragments=2),
+    dict(overlap_steps=2),
+    dict(overlap_steps=3, fragments=2),
     dict(overlap_steps=None),
     dict(overlap_steps=None, in_flight=2, fragments=2),
     dict(outer_delay=1),
     dict(outer_delay=1, eager=True),
     dict(error_feedback=0.9, delta_precision="I4"),
-], ids=["fragments", "overlap-none", "in-flight", "delayed", "eager", "feedback"])
+], ids=["fragments", "overlap-2", "overlap-3-fragments", "overlap-none", "in-flight",
+        "delayed", "eager", "feedback"])
 def test_adaptive_with_other_options(options):
   config = gmjax.DiLoCo(sync_every=8, adaptive_steps=True, **options)
   run, out, merges = _train(config, [0.01, 0.03], rounds=4)
@@ -176,6 +179,12 @@ def test_adaptive_with_other_options(options):
       for f in range(schedule.fragments):
         covered = sum(_steps(r)[name] for r in records if r.fragment == f)
         assert covered == learner.local_step, (name, f)
+    if config.overlap_steps == 0 and not config.outer_delay and not config.error_feedback:
+      # Each contribution holds its steps trained from the Θ merged at its last publish.
+      _assert_theta_matches_reference(config, run, records, out)
+    # With overlap_steps > 0 a learner trains on past its publish before it merges, with
+    # outer_delay its phases start from older versions, and error feedback adds the
+    # residuals of quantized deltas: the reference models none of them.
     return
   # With overlap_steps=None and mixing 0 a merge replaces the fragment by Θ: each
   # contribution covers the steps since the learner's last merge of the fragment, or
@@ -189,6 +198,12 @@ def test_adaptive_with_other_options(options):
       start = max([previous[name, f], *(m for m in merges[name][f] if m < published)])
       assert p.steps == published - start, (record.round, p, merges[name])
       previous[name, f] = published
+  _assert_theta_matches_reference(config, run, records, out)
+
+
+def _assert_theta_matches_reference(config, run, records, out):
+  """The newest committed Θ of every fragment is numpy DiLoCo's of the records' steps and
+  tokens (``mail_support.records_reference``)."""
   expected = ms.records_reference(config, run.plan, records,
                                   {name: ms.target(int(name[1:])) for name in out})
   for f, version in run.newest_versions().items():

@@ -48,6 +48,24 @@ def test_follower_does_not_wait_on_a_designated_closer_that_sent_nothing():
   assert [p.learner for p in run.rounds()[0].participants] == ["b"]
 
 
+POLL_S = 0.1  # the survivor's poll interval
+MARGIN_POLLS = 20  # a loaded machine's closer may see a deadline a few polls late
+
+
+def _train_timing_steps(run, name, steps, poll, blocked):
+  """Trains ``steps`` steps and closes; ``blocked[step_count]``: the seconds of the
+  ``step`` call that reached that global step."""
+  learner = run.join(name, poll_interval=poll)
+  params = learner.pull(ms.params0())
+  goal = ms.target(0)
+  for _ in range(steps):
+    params = ms.inner(params, goal)
+    started = time.monotonic()
+    params = learner.step(params)
+    blocked[learner.step_count] = time.monotonic() - started
+  learner.close(params)
+
+
 @pytest.mark.timeout(120)
 def test_survivor_of_a_killed_peer_closes_alone_and_records_its_wait(tmp_path):
   url = str(tmp_path / "run")
@@ -58,11 +76,11 @@ def test_survivor_of_a_killed_peer_closes_alone_and_records_its_wait(tmp_path):
   victim = ms.spawn(url, "a", 1, 10_000, step_sleep=0.4)
   try:
     ms.wait_for(lambda: run.store.exists(layout.heartbeat("a")), 60, "a to join")
-    out, threads = {}, ms.Threads()
+    blocked, threads = {}, ms.Threads()
     # s polls every 0.1 s: its grace is 30 polls (3 s) and a dead learner stays live
     # for it 50 polls (5 s) after its last heartbeat, so the round after the kill
     # reaches the end of its grace while "a" still counts as live.
-    threads.start(ms.train, mail.open(url), "s", 0, 16, out=out, poll=0.1)
+    threads.start(_train_timing_steps, mail.open(url), "s", 16, POLL_S, blocked)
     ms.wait_for(lambda: run.store.exists(layout.commit(0, 2)), 60, "round 1's commit")
     ms.kill(victim)
     threads.join(timeout=90)
@@ -73,9 +91,13 @@ def test_survivor_of_a_killed_peer_closes_alone_and_records_its_wait(tmp_path):
   after = [r for r in rounds if r.round >= 2]
   assert all([p.learner for p in r.participants] == ["s"] for r in after)
   assert all(r.closer == "s" for r in after)
+  schedule = run.manifest.schedule
   for r in after:
     assert None not in (r.wait_seconds, r.grace_seconds, r.takeover_seconds)
     assert r.wait_seconds >= r.quorum_seconds
+    # The record shows no more than the real wait: s's closer opened the round after s
+    # published it, inside the step that then waited for its commit (overlap_steps=0).
+    assert r.wait_seconds <= blocked[schedule.step_of(r.round)], (r.round, blocked)
   # Rounds closed while the dead "a" still counted as live: s waited out the grace
   # period (the stall shows in the record), then closed at once, though "a" was the
   # designated closer: it had sent nothing, so it was not watching the round.
@@ -85,6 +107,13 @@ def test_survivor_of_a_killed_peer_closes_alone_and_records_its_wait(tmp_path):
     assert r.grace_seconds > 0 and r.wait_seconds >= r.grace_seconds
     assert r.takeover_seconds < r.grace_seconds, (r.round, r.grace_seconds,
                                                   r.takeover_seconds)
+    # s stalled no longer than the run's timeout (the grace period: the timeout of the
+    # newest record's estimates before the round) and the polls the closer takes to see
+    # it run out: no second timeout (a takeover, the dead peer's liveness) stacked on it.
+    timeout = max(q.estimates.timeout(POLL_S) for q in rounds if q.round < r.round)
+    bound = timeout + MARGIN_POLLS * POLL_S
+    assert r.grace_seconds <= bound and r.wait_seconds <= bound, (
+        r.round, r.wait_seconds, r.grace_seconds, timeout)
 
 
 @pytest.mark.timeout(120)

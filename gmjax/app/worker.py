@@ -7,10 +7,9 @@ the learner saves there at each commit it applies (``Run.join(..., state_dir=...
 
 A learner that rejoins a run (``gmjax train --resume``) pulls Θ at the step of the run's
 newest committed round and restores what it saved in its state dir: its Adam moments,
-the schedule's position and its data position go on from the step of its save, which is
-that step unless the run moved on while it was stopped (then it trains on from the run's
-step with the moments it saved). Without a saved state its moments start from zero and
-the schedule and data go on from the run's step.
+the schedule's position and its data position go on from its save
+(``resume_position``). Without a saved state its moments start from zero and the
+schedule and data go on from the run's step.
 
 With ``[train] learner_speeds`` a slower learner sleeps after each inner step (but its
 first, which compiles) so that the step takes ``max(speeds) / speed`` times its compute,
@@ -31,6 +30,7 @@ import datetime
 import json
 import os
 import time
+from typing import Any, NamedTuple
 
 import numpy as np
 import optax
@@ -45,9 +45,9 @@ def inner_optimizer(cfg: config_lib.TrainConfig, start: int = 0) -> optax.Gradie
 
   Args:
     cfg: the job's config.
-    start: the global step at the optimizer state's count 0: the schedule is at step
-      ``count + start`` (a learner that rejoins with fresh Adam moments passes the step
-      it starts at).
+    start: the schedule's step at the optimizer state's count 0: the schedule is at
+      step ``count + start`` (a learner that rejoins with fresh Adam moments passes the
+      step it starts at; ``resume_position``).
   """
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, cfg.learning_rate, max(cfg.warmup_steps, 1), max(cfg.steps, cfg.warmup_steps + 1),
@@ -59,6 +59,57 @@ def inner_optimizer(cfg: config_lib.TrainConfig, start: int = 0) -> optax.Gradie
 
   return optax.chain(optax.clip_by_global_norm(1.0),
                      optax.adamw(learning_rate, weight_decay=cfg.weight_decay))
+
+
+class Position(NamedTuple):
+  """Where a learner's data and schedule go on from when it starts or rejoins.
+
+  Attributes:
+    step: the learner's data position: the batches of its shard it has gone past (its
+      own steps trained, plus any skipped at a rejoin), and the ``step`` of its next
+      metrics record minus one.
+    schedule_offset: the schedule is at the optimizer's count plus this (see
+      ``inner_optimizer``), so that it is at ``step`` after each inner step.
+  """
+
+  step: int
+  schedule_offset: int
+
+
+def resume_position(start: int, restored: Any, adaptive: bool) -> Position:
+  """The data and schedule position of a learner that (re)joins at the run's step ``start``.
+
+  The learner saves ``{"step", "schedule_offset"}`` of its ``Position`` with its Adam
+  state at each commit it applies. With fixed steps its steps are the run's steps while
+  it runs; with adaptive steps a slower learner trains fewer steps of its own than the
+  run's step (``learner.step_count``), which jumps at each round it publishes early, so
+  its data and schedule follow its own steps, never the run's step.
+
+  * Nothing restored (a new run, or no saved state): the data and the schedule go on from
+    ``start``, with the optimizer's count at zero.
+  * ``restored.exact``: the learner goes on from its save, data and schedule where they
+    were (its saved position, which under adaptive steps is behind ``start``).
+  * Not exact (the run moved on while the learner was stopped), fixed steps: the data is
+    skipped and the schedule brought to ``start``, in step with the other learners.
+  * Not exact, adaptive steps: from its save, as when exact: it trained no steps of its
+    own while it was stopped.
+
+  Args:
+    start: ``learner.step_count`` after ``pull`` and ``restore``.
+    restored: what ``learner.restore`` gave (``gmjax.mail.Restored``), or None.
+    adaptive: whether the run has ``adaptive_steps``.
+
+  Returns:
+    ``Position(step, schedule_offset)``.
+  """
+  if restored is None:
+    return Position(start, start)
+  saved = Position(int(restored.position["step"]), int(restored.position["schedule_offset"]))
+  if restored.exact or adaptive:
+    return saved
+  # The optimizer's count goes on from the save's: the offset takes the schedule on by
+  # the steps the run moved past the save.
+  return Position(start, saved.schedule_offset + start - saved.step)
 
 
 def _joined_since(run, since: str) -> int:
@@ -123,13 +174,7 @@ def main(argv: list[str] | None = None) -> None:
   restored = None
   if args.state_dir is not None:
     restored = learner.restore(inner_optimizer(cfg).init(params))
-  start = learner.step_count  # the newest committed round's step (0 in a new run) or the save's
-  if restored is None:
-    offset = start
-  else:
-    # Exact: the save's step is start. Moved on: the count goes on from the save's, and
-    # the schedule is brought to the run's step.
-    offset = restored.position["schedule_offset"] + start - restored.position["step"]
+  start, offset = resume_position(learner.step_count, restored, cfg.diloco.adaptive_steps)
   batches.skip(start)
   optimizer = inner_optimizer(cfg, offset)
   train_step, evaluate_fn = model.make_train_step(graphdef, optimizer)
