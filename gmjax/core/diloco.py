@@ -89,7 +89,8 @@ class DiLoCo:
       residual ``e`` of every fragment, publishes ``q = encode(β·e + Δ)`` and keeps
       ``e ← β·e + Δ − decode(q)``, so what quantization drops from one delta travels
       with the next ones. It needs deltas that travel lossily (a quantized or 16-bit
-      ``delta_precision``) and costs 4 bytes per parameter on each learner. In mail
+      ``delta_precision``, None with 16-bit parameters, or top-k sparse deltas at any
+      precision) and costs 4 bytes per parameter on each learner. In mail
       mode the residuals live in the learner's memory: a restarted learner starts from
       zero.
     outer_delay: ``0`` (DiLoCo) or ``1``: delayed outer gradients (Kale et al.). A
