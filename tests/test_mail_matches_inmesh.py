@@ -1,6 +1,8 @@
 """Mail mode and in-mesh mode compute the same parameters on the same data.
 
-SPEC: with all learners contributing, ``overlap_steps=0`` and no faults, learners that
+SPEC: with all learners contributing, ``overlap_steps=0`` (or ``τ`` with ``in_flight`` at
+least ``⌈τ / ⌊H/P⌋⌉``, the rounds a learner has published within ``τ`` steps: fewer make
+it merge a round before its ``τ`` steps are up) and no faults, learners that
 meet through storage end where ``gmjax.diloco`` learners on a mapped axis end (up to
 float summation order), with the in-mesh outer step sharded over the learners (the
 default) and any outer optimizer.
@@ -110,11 +112,13 @@ def by_mail(config, tmp_path, poisoned=False):
                      eager=True, error_feedback=1.0, nesterov=False),
         gmjax.DiLoCo(sync_every=4, fragments=2, delta_precision="I4", mixing=0.5,
                      commit_precision="BF16", layer_axis={"a": 0}),
+        gmjax.DiLoCo(sync_every=4, fragments=2, overlap_steps=3, in_flight=2, mixing=0.5),
     ],
     ids=["diloco", "streaming-f8-mixing", "streaming-i4-bf16-commits", "outer-adam",
          "streaming-i2-i2-commits-error-feedback", "f8-mixing-error-feedback-0.5",
          "streaming-i2-top2-of-5-error-feedback", "delayed", "streaming-i4-delayed",
-         "eager", "streaming-f8-eager-error-feedback", "layer-blocks-i4-bf16-commits"],
+         "eager", "streaming-f8-eager-error-feedback", "layer-blocks-i4-bf16-commits",
+         "streaming-overlap-past-the-next-round"],
 )
 def test_mail_learners_end_where_in_mesh_learners_end(config, tmp_path):
   config = dataclasses.replace(config, flush_on_close=False)

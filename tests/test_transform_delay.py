@@ -89,6 +89,19 @@ def test_parameter_histories_match_numpy(learners, fragments, eager, shard, prec
     assert same == (eager and learners == 1 and other.get("outer_delay") == 0), other
 
 
+@pytest.mark.parametrize("commit_precision", ["I4", "F16"])
+def test_eager_learners_start_from_the_committed_theta(commit_precision):
+  # With lossy commits an eager learner's start is the committed Θ plus its correction,
+  # not an F32 copy of its own: the commit's rounding is in it (0.14 apart at I4, 2e-3 at
+  # F16, from learners that each kept an F32 copy).
+  setup = _setup(3, 2, True, "F8_E4M3", commit_precision=commit_precision)
+  history, _, _ = _history(setup, True)
+  expected = reference.run(setup, STEPS)
+  for m in range(3):
+    harness.assert_tree_close({n: v[m] for n, v in history[-1].items()},
+                              expected["theta"][m], what=f"learner {m} θ")
+
+
 @pytest.mark.parametrize("eager", [False, True])
 def test_one_learner_without_axis_matches_numpy(eager):
   setup = _setup(1, 2, eager)

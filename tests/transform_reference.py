@@ -12,7 +12,9 @@ from the start of its own inner phase, and the next phase starts from the Θ bef
 round (the outer step on the previous round's aggregate). With ``eager`` every learner
 runs its own outer optimizer (its own F32 copy and momentum) on the paper's
 ``g̃_m = g_{k−1} − w_{m,k−1}·Δ_{m,k−1} + w_{m,k−1}·Δ_{m,k}`` (``w = 1/M`` before any
-round) and starts its next phase there.
+round) and starts its next phase there; with a lossy ``commit_precision`` that is the
+committed Θ before the round plus the learner's correction (its copy minus the master),
+since Θ is all a learner receives.
 The loop knows nothing of shards: a sharded run must compute what it computes.
 """
 
@@ -211,7 +213,8 @@ def run(setup: Setup, steps: int) -> dict:
                      for n in names}
           outer_update(setup, mixture, own_master[m], own_momentum[m], None, 0)
           for n in names:
-            begin[m][n] = own_master[m][n].copy()
+            begin[m][n] = (own_master[m][n].copy() if setup.commit_precision is None else
+                           (before[n] + (own_master[m][n] - master[n])).astype(F32))
             previous_delta[m][n] = mine[n]
           previous_weight[m, f] = weights[m] if finite and m in kept else 0.0
         for n in names:

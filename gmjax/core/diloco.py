@@ -66,7 +66,11 @@ class DiLoCo:
     mixing: the share of its local θ a learner keeps when it aligns, in ``[0, 1)``.
     overlap_steps: ``τ``, steps trained past publishing before merging a round's commit;
       ``0`` is classic DiLoCo, ``None`` (mail only) bounds waiting by ``in_flight``.
-    in_flight: rounds a learner may keep outstanding (mail).
+    in_flight: rounds a learner may keep outstanding (mail): one that is to publish a
+      round while ``in_flight`` of its rounds await their merges merges the oldest first,
+      before its ``overlap_steps`` are up (in-mesh learners, which ignore it, merge every
+      round ``overlap_steps`` past its sync). ``⌈overlap_steps / ⌊sync_every /
+      fragments⌋⌉`` rounds train as in-mesh.
     quorum_size: contributions that can close a round after the grace period (mail).
     flush_on_close: a leaving learner publishes its last steps as final contributions.
     global_batch_size: the batch the live learners share (mail).
@@ -89,7 +93,8 @@ class DiLoCo:
       residual ``e`` of every fragment, publishes ``q = encode(β·e + Δ)`` and keeps
       ``e ← β·e + Δ − decode(q)``, so what quantization drops from one delta travels
       with the next ones. It needs deltas that travel lossily (a quantized or 16-bit
-      ``delta_precision``) and costs 4 bytes per parameter on each learner. In mail
+      ``delta_precision``, None with 16-bit parameters, or top-k sparse deltas at any
+      precision) and costs 4 bytes per parameter on each learner. In mail
       mode the residuals live in the learner's memory: a restarted learner starts from
       zero.
     outer_delay: ``0`` (DiLoCo) or ``1``: delayed outer gradients (Kale et al.). A
