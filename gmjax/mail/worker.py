@@ -42,10 +42,11 @@ from gmjax.mail import layout
 from gmjax.mail import recovery
 from gmjax.mail import retention
 from gmjax.mail import states
-from gmjax.mail.closer import Closer, Watch
+from gmjax.mail.closer import Closer
 from gmjax.mail.errors import CorruptRecord, LearnerClosed, RoundTimeout
 from gmjax.mail.heartbeats import Roster
 from gmjax.mail.records import RoundRecord
+from gmjax.mail.watch import Watch
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,151 @@
+"""What one observer knows about an open round, and what it makes of it at the close.
+
+A ``Watch`` is one learner's view of a round it watches: the contributions it listed and
+validated (``gmjax.mail.closer.Closer.scan`` fills it), when each arrived, and when the
+round reached its quorum, became complete and became closable (``Closer.decide``). The
+functions here read a watch and nothing else (no store, no clock): ``screen`` (the
+contributions as they are aggregated: outliers rejected, tokens clamped),
+``arrival_spread`` (the run's quorum estimate) and ``round_waits`` (the waits the round
+record carries). They live apart from ``gmjax.mail.closer``, which reads storage, decides
+and commits, so that what a round saw reads in one place and how it closes in another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any
+
+import numpy as np
+
+from gmjax.core import guards
+from gmjax.core.records import Contribution
+from gmjax.mail import contributions
+from gmjax.mail.errors import ContributionRejected
+
+log = logging.getLogger("gmjax.mail.closer")  # one log for closing rounds, whichever part writes
+
+
+@dataclasses.dataclass
+class Watch:
+  """What one observer knows about one open round."""
+
+  round: int
+  fragment: int
+  version: int
+  found: dict[str, Contribution | ContributionRejected] = dataclasses.field(
+      default_factory=dict)
+  markers: dict[str, str | None] = dataclasses.field(default_factory=dict)  # when found
+  arrived: dict[str, float] = dataclasses.field(default_factory=dict)  # first listed
+  listed: set[str] = dataclasses.field(default_factory=set)  # seen, not yet validated
+  norms: dict[str, float] = dataclasses.field(default_factory=dict)  # per step, by learner
+  clamped: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  opened: float | None = None
+  opened_at: str | None = None
+  quorum_seen: float | None = None
+  complete_since: float | None = None  # every live learner had contributed
+  closable_since: float | None = None
+
+  @property
+  def valid(self) -> list[Contribution]:
+    return [c for c in self.found.values() if isinstance(c, Contribution)]
+
+  @property
+  def rejected(self) -> list[ContributionRejected]:
+    return [c for c in self.found.values() if isinstance(c, ContributionRejected)]
+
+  @property
+  def contributors(self) -> set[str]:
+    """Learners with a contribution here, valid or not yet validated (a rejected file
+    does not stand for its learner)."""
+    return {c.learner for c in self.valid} | {
+        contributions.learner_of(entry) for entry in self.listed}
+
+  def to_read(self, listing: dict[str, str | None]) -> list[str]:
+    """The entries of ``listing`` (name -> change marker) to read: new ones, and rejected
+    ones that changed since (or whose change the store cannot tell)."""
+    entries = []
+    for entry, marker in listing.items():
+      if entry.endswith(".tmp") or isinstance(self.found.get(entry), Contribution):
+        continue
+      if entry not in self.found or marker is None or self.markers.get(entry) != marker:
+        entries.append(entry)
+    return entries
+
+
+def screen(watch: Watch) -> tuple[list[Contribution], list[ContributionRejected],
+                                list[dict[str, Any]]]:
+  """The round's contributions as they are aggregated: outliers rejected, tokens clamped.
+
+  Returns:
+    ``(valid, rejected, clamped)``: the contributions to aggregate (sorted by learner,
+    tokens clamped), every rejection (outliers included) and every clamp, as the round
+    record lists them.
+  """
+  valid = sorted(watch.valid, key=lambda c: c.learner)
+  rejected = list(watch.rejected)
+  clamped = [c for c in watch.clamped if c["learner"] in {v.learner for v in valid}]
+  norms = np.asarray([watch.norms[c.learner] for c in valid], np.float64)
+  references = guards.reference(norms)
+  kept = []
+  for contribution, norm, reference, outlier in zip(
+      valid, norms, references, guards.outliers(norms, guards.OUTLIER_FACTOR)):
+    if outlier:
+      rejected.append(ContributionRejected(
+          contribution.learner,
+          f"delta norm per step {norm:.3g} is an outlier: more than"
+          f" {guards.OUTLIER_FACTOR:g}x {reference:.3g}, the lower median of the others'"))
+      log.warning("round %d: %s", watch.round, rejected[-1])
+    else:
+      kept.append(contribution)
+  per_step = np.asarray([c.tokens / c.steps for c in kept], np.float64)
+  valid = []
+  for contribution, reference in zip(kept, guards.reference(per_step)):
+    cap = guards.OUTLIER_FACTOR * reference * contribution.steps
+    if not math.isnan(reference) and contribution.tokens > cap:
+      clamped.append({"learner": contribution.learner, "field": "tokens",
+                      "reported": contribution.tokens, "used": int(cap)})
+      contribution = dataclasses.replace(contribution, tokens=int(cap))
+    valid.append(contribution)
+  return valid, rejected, clamped
+
+
+def arrival_spread(watch: Watch, valid: list[Contribution]) -> float | None:
+  """Seconds from the first aggregated contribution's arrival to the lower median's: the
+  run's quorum estimate.
+
+  Counted over the contributions that are aggregated only (a rejected or planted file
+  arrives whenever its writer likes), and a median, so learners that always publish
+  late, fewer than half of them, move neither this nor the timeouts built from it. The
+  round's own wait (``quorum_seconds``, until every live learner was in) is recorded,
+  never fed back: a late learner stretches its round, not the next ones' grace.
+
+  Returns:
+    The spread, or None when this observer saw no aggregated contribution arrive.
+  """
+  aggregated = {c.learner for c in valid}
+  times = sorted(at for entry, at in watch.arrived.items()
+                 if isinstance(watch.found.get(entry), Contribution)
+                 and watch.found[entry].learner in aggregated)
+  if not times:
+    return None
+  return times[(len(times) - 1) // 2] - times[0]
+
+
+def round_waits(watch: Watch, decided: float) -> dict[str, float | None]:
+  """The round's waits as this closer saw them, up to ``decided`` (when it closed).
+
+  Returns:
+    ``wait_seconds`` (from the round's opening here, the first contribution this closer
+    listed, to the close), ``grace_seconds`` (from the quorum to closable: the wait past
+    the quorum for the rest, until they were all in or the grace ran out) and
+    ``takeover_seconds`` (from closable to the close: a follower waiting on the
+    designated closer); None where this closer did not see the moment.
+  """
+  def between(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else max(0.0, end - start)
+
+  return {"wait_seconds": between(watch.opened, decided),
+          "grace_seconds": between(watch.quorum_seen, watch.closable_since),
+          "takeover_seconds": between(watch.closable_since, decided)}
