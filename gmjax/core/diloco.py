@@ -14,31 +14,21 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import json
-import types
 from collections.abc import Mapping
 from typing import Any, Self
 
-import numpy as np
 import optax
 
-from gmjax.core import eager as eager_updates
-from gmjax.core import feedback, layers, outer, robust
+from gmjax.core import diloco_checks, feedback, layers, outer, robust
 from gmjax.core.records import Precision
 from gmjax.core.schedule import RoundSchedule
 from gmjax.core.schema import Schema
-from gmjax.core.wire import Wire, check_precision
+from gmjax.core.wire import Wire
 
 
 CUSTOM = "custom"
 """``DiLoCo.outer`` when the outer optimizer is given in code: ``gmjax.diloco(...,
 outer=tx)``."""
-
-
-def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
-  if allow_none and value is None:
-    return
-  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-    raise ValueError(f"DiLoCo {name} must be a positive int, got {value!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,87 +169,13 @@ class DiLoCo:
   adaptive_steps: bool = False
 
   def __post_init__(self):
-    _positive_int("sync_every", self.sync_every)
-    _positive_int("fragments", self.fragments)
-    if self.fragments > self.sync_every:
-      raise ValueError(
-          f"DiLoCo needs 1 <= fragments <= sync_every, got fragments={self.fragments},"
-          f" sync_every={self.sync_every}: every fragment must sync once per sync_every"
-          " steps, so lower fragments or raise sync_every."
-      )
-    lr = self.outer_learning_rate
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0 or not np.isfinite(lr):
-      raise ValueError(
-          f"DiLoCo outer_learning_rate must be a positive number, got {lr!r}"
-          " (the paper uses 0.7)."
-      )
-    mu = self.outer_momentum
-    if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0 <= mu < 1:
-      raise ValueError(
-          f"DiLoCo outer_momentum must be in [0, 1), got {mu!r} (the paper uses 0.9)."
-      )
-    if not isinstance(self.nesterov, bool):
-      raise ValueError(f"DiLoCo nesterov must be a bool, got {self.nesterov!r}.")
-    check_precision(self.delta_precision, "delta_precision")
-    check_precision(self.commit_precision, "commit_precision")
-    self._check_sparse()
-    mixing = self.mixing
-    if isinstance(mixing, bool) or not isinstance(mixing, (int, float)) or not 0 <= mixing < 1:
-      raise ValueError(
-          f"DiLoCo mixing must be in [0, 1), got {mixing!r}: it is the share of local"
-          " parameters kept when aligning to a commit (0 adopts the commit)."
-      )
-    if self.overlap_steps is not None:
-      tau = self.overlap_steps
-      if isinstance(tau, bool) or not isinstance(tau, int) or not 0 <= tau < self.sync_every:
-        raise ValueError(
-            f"DiLoCo overlap_steps must be None or an int in [0, sync_every), got {tau!r}"
-            f" with sync_every={self.sync_every}: the next round of a fragment needs the"
-            " merged anchor."
-        )
-    _positive_int("in_flight", self.in_flight)
-    _positive_int("quorum_size", self.quorum_size, allow_none=True)
-    _positive_int("global_batch_size", self.global_batch_size, allow_none=True)
-    if not isinstance(self.flush_on_close, bool):
-      raise ValueError(f"DiLoCo flush_on_close must be a bool, got {self.flush_on_close!r}.")
-    if not isinstance(self.adaptive_steps, bool):
-      raise ValueError(
-          f"DiLoCo adaptive_steps must be a bool, got {self.adaptive_steps!r}: True lets"
-          " mail learners train for the same wall time per round instead of the same"
-          " number of steps.")
-    options = self.outer_options
-    if options is not None:
-      if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
-        raise ValueError(
-            f"DiLoCo outer_options must be None or a dict of keyword arguments of"
-            f" optax.{self.outer}, got {options!r}."
-        )
-      try:
-        # A JSON round trip: the manifest stores the options, and every closer must
-        # build the same optimizer from them.
-        frozen = json.loads(json.dumps(dict(options), sort_keys=True, allow_nan=False))
-      except (TypeError, ValueError) as error:
-        raise ValueError(
-            f"DiLoCo outer_options must be JSON (numbers, strings, bools, lists, dicts),"
-            f" got {options!r}: {error}."
-        ) from None
-      object.__setattr__(self, "outer_options", types.MappingProxyType(frozen))
-    self._check_layer_axis()
+    """Checks every field as the configuration is made (``gmjax.core.diloco_checks``)."""
+    diloco_checks.check_fields(self)
     if self.outer == CUSTOM:
-      self._check_custom_outer()
+      diloco_checks.check_custom_outer(self)
     else:
       self.outer_transform()  # fails now, naming the argument, rather than at the first round
-    eager_updates.check(self)
-    robust.check(self.aggregation, self.trim)
-    if self.eager and self.aggregation != robust.MEAN:
-      raise ValueError(
-          f"DiLoCo eager=True needs aggregation='mean', got"
-          f" aggregation={self.aggregation!r}: an eager learner swaps its own weighted"
-          " delta in the mean, which a robust rule does not form; set eager=False.")
-    if self.error_feedback is not None:
-      # A float, so that equal configurations hash alike (their JSON is the same).
-      object.__setattr__(self, "error_feedback",
-                         feedback.check(self.error_feedback, self.delta_wire))
+    diloco_checks.check_exchange(self)
 
   def check_parameters(self, schema: Schema) -> None:
     """Checks what the configuration needs of the parameters of ``schema``.
@@ -270,39 +186,6 @@ class DiLoCo:
     """
     self.cut(schema)
     feedback.check_schema(self.error_feedback, self.delta_wire, schema)
-
-  def _check_sparse(self):
-    topk, chunk = self.delta_topk, self.delta_chunk
-    if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
-      raise ValueError(
-          f"DiLoCo delta_topk must be None (dense deltas) or a positive int, got {topk!r}:"
-          " it is the number of values each chunk of delta_chunk values keeps."
-      )
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= 2**32:
-      raise ValueError(
-          f"DiLoCo delta_chunk must be a positive int (at most 2**32), got {chunk!r}:"
-          " it is the length of the chunks delta_topk keeps values of (4096 by default)."
-      )
-    if topk is not None and chunk < topk:
-      raise ValueError(
-          f"DiLoCo needs delta_chunk >= delta_topk, got delta_chunk={chunk},"
-          f" delta_topk={topk}: a chunk keeps at most all its values, so raise"
-          " delta_chunk or lower delta_topk."
-      )
-
-  def _check_layer_axis(self):
-    axes = self.layer_axis
-    if axes is None:
-      return
-    if (not isinstance(axes, Mapping) or not axes
-        or not all(isinstance(k, str) and k for k in axes)
-        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                   for v in axes.values())):
-      raise ValueError(
-          f"DiLoCo layer_axis must be None or a non-empty dict from a leaf path prefix to"
-          f" the non-negative axis its layers are stacked on, got {axes!r}; e.g."
-          " {'layers': 0} for nnx.scan, {'decoder/layers': 1} for MaxText.")
-    object.__setattr__(self, "layer_axis", types.MappingProxyType(dict(axes)))
 
   def cut(self, schema: Schema) -> Schema:
     """The schema whose leaves the fragments hold: ``schema`` itself, or with
@@ -340,18 +223,6 @@ class DiLoCo:
 
   def __hash__(self):
     return hash(json.dumps(self.to_json(), sort_keys=True))
-
-  def _check_custom_outer(self) -> None:
-    defaults = {f.name: f.default for f in dataclasses.fields(self)}
-    ignored = [f"{name}={getattr(self, name)!r}"
-               for name in ("outer_learning_rate", "outer_momentum", "nesterov", "outer_options")
-               if getattr(self, name) != defaults[name]]
-    if ignored:
-      raise ValueError(
-          f"DiLoCo outer='custom' takes the outer optimizer given in code"
-          f" (gmjax.diloco(inner, config, outer=tx)), so {', '.join(ignored)} would not be"
-          f" used; leave them at their defaults, or name an optax optimizer in outer"
-          f" (e.g. outer='sgd') to use them.")
 
   def _refuse_custom(self, what: str) -> None:
     if self.outer == CUSTOM:
