@@ -98,7 +98,7 @@ def _inject_faults(rng: random.Random, error_rate: float, die_rate: float) -> No
       return method(self, *args, **kwargs)
     return call
 
-  for name in ("_get", "_put", "_create", "_list", "_delete"):
+  for name in ("_get", "_put", "_create", "_list", "_list_dated", "_delete"):
     setattr(store.LocalStore, name, flaky(getattr(store.LocalStore, name)))
   write_commit = states.write_commit
 

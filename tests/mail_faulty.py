@@ -51,6 +51,10 @@ class FaultyStore(Store):
     self._maybe_fail("list", prefix)
     return self.inner._list_marked(prefix)  # pylint: disable=protected-access
 
+  def _list_dated(self, prefix):
+    self._maybe_fail("list", prefix)
+    return self.inner._list_dated(prefix)  # pylint: disable=protected-access
+
   def _delete(self, path):
     self._maybe_fail("delete", path)
     self.inner._delete(path)  # pylint: disable=protected-access

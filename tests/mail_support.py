@@ -186,3 +186,20 @@ def wait_for(condition, timeout, what):
       return
     time.sleep(0.02)
   raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+def check_dated_listing(store) -> None:
+  """``store.list_dated`` names what ``list`` names, dates each object by the storage's
+  clock (the tests' servers run on this machine: within a few seconds of its clock;
+  S3 dates to the second), and dates no folder; a rewrite dates the object again."""
+  before = time.time()
+  store.put("dated/one.json", b"1")
+  store.put("dated/sub/two.bin", b"2")
+  dated = store.list_dated("dated")
+  assert list(dated) == store.list("dated") == ["one.json", "sub"]
+  assert dated["sub"] is None
+  assert before - 2.0 <= dated["one.json"] <= time.time() + 2.0, (before, dated)
+  assert store.list_dated("dated/nothing") == {}
+  time.sleep(1.1)
+  store.put("dated/one.json", b"11")
+  assert store.list_dated("dated")["one.json"] > dated["one.json"]

@@ -16,10 +16,12 @@ import pytest
 
 import gmjax
 from gmjax import mail
+from gmjax.mail import heartbeats
 from gmjax.mail import layout
 from gmjax.mail import recovery
 from gmjax.mail import retention
 from gmjax.mail import states
+from gmjax.mail import store as store_lib
 
 import mail_support as ms
 
@@ -264,6 +266,40 @@ def test_dead_heartbeats_claims_and_junk_are_compacted(tmp_path, monkeypatch):
   assert set(entries) <= own, entries[:10]
   assert run.store.temporaries("learners") == []
   assert run.store.list("learners/a0.claims") == ["2"]  # the first join's claim went
+
+
+def test_a_new_closer_compacts_what_the_storage_dates_long_ago(tmp_path):
+  # Where learners come and go faster than dead_after, no closer lives to see an entry
+  # unchanged that long: the storage's own dates judge it, at a closer's first
+  # compaction. Claims without a heartbeat (a drop a kill cut short), a stray file and
+  # a malformed heartbeat written an hour ago go; the same written now, and a live
+  # learner's heartbeat and claims, stay.
+  store = store_lib.open_store(str(tmp_path / "run"))
+  now = time.time()
+  live = {"name": "live", "status": "live", "seq": 3, "incarnation": "f" * 32,
+          "last_seen": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+  store.put(layout.heartbeat("live"), json.dumps(live).encode())
+  store.put("learners/live.claims/1", b"f" * 32)
+  for age in ("old", "new"):
+    store.put(f"learners/{age}-orphan.claims/1", b"0" * 32)
+    store.put(f"learners/{age}-junk.txt", b"x")
+    store.put(f"learners/{age}-bad.json", b"{not json")
+  for path in ("old-orphan.claims/1", "old-junk.txt", "old-bad.json"):
+    os.utime(tmp_path / "run" / "learners" / path, (now - 3600, now - 3600))
+  roster = heartbeats.Roster(store)
+  roster.refresh()
+  assert set(roster.records) == {"live"} and set(roster.bad) == {"old-bad", "new-bad"}
+  everything = store.list("learners")
+  # By sight alone a new closer deletes nothing: it has seen nothing unchanged yet.
+  assert retention.Compactor(store).compact(roster, 20.0, interval=0.0) == []
+  assert store.list("learners") == everything
+  removed = retention.Compactor(store).compact(roster, 20.0, interval=0.0,
+                                               storage_clock=time.time)
+  assert sorted(removed) == ["learners/old-bad.json", "learners/old-junk.txt",
+                             "learners/old-orphan.claims/1"]
+  assert store.list("learners") == ["live.claims", "live.json", "new-bad.json",
+                                    "new-junk.txt", "new-orphan.claims"]
+  assert store.list("learners/live.claims") == ["1"]
 
 
 def test_files_planted_under_strangers_names_are_counted_not_listed(tmp_path):

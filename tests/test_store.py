@@ -10,6 +10,8 @@ import pytest
 from gmjax import mail
 from gmjax.mail import store as store_lib
 
+import mail_support as ms
+
 
 @pytest.fixture(params=["local", "memory"])
 def store(request, tmp_path):
@@ -32,6 +34,10 @@ def test_put_get_list_delete(store):
   store.delete("a/b")
   assert store.list("a") == ["two.bin"]
   store.delete("a/missing")  # absent: no error
+
+
+def test_list_dated_dates_objects_by_the_storage_clock(store):
+  ms.check_dated_listing(store)
 
 
 def test_create_is_exclusive(store):

@@ -66,6 +66,11 @@ def test_store_operations(bucket):
 
 
 @pytest.mark.timeout(60)
+def test_list_dated_dates_objects_by_the_storage_clock(bucket):
+  ms.check_dated_listing(store_lib.open_store(_url(bucket)))
+
+
+@pytest.mark.timeout(60)
 def test_exclusive_create_race(bucket):
   url = _url(bucket)
   stores = [store_lib.open_store(url) for _ in range(6)]  # separate clients

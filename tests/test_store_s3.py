@@ -96,6 +96,10 @@ def test_store_operations(options):
   assert store.list("a") == ["two.bin"]
 
 
+def test_list_dated_dates_objects_by_the_storage_clock(options):
+  ms.check_dated_listing(store_lib.open_store(_url(), storage_options=options))
+
+
 def test_a_replaced_object_shows_a_new_marker(options):
   # A closer reads a rejected contribution again once its ETag changes.
   store = store_lib.open_store(_url(), storage_options=options)

@@ -371,7 +371,11 @@ class Closer:
       retention.prune(self.store, self.manifest, record.fragment, record.version)
       if self.manifest.keep_versions is not None:
         dead_after = retention.DEAD_TIMEOUTS * self.liveness_timeout()
-        self._compactor.compact(roster, dead_after, interval=dead_after / 4)
+        # The storage's clock now: the date of the commit record just written.
+        clock = lambda: self.store.list_dated(f"fragments/{record.fragment}").get(
+            f"{record.version}.commit.json")
+        self._compactor.compact(roster, dead_after, interval=dead_after / 4,
+                                storage_clock=clock)
     except Exception as error:  # pylint: disable=broad-except
       log.warning("pruning after version %d of fragment %d failed (the next commit"
                   " tries again): %r", record.version, record.fragment, error)

@@ -18,7 +18,8 @@ versions kept and reports the pruned ones as pruned, not missing.
 
 The closer also keeps ``learners/`` short (``Compactor``): a heartbeat unchanged for
 ``DEAD_TIMEOUTS`` liveness timeouts (by the observer's clock; on first sight, by its
-``last_seen``) belongs to a dead incarnation and is deleted with its claims; so are
+``last_seen``; or by the storage's dates, which any closer can read at once) belongs to a
+dead incarnation and is deleted with its claims; so are
 heartbeats that stayed malformed or forged that long, claims without a heartbeat, and
 anything else planted there, and temporary files a kill tore mid-write. A live name's claims of earlier incarnations go too. A
 round record lists every rejected contribution of a learner with a heartbeat, and at
@@ -31,7 +32,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from gmjax.mail import commits
@@ -233,14 +234,24 @@ class Compactor:
       return False
     return now - seen[1] > dead_after
 
-  def compact(self, roster, dead_after: float, *, interval: float) -> list[str]:
+  def compact(self, roster, dead_after: float, *, interval: float,
+              storage_clock: Callable[[], float | None] | None = None) -> list[str]:
     """Deletes dead heartbeats, their claims and planted entries under ``learners/``.
+
+    An entry is dead once unchanged for ``dead_after`` seconds, as this closer saw it
+    (the roster's clock for valid heartbeats, first sight for the rest), or, with
+    ``storage_clock``, as the storage's own dates say (``Store.list_dated``): a closer
+    that has just started judges an entry written long ago at once, so that learners
+    that come and go faster than ``dead_after`` still get ``learners/`` compacted.
 
     Args:
       roster: the closer's ``heartbeats.Roster`` (its valid heartbeats, the ignored
         ones, and when it saw each change).
       dead_after: seconds an entry must stay unchanged before it is deleted.
       interval: the least seconds between two compactions.
+      storage_clock: returns the storage's clock now (or None), e.g. the date of the
+        record this closer has just written; called once a compaction. None judges by
+        sight only.
 
     Returns:
       The paths deleted.
@@ -249,25 +260,29 @@ class Compactor:
     if now - self._last < interval:
       return []
     self._last = now
-    entries = self._store.list("learners")
-    beats = {e[: -len(".json")] for e in entries if e.endswith(".json")}
+    storage_now = None if storage_clock is None else storage_clock()
+    dated = self._store.list_dated("learners")
+    old = lambda date: (storage_now is not None and date is not None
+                        and storage_now - date > dead_after)
+    beats = {e[: -len(".json")] for e in dated if e.endswith(".json")}
     dead, removed = set(), []
-    for entry in entries:
+    for entry, date in dated.items():
       if entry.endswith(".json"):
         name = entry[: -len(".json")]
         record = roster.records.get(name)
         if record is not None:
-          if not roster.fresh(name, dead_after):
+          if not roster.fresh(name, dead_after) or old(date):
             dead.add(name)
           continue
         reason = roster.bad.get(name)
-        if self._stale(entry, reason, now, dead_after):
+        if self._stale(entry, reason, now, dead_after) or old(date):
           dead.add(name)  # ignored (malformed, forged, planted) all that time
       elif entry.endswith(".claims") and layout.is_valid_name(entry[: -len(".claims")]):
         name = entry[: -len(".claims")]
-        if name not in beats and self._stale(entry, None, now, dead_after):
+        if name not in beats and (self._stale(entry, None, now, dead_after)
+                                  or self._claims_old(name, old)):
           removed += self._drop_claims(name, None)  # a claim whose holder never beat
-      elif self._stale(entry, None, now, dead_after):
+      elif self._stale(entry, None, now, dead_after) or old(date):
         self._store.delete(f"learners/{entry}")  # neither a heartbeat nor claims
         removed.append(f"learners/{entry}")
     for name in sorted(dead):
@@ -285,6 +300,11 @@ class Compactor:
     if removed:
       log.info("compacted learners/: %d entries removed", len(removed))
     return removed
+
+  def _claims_old(self, name: str, old: Callable[[float | None], bool]) -> bool:
+    """Whether every claim of ``name`` is ``old`` by its date (a folder has none)."""
+    dates = self._store.list_dated(f"learners/{name}.claims").values()
+    return bool(dates) and all(old(date) for date in dates)
 
   def _drop_name(self, name: str, record: dict[str, Any] | None) -> list[str]:
     """Deletes a dead name's heartbeat (if it is still the one judged), then its claims."""

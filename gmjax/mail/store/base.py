@@ -202,6 +202,11 @@ class Store(abc.ABC):
     this (this default knows no markers: None, read the object again)."""
     return {name: None for name in self._list(prefix)}
 
+  def _list_dated(self, prefix: str) -> dict[str, float | None]:
+    """The names directly under ``prefix``, each with its date; backends override this
+    (this default knows no dates: None)."""
+    return {name: None for name in self._list(prefix)}
+
   @abc.abstractmethod
   def _delete(self, path: str) -> None:
     """Removes ``path`` (a file or a folder); nothing if it is already gone."""
@@ -353,6 +358,16 @@ class Store(abc.ABC):
     """
     marked = self._retry("list", prefix, lambda: self._list_marked(prefix.strip("/")))
     return dict(sorted(marked.items()))
+
+  def list_dated(self, prefix: str) -> dict[str, float | None]:
+    """Names directly under ``prefix``, sorted, each with the time its object was last
+    written, in seconds since the epoch by the storage's own clock (a local disk's
+    modification time, an object store's update time): every date of one store comes
+    from one clock, whichever machine wrote the object, so two of them can be compared.
+    None for a folder, and where the backend cannot tell.
+    """
+    dated = self._retry("list", prefix, lambda: self._list_dated(prefix.strip("/")))
+    return dict(sorted(dated.items()))
 
   def delete(self, path: str) -> None:
     """Removes the object at ``path`` (or the tree under it); no error if absent."""

@@ -19,6 +19,7 @@ one lock (``_MEMORY_LOCK``): the learners of a run in one process share that dic
 from __future__ import annotations
 
 import contextlib
+import datetime
 import importlib
 import logging
 import os
@@ -37,6 +38,31 @@ _MEMORY_LOCK = threading.RLock()
 # What changes when an object is replaced: s3fs reports ETag, gcsfs generation, memory://
 # created (and every backend size).
 _MARKERS = ("type", "size", "ETag", "generation", "created")
+# Where each filesystem's details give an object's last write: gcsfs ("mtime", a
+# datetime; "updated" in ISO form), s3fs ("LastModified"), fsspec's memory filesystem
+# ("created", seconds).
+_DATES = ("mtime", "LastModified", "updated", "created")
+
+
+def _date(info: dict[str, Any]) -> float | None:
+  """When the object ``info`` describes was last written, in seconds since the epoch by
+  the storage's clock; None for a folder, or where the details say nothing of it."""
+  if info.get("type") != "file":
+    return None
+  for field in _DATES:
+    value = info.get(field)
+    if isinstance(value, str):
+      with contextlib.suppress(ValueError):
+        value = datetime.datetime.fromisoformat(value)
+    if isinstance(value, datetime.datetime):
+      if value.tzinfo is None:
+        value = value.replace(tzinfo=datetime.timezone.utc)
+      return value.timestamp()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      return float(value)
+  return None
+
+
 # The fsspec filesystem package each cloud protocol needs, and the gmjax extra that
 # installs it.
 _EXTRAS = {"gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"),
@@ -182,7 +208,8 @@ class FsspecStore(Store):
         names.append(name)
     return sorted(set(names))
 
-  def _list_marked(self, prefix: str) -> dict[str, str]:
+  def _details(self, prefix: str) -> dict[str, dict[str, Any]]:
+    """Each entry directly under ``prefix``, with the filesystem's details of it."""
     target = self._path(prefix)
     self.fs.invalidate_cache(target)
     try:
@@ -190,13 +217,20 @@ class FsspecStore(Store):
         entries = self.fs.ls(target, detail=True, **self._limit())
     except (FileNotFoundError, NotADirectoryError):
       return {}
-    marked = {}
+    details = {}
     for info in entries:
       entry = str(info["name"]).rstrip("/")
       name = entry.rsplit("/", 1)[-1]
       if name and entry != target.rstrip("/"):
-        marked[name] = ":".join(str(info.get(field)) for field in _MARKERS)
-    return marked
+        details[name] = info
+    return details
+
+  def _list_marked(self, prefix: str) -> dict[str, str]:
+    return {name: ":".join(str(info.get(field)) for field in _MARKERS)
+            for name, info in self._details(prefix).items()}
+
+  def _list_dated(self, prefix: str) -> dict[str, float | None]:
+    return {name: _date(info) for name, info in self._details(prefix).items()}
 
   def _delete(self, path: str) -> None:
     target = self._path(path)

@@ -161,23 +161,30 @@ class LocalStore(Store):
       return []
     return sorted(n for n in names if n.endswith(".tmp"))
 
-  def _list_marked(self, prefix: str) -> dict[str, str]:
-    marked = {}
+  def _stats(self, prefix: str) -> dict[str, os.stat_result]:
+    """Each entry directly under ``prefix`` (temporary files left out), with its stat."""
+    stats = {}
     try:
       with os.scandir(self._path(prefix)) as entries:
         for entry in entries:
           if entry.name.endswith(".tmp"):
             continue
           try:
-            info = entry.stat(follow_symlinks=False)
+            stats[entry.name] = entry.stat(follow_symlinks=False)
           except FileNotFoundError:
             continue  # removed since the listing
-          # A put replaces the file by another (a new inode), whatever the clock says.
-          marked[entry.name] = (f"{info.st_size}:{info.st_ino}:{info.st_mtime_ns}"
-                                f":{info.st_ctime_ns}")
     except (FileNotFoundError, NotADirectoryError):
       return {}
-    return marked
+    return stats
+
+  def _list_marked(self, prefix: str) -> dict[str, str]:
+    # A put replaces the file by another (a new inode), whatever the clock says.
+    return {name: f"{info.st_size}:{info.st_ino}:{info.st_mtime_ns}:{info.st_ctime_ns}"
+            for name, info in self._stats(prefix).items()}
+
+  def _list_dated(self, prefix: str) -> dict[str, float | None]:
+    return {name: None if stat.S_ISDIR(info.st_mode) else info.st_mtime
+            for name, info in self._stats(prefix).items()}
 
   def _delete(self, path: str) -> None:
     target = self._path(path)
