@@ -69,7 +69,7 @@ from gmjax.mail import placement
 from gmjax.mail import retention
 from gmjax.mail import states
 from gmjax.mail.errors import RoundTimeout
-from gmjax.mail.worker import Commit, Publish
+from gmjax.mail.worker_jobs import Commit, Publish
 
 log = logging.getLogger("gmjax.mail.learner")  # one log for the learner, whichever part writes
 

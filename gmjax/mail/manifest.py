@@ -18,7 +18,8 @@ from gmjax.core.diloco import DiLoCo
 from gmjax.core.schema import Schema
 from gmjax.mail import layout
 from gmjax.mail import signing
-from gmjax.mail.errors import AuthenticationError, CorruptRecord
+from gmjax.mail.errors import AuthenticationError, CorruptRecord, RunNotFound
+from gmjax.mail.store import Store
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +160,17 @@ class Manifest:
   @property
   def schedule(self):
     return self.config.schedule(len(self.plan))
+
+
+def read_manifest(store: Store, url: str) -> Manifest:
+  """The manifest of the run at ``url`` (``store``); ``RunNotFound`` if it has none."""
+  try:
+    data = store.get(layout.MANIFEST)
+  except FileNotFoundError:
+    raise RunNotFound(
+        f"no run at {url!r} (no {layout.MANIFEST}); create one with"
+        " gmjax.mail.create(url, params, config).") from None
+  return Manifest.loads(data)
 
 
 def _keep_versions(record: dict[str, Any]) -> int | None:

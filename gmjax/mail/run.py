@@ -1,11 +1,9 @@
 """A run: its manifest and records on storage, ``create``/``open``, and what it reports.
 
-``create`` writes ``manifest.json`` exclusively, then version 0 of every fragment: the
-creator's parameters (``DiLoCo.initial_state``: Θ at the schema dtype, zero momentum, an
-F32 master where one is kept) saved with Orbax like any version and committed by an
-exclusive ``0.commit.json`` whose ``round`` is null. Creating again with the same schema,
-configuration, plan and key opens the existing run (its version 0 stands); anything else
-raises ``RunExists``.
+``create`` returns the ``Run``; its checks and writes (``manifest.json`` exclusively, then
+version 0 of every fragment) are ``gmjax.mail.run_create``'s, which imports nothing from
+here. Creating again with the same schema, configuration, plan and key opens the
+existing run (its version 0 stands); anything else raises ``RunExists``.
 """
 
 from __future__ import annotations
@@ -13,25 +11,19 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import numbers
-import uuid
 from typing import Any
 
-import jax
-import numpy as np
-
 from gmjax.core import guards
-from gmjax.core.aggregator import DiLoCoAggregator
-from gmjax.core.diloco import CUSTOM, DiLoCo
-from gmjax.core.schedule import Estimates
+from gmjax.core.diloco import DiLoCo
 from gmjax.core.schema import Schema
 from gmjax.mail import heartbeats
 from gmjax.mail import layout
-from gmjax.mail import retention
+from gmjax.mail import run_create
 from gmjax.mail import signing
 from gmjax.mail import states
 from gmjax.mail.commits import NOT_SIGNED, DamagedCommit, commit_slots
-from gmjax.mail.errors import AuthenticationError, CorruptRecord, RunExists, RunNotFound
-from gmjax.mail.manifest import Manifest, utc_now
+from gmjax.mail.errors import AuthenticationError, CorruptRecord, RunNotFound
+from gmjax.mail.manifest import Manifest, read_manifest
 from gmjax.mail.heartbeats import Heartbeat
 from gmjax.mail.records import RoundRecord
 from gmjax.mail.store import Store, open_store
@@ -122,7 +114,7 @@ class Run:
     layout.check_name(name)
     if self.key is not None:
       # The manifest may have changed on storage since this run was opened.
-      stored = _read_manifest(self.store, self.url)
+      stored = read_manifest(self.store, self.url)
       stored.check_key(self.key, self.url)
       if stored != self.manifest:
         raise AuthenticationError(
@@ -332,64 +324,9 @@ def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = N
     >>> gmjax.mail.create(url, params, config).plan  # the same run again: it is opened
     (('b',), ('w',))
   """
-  if not isinstance(config, DiLoCo):
-    raise TypeError(f"config must be a gmjax.DiLoCo, got {type(config).__name__}.")
-  if config.outer == CUSTOM:
-    raise ValueError(
-        f"gmjax.mail.create: config.outer={CUSTOM!r} means the outer optimizer is given in"
-        " code, but every learner and closer of a mail run builds the outer step from the"
-        " configuration in the run's manifest; name an optax optimizer in config.outer"
-        " (e.g. dataclasses.replace(config, outer='sgd'), or 'adam' with outer_options).")
-  keep_versions = retention.check_keep_versions(keep_versions)
-  key = _key(key)
-  store = open_store(url, storage_options=storage_options)
-  schema = config.cut(Schema.from_tree(params))
-  config.check_parameters(schema)
-  empty = [p for p in schema.parameters if p.size == 0]
-  if empty:
-    # Orbax, which stores every state, refuses arrays without elements; refuse them
-    # here, before the manifest is written, rather than leave a half-created run.
-    raise ValueError(
-        f"gmjax.mail.create: params leaf {empty[0].name!r} has shape {empty[0].shape}, no"
-        f" elements ({len(empty)} such leaf(s)); a run cannot store an empty array: leave"
-        " it out of the parameters the run trains.")
-  for name, leaf in Schema.from_tree(params).flatten(params).items():
-    bad = int(np.size(leaf) - np.count_nonzero(np.isfinite(np.asarray(leaf, np.float32))))
-    if bad:
-      # Θ at version 0 would hold them, and so would every learner's first delta.
-      raise ValueError(
-          f"gmjax.mail.create: params leaf {name!r} holds {bad} NaN or Inf value(s); a"
-          " run starts from finite parameters: initialize them again (or replace the"
-          " non-finite values) before create.")
-  manifest = Manifest.new(schema, config, key, keep_versions)
-  if not store.create(layout.MANIFEST, manifest.dumps()):
-    existing = _read_manifest(store, url)
-    if key is not None and existing.key_matches(key):
-      existing.check_signature(key, url)
-    differences = existing.same_run(manifest, key)
-    if differences:
-      raise RunExists(
-          f"a run with another {', '.join(differences)} exists at {url!r}; open it with"
-          " gmjax.mail.open(url) or create the new run at another URL.")
-    manifest = existing
-  flat = {n: jax.device_get(v) for n, v in schema.flatten(params).items()}
-  for fragment, names in enumerate(manifest.plan):
-    if states.committed_versions(store, fragment):
-      continue
-    state = DiLoCoAggregator(config, schema.subset(names)).initial_state(flat)
-    nonce = uuid.uuid4().hex[:12]
-    files = states.save_state(store, fragment, state, nonce)
-    files = states.save_theta(store, files, state.theta)
-    record = RoundRecord(
-        round=None, fragment=fragment, version=0, step=0, participants=(), rejected=(),
-        final=(), outer_step=False, cosine=None, estimates=Estimates(), live=(),
-        closer="create", state=files.state, update=None, theta=files.theta,
-        state_sha256=files.state_sha256, update_sha256=None,
-        state_files=files.state_files, state_names=files.state_names,
-        theta_sha256=states.theta_digest(state.theta), committed_at=utc_now())
-    if not states.write_commit(store, record, signing.run_key(key, manifest.auth)):
-      states.remove_state(store, files)
-  return Run(url, store, manifest, key)
+  created = run_create.write_run(url, params, config, key=key, keep_versions=keep_versions,
+                                 storage_options=storage_options)
+  return Run(url, created.store, created.manifest, created.key)
 
 
 def open(url: str, *, key: bytes | str | None = None,  # pylint: disable=redefined-builtin
@@ -412,7 +349,7 @@ def open(url: str, *, key: bytes | str | None = None,  # pylint: disable=redefin
   """
   key = _key(key)
   store = open_store(url, retry_seconds=retry_seconds, storage_options=storage_options)
-  manifest = _read_manifest(store, url)
+  manifest = read_manifest(store, url)
   manifest.check_key(key, url)
   _check_manifest_signs_records(store, url, signing.run_key(key, manifest.auth))
   return Run(url, store, manifest, key)
@@ -431,12 +368,3 @@ def _check_manifest_signs_records(store: Store, url: str, signer: bytes | None) 
         " fragment 0 is not signed for it): manifest.json was replaced, e.g. copied from"
         " another run with the same key; restore the run's own manifest.")
 
-
-def _read_manifest(store: Store, url: str) -> Manifest:
-  try:
-    data = store.get(layout.MANIFEST)
-  except FileNotFoundError:
-    raise RunNotFound(
-        f"no run at {url!r} (no {layout.MANIFEST}); create one with"
-        " gmjax.mail.create(url, params, config).") from None
-  return Manifest.loads(data)

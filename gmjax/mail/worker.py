@@ -17,19 +17,21 @@ What the training thread may read is published as immutable values (``live_count
 ``estimates``). If the worker fails, every pending and later request fails with
 ``LearnerClosed``, and ``on_failure`` is called at once (the learner marks its heartbeat
 failed).
+
+The jobs and answers that cross the queue (``Publish``, ``Commit``, ...) live in
+``gmjax.mail.worker_jobs``; ``Publish`` and ``Commit`` are importable from here too.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import queue
 import threading
 import time
 import types
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
@@ -44,89 +46,15 @@ from gmjax.mail import retention
 from gmjax.mail import states
 from gmjax.mail.closer import Closer
 from gmjax.mail.errors import CorruptRecord, LearnerClosed, RoundTimeout
-from gmjax.mail.heartbeats import Roster
+from gmjax.mail.heartbeats import Known, Roster
 from gmjax.mail.records import RoundRecord
 from gmjax.mail.watch import Watch
+from gmjax.mail.worker_jobs import Commit as Commit
+from gmjax.mail.worker_jobs import Key as Key
+from gmjax.mail.worker_jobs import Publish as Publish
+from gmjax.mail.worker_jobs import Request, Stop, Warm
 
 log = logging.getLogger(__name__)
-
-Key = tuple[int, int]  # (fragment, version)
-
-
-@dataclasses.dataclass(frozen=True)
-class Publish:
-  """A contribution for the worker to upload (``Worker.publish``).
-
-  Attributes:
-    round: the round it contributes to.
-    fragment: the round's fragment.
-    base_version: the version its delta is taken against.
-    local_step: the learner's own step count when it published.
-    steps: inner steps the delta covers.
-    tokens: tokens those steps trained.
-    step_seconds: the learner's seconds per step (0 when not timed yet).
-    final: a leaving learner's last contribution.
-    delta: the delta (leaf name -> array), for the worker to encode; or None when
-      ``entries`` holds it encoded already (by the learner, where error feedback's
-      residual or the eager correction must follow the bytes).
-    entries: the encoded delta, or None.
-  """
-
-  round: int
-  fragment: int
-  base_version: int
-  local_step: int
-  steps: int
-  tokens: int
-  step_seconds: float
-  final: bool
-  delta: dict[str, Any] | None = None
-  entries: dict[str, Any] | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Request:
-  """A future to resolve with the ``Commit`` of ``key`` once it is committed."""
-  key: Key
-  future: concurrent.futures.Future
-
-
-@dataclasses.dataclass(frozen=True)
-class _Warm:
-  """Read the roster and compile the closer for the learners live now."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Stop:
-  """Let the queued uploads go out, then end the thread."""
-
-
-class Commit(NamedTuple):
-  """What a ``request`` resolves to: Θ of the version (leaf name → array) and the round
-  record that committed it."""
-  theta: dict[str, np.ndarray]
-  record: RoundRecord
-
-
-class _Known:
-  """Learner names with a heartbeat; a miss refreshes the roster, at most once a scan.
-
-  A learner writes its heartbeat before any contribution, so a roster read after a
-  scan's listing (``since``, set before the scan lists) knows every learner whose file
-  the listing holds: files planted under a thousand names cost one refresh, not one each.
-  """
-
-  def __init__(self, roster: Roster):
-    self._roster = roster
-    self.since = float("-inf")
-
-  def __contains__(self, name: object) -> bool:
-    if name in self._roster.records:
-      return True
-    if self._roster.refreshed >= self.since:
-      return False
-    self._roster.refresh()
-    return name in self._roster.records
 
 
 class Worker:
@@ -152,7 +80,7 @@ class Worker:
     self.fragment_schemas = [manifest.schema.subset(n) for n in manifest.plan]
     self._on_failure = on_failure
     self._roster = Roster(store, key)
-    self._known = _Known(self._roster)
+    self._known = Known(self._roster)
     self._inbox: queue.Queue = queue.Queue()
     self._watches: dict[int, Watch] = {}
     self._requests: dict[Key, list[concurrent.futures.Future]] = {}
@@ -171,7 +99,7 @@ class Worker:
     """Starts the thread. With ``warm`` it first compiles the closer for the learners
     live now, so that the first round does not wait on a compile."""
     if warm:
-      self._inbox.put(_Warm())
+      self._inbox.put(Warm())
     self._thread.start()
 
   def publish(self, job: Publish) -> None:
@@ -185,12 +113,12 @@ class Worker:
     if self.failure is not None:
       future.set_exception(self._closed_error())
     else:
-      self._inbox.put(_Request((fragment, version), future))
+      self._inbox.put(Request((fragment, version), future))
     return future
 
   def stop(self, timeout: float) -> None:
     """Lets queued uploads go out, then ends the thread (waiting up to ``timeout``)."""
-    self._inbox.put(_Stop())
+    self._inbox.put(Stop())
     if self._thread.is_alive():
       self._thread.join(timeout)
 
@@ -273,11 +201,11 @@ class Worker:
     while True:
       if isinstance(message, Publish):
         self._upload(message)
-      elif isinstance(message, _Request):
+      elif isinstance(message, Request):
         self._requests.setdefault(message.key, []).append(message.future)
-      elif isinstance(message, _Warm):
+      elif isinstance(message, Warm):
         self._refresh_roster()
-      elif isinstance(message, _Stop):
+      elif isinstance(message, Stop):
         self._stopping = True
       try:
         message = self._inbox.get_nowait()
@@ -306,7 +234,7 @@ class Worker:
         message = self._inbox.get_nowait()
       except queue.Empty:
         return
-      if isinstance(message, _Request) and not message.future.done():
+      if isinstance(message, Request) and not message.future.done():
         message.future.set_exception(self._closed_error())
 
   def _cycle(self) -> None:
