@@ -22,155 +22,11 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gmjax.core.diloco import CUSTOM, DiLoCo
-from gmjax.transform import control, elementwise, explicit, finite, rounds, structure
+from gmjax.core.diloco import DiLoCo
+from gmjax.transform import checks, control, elementwise, explicit, finite, rounds
+from gmjax.transform import structure
 from gmjax.transform import tokens as token_counts
 from gmjax.transform.state import DiLoCoState, RoundState, initial_statistics
-
-
-def _check(inner: Any, config: Any, axis_name: Any, outer: Any, shard_outer: Any) -> None:
-  if not isinstance(config, DiLoCo):
-    raise TypeError(
-        f"gmjax.diloco: config must be a gmjax.DiLoCo, got {type(config).__name__};"
-        " build one with gmjax.DiLoCo(sync_every=...)."
-    )
-  if config.overlap_steps is None:
-    raise ValueError(
-        "gmjax.diloco: config.overlap_steps=None bounds waiting by in_flight, which only the"
-        " mail runtime does; in-mesh training needs an int in [0, sync_every), e.g."
-        " dataclasses.replace(config, overlap_steps=0)."
-    )
-  if config.adaptive_steps:
-    raise ValueError(
-        "gmjax.diloco: config.adaptive_steps=True lets each learner train as many steps as"
-        " its speed allows in a round's wall time, but in-mesh learners step in lockstep"
-        " (one program, one step count); use dataclasses.replace(config,"
-        " adaptive_steps=False), or the mail runtime (gmjax.mail) for learners of"
-        " different speeds."
-    )
-  for what, value in (("inner", inner), ("outer", outer)):
-    if value is not None and not (hasattr(value, "init") and hasattr(value, "update")):
-      raise TypeError(
-          f"gmjax.diloco: {what} must be an optax GradientTransformation, got {value!r};"
-          " pass e.g. optax.adamw(1e-3)."
-      )
-  if inner is None:
-    raise TypeError("gmjax.diloco: inner must be an optax GradientTransformation, got None.")
-  if isinstance(axis_name, (list, set, dict)):
-    raise TypeError(
-        f"gmjax.diloco: axis_name must be None, an axis name or a tuple of them, got"
-        f" {axis_name!r}."
-    )
-  if shard_outer not in (None, True, False):
-    raise ValueError(f"gmjax.diloco: shard_outer must be None or a bool, got {shard_outer!r}.")
-  if outer is not None and config.eager:
-    raise ValueError(
-        "gmjax.diloco: config.eager=True runs each learner's own copy of the outer step,"
-        " which it builds from the config (outer SGD); leave outer=None.")
-  if outer is not None and config.outer != CUSTOM:
-    raise ValueError(
-        f"gmjax.diloco: outer= was given, but {config.outer_description()} is what the"
-        f" config says would run (and what config.to_json() records); pass"
-        f" dataclasses.replace(config, outer={CUSTOM!r}) to run the outer= optimizer, or"
-        " drop outer= to run the config's.")
-  if outer is None and config.outer == CUSTOM:
-    raise ValueError(
-        f"gmjax.diloco: config.outer={CUSTOM!r} means the outer optimizer is given in code,"
-        " but outer= is None; pass gmjax.diloco(inner, config, outer=tx), or name an optax"
-        " optimizer in the config, e.g. dataclasses.replace(config, outer='sgd').")
-  if shard_outer and axis_name is None:
-    raise ValueError(
-        "gmjax.diloco: shard_outer=True shards the outer state over the learners' axis,"
-        " but axis_name is None; pass axis_name=... or leave shard_outer unset."
-    )
-
-
-def _bound_axes() -> tuple[str, ...]:
-  """The mapped axis names bound here (``vmap``/``pmap`` names, ``shard_map``'s manual
-  axes), as far as JAX says: for error messages only."""
-  names = set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
-  try:
-    # JAX has no public query for the names vmap binds; a message can do without them.
-    from jax._src import core as jax_core  # pylint: disable=g-import-not-at-top
-
-    mapped = jax_core.get_axis_env().axis_names()
-  except Exception:  # pylint: disable=broad-except
-    mapped = ()
-  return tuple(sorted(str(n) for n in names | set(mapped)))
-
-
-def _axis_size(axis_name: Any, where: str, sharded: bool) -> int:
-  """``M``, the size of the learners' axis, which must be bound here (raises otherwise).
-
-  ``where`` is ``"init"`` or ``"update"``, for the message.
-  """
-  try:
-    return int(lax.psum(1, axis_name))
-  except NameError:
-    bound = _bound_axes()
-  here = (f"the mapped axes bound here are {list(bound)}" if bound
-          else "no mapped axis is bound here")
-  fix = (f"pass axis_name={bound[0]!r} to gmjax.diloco if that is the learners' axis, or"
-         f" map {where} over axis_name={axis_name!r}" if bound else
-         f"call {where} inside the mapped axis, e.g. jax.vmap(optimizer.{where},"
-         f" axis_name={axis_name!r}), or inside the shard_map / pmap of the step")
-  why = ("so that the state holds one learner's shard of the outer state" if where == "init"
-         else "whose learners it synchronizes")
-  raise ValueError(
-      f"gmjax.diloco: {where} must run inside the learners' mapped axis {axis_name!r},"
-      f" {why}, but {here}: {fix}."
-      + (" Or pass shard_outer=False to replicate the outer state (then init may run"
-         " outside the axis)." if sharded and where == "init" else "")
-  ) from None
-
-
-def _check_like(what: str, tree: Any, like: Any, structured: str, shaped: str,
-                fix: str) -> None:
-  """Raises unless ``tree`` (named ``what``) has the structure and leaf shapes of
-  ``like``. ``structured`` and ``shaped`` say what ``like`` is (``shaped`` may name the
-  leaf's ``{path}``); ``fix`` ends the message."""
-  found = structure.mismatch(tree, like)
-  if found is None:
-    return
-  kind, path, got, want = found
-  if kind == "structure":
-    raise ValueError(f"gmjax.diloco: update got {what} structured as {got}, but"
-                     f" {structured} {want}; {fix}.")
-  raise ValueError(f"gmjax.diloco: update got {what}{path} of shape {got}, but"
-                   f" {shaped.format(path=path)} {want}; {fix}.")
-
-
-def _check_params(params: Any, anchor: Any) -> None:
-  """Raises unless ``params`` has the structure and shapes the state was built for."""
-  _check_like("params", params, anchor, "the state was built for",
-              "the state was built for shape",
-              "build the state with optimizer.init on the parameters as they are now")
-
-
-def _check_updates(updates: Any, params: Any) -> None:
-  """Raises unless ``updates`` (the gradients) have the structure and shapes of
-  ``params``: the inner optimizer and the step combine them leaf by leaf."""
-  _check_like("updates", updates, params, "params are structured as",
-              "params{path} has shape",
-              "pass the gradients of these params, shaped and structured like them:"
-              " update(grads, state, params)")
-
-
-def _check_state(state: Any, expected: Any) -> None:
-  """Raises unless ``state`` is laid out as ``expected``, what ``init`` builds for the
-  parameters now (shapes only, so that no layout or dtype detail of a restored
-  checkpoint counts)."""
-  found = structure.state_mismatch(state, expected)
-  if found is None:
-    return
-  path, got, want = found
-  raise ValueError(
-      f"gmjax.diloco: update got a state whose state{path} is {got}, where this"
-      f" optimizer's init builds {want}: the state was built for another configuration"
-      " (fragments, layer_axis, error_feedback, commit_precision, outer_delay, the outer"
-      " optimizer, shard_outer, the learners' count, the inner optimizer); build it with"
-      " this optimizer's init, or, for a checkpoint, restore it with the config it was"
-      " saved with.")
 
 
 def _unbatched(count: jax.Array, dropped: jax.Array,
@@ -334,7 +190,7 @@ def diloco(
   References:
     Douillard et al., arXiv 2311.08105; Douillard et al., arXiv 2501.18512.
   """
-  _check(inner, config, axis_name, outer, shard_outer)
+  checks.arguments(inner, config, axis_name, outer, shard_outer)
   sharded = axis_name is not None if shard_outer is None else shard_outer
   tx = config.outer_transform() if outer is None else outer
   alias = config.outer if outer is None else None
@@ -348,7 +204,7 @@ def diloco(
   sync_every = config.sync_every
 
   def layout_of(params, where):
-    learners = _axis_size(axis_name, where, sharded) if sharded else None
+    learners = checks.axis_size(axis_name, where, sharded) if sharded else None
     return structure.Layout(config, params, learners, tx, axis_name, acts_elementwise)
 
   def init_fn(params):
@@ -374,12 +230,12 @@ def diloco(
           "gmjax.diloco: update needs params (the deltas are anchor − params); call"
           " update(grads, state, params)."
       )
-    _check_params(params, state.anchor)
-    _check_updates(updates, params)
+    checks.params(params, state.anchor)
+    checks.updates(updates, params)
     if axis_name is not None and not sharded:
-      _axis_size(axis_name, "update", sharded)  # the learners' axis must be bound
+      checks.axis_size(axis_name, "update", sharded)  # the learners' axis must be bound
     layout = layout_of(params, "update")  # checks that the learners' axis is bound
-    _check_state(state, jax.eval_shape(init_fn, params))
+    checks.state(state, jax.eval_shape(init_fn, params))
     step_tokens, bad_tokens = token_counts.step_tokens(tokens)
     learner = lax.axis_index(axis_name) if sharded else None
     # The inner step takes each learner's own parameters, where its gradients were
