@@ -29,6 +29,12 @@ def _tree(leaves):
 
 
 def _compiled(config, learners, leaves, shard_outer=True):
+  """The compiled step's text size and its number of collectives."""
+  text = _compiled_text(config, learners, leaves, shard_outer)
+  return len(text), len({c.name for c in hlo.collective_bytes(text)})
+
+
+def _compiled_text(config, learners, leaves, shard_outer=True):
   optimizer = gmjax.diloco(optax.adamw(1e-3), config, axis_name="learner",
                            shard_outer=shard_outer)
   mesh = jax.make_mesh((learners,), ("learner",), devices=jax.devices()[:learners])
@@ -43,10 +49,8 @@ def _compiled(config, learners, leaves, shard_outer=True):
         jax.tree.map(lambda x: jnp.stack([x] * learners), _tree(leaves)), sharding)
     init = jax.jit(jax.vmap(optimizer.init, axis_name="learner", spmd_axis_name="learner"))
     state = jax.device_put(init(params), sharding)
-    text = jax.jit(jax.vmap(step, axis_name="learner", spmd_axis_name="learner")).lower(
+    return jax.jit(jax.vmap(step, axis_name="learner", spmd_axis_name="learner")).lower(
         params, state).compile().as_text()
-  names = {c.name for c in hlo.collective_bytes(text)}
-  return len(text), len(names)
 
 
 CONFIGS = {
@@ -71,6 +75,17 @@ def test_step_is_the_same_size_at_any_learner_count(name):
   large_text, large_collectives = _compiled(config, 8, 8)
   assert large_collectives == small_collectives
   assert large_text <= 1.25 * small_text, (small_text, large_text)
+
+
+@pytest.mark.parametrize("precision", ["I4", "F8_E4M3", "BF16"])
+def test_a_fragments_deltas_cross_in_one_all_to_all(precision):
+  # A quantized bucket's codes and scales cross as one array: XLA:CPU writes each
+  # operand of an all_to_all out device by device, so two would double what grows with
+  # the learners (at 32 learners, 256 of P=4 I4's kernels instead of 128).
+  config = gmjax.DiLoCo(sync_every=4, fragments=2, delta_precision=precision)
+  text = _compiled_text(config, 2, 4)
+  exchanges = {c.name for c in hlo.collective_bytes(text) if c.op == "all-to-all"}
+  assert len(exchanges) == config.fragments, sorted(exchanges)
 
 
 @pytest.mark.parametrize("precision", ["I4", "BF16"])

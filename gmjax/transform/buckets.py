@@ -169,6 +169,30 @@ def from_wire(arrays: Sequence[jax.Array], code: str) -> jax.Array:
   return values.reshape(*blocks, 32)
 
 
+def joined(arrays: Sequence[jax.Array]) -> jax.Array:
+  """The wire ``arrays`` of one bucket (``to_wire``: codes ``(…, k)`` and scales ``(…)``,
+  or a value array alone) as one array that crosses in one collective: codes and the
+  scales' bytes side by side, ``uint8`` ``(…, k + 4)``; ``split`` undoes it.
+
+  XLA:CPU writes each operand of an ``all_to_all`` out device by device (a slice and a
+  copy per device and operand), so two arrays a bucket cost twice the program of one as
+  the learners grow.
+  """
+  if len(arrays) == 1:
+    return arrays[0]
+  codes, scales = arrays
+  return jnp.concatenate([codes, lax.bitcast_convert_type(scales, jnp.uint8)], axis=-1)
+
+
+def split(crossed: jax.Array, like: Sequence[jax.Array]) -> list[jax.Array]:
+  """The wire arrays shaped as ``like`` out of ``crossed`` (the inverse of ``joined``)."""
+  if len(like) == 1:
+    return [crossed]
+  width = like[0].shape[-1]
+  scales = lax.bitcast_convert_type(crossed[..., width:], like[1].dtype)
+  return [crossed[..., :width], scales]
+
+
 def gathered_spec(shard: jax.Array, axis: int = 1) -> tuple | None:
   """The layout of ``all_gather(shard, axis=axis)``: ``shard``'s, the learner dim whole."""
   entries = explicit.spec(shard)

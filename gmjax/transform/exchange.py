@@ -47,7 +47,8 @@ from gmjax.core.codec import JNP_DTYPES
 from gmjax.core.schema import ParameterSpec
 from gmjax.core.wire import Wire
 from gmjax.transform import collectives, explicit, screen, shards
-from gmjax.transform.buckets import LEARNER_DIM, Buckets, from_wire, gathered_spec, to_wire
+from gmjax.transform.buckets import (LEARNER_DIM, Buckets, from_wire, gathered_spec, joined,
+                                     split, to_wire)
 from gmjax.transform.replicated import _as_bytes, _from_bytes
 
 def receive(
@@ -72,11 +73,12 @@ def receive(
   for code, rows in zip(buckets.codes, packed):
     wire = to_wire(rows, code)
     sent.append(from_wire(wire, code))
+    crossing = joined(wire)
     # Under vmap's spmd_axis_name the exchanged dimension comes out split over the
     # learners' axis; each learner needs every learner's encoding of its shard.
-    received = [explicit.pin(r, explicit.spec(w)) for r, w in
-                zip(collectives.all_to_all(wire, axis_name, LEARNER_DIM), wire)]
-    deltas.append(from_wire(received, code))
+    received, = collectives.all_to_all([crossing], axis_name, LEARNER_DIM)
+    received = explicit.pin(received, explicit.spec(crossing))
+    deltas.append(from_wire(split(received, wire), code))
   return deltas, sent
 
 
