@@ -88,6 +88,24 @@ def test_a_fragments_deltas_cross_in_one_all_to_all(precision):
   assert len(exchanges) == config.fragments, sorted(exchanges)
 
 
+@pytest.mark.parametrize("delta,commit,shard_outer", [
+    ("I4", None, False), ("F8_E4M3", None, False), ("F32", "I4", True),
+    ("I4", "F8_E4M3", True)])
+def test_quantized_codes_and_scales_are_gathered_together(delta, commit, shard_outer):
+  # Replicated, each learner gathers every learner's quantized deltas; sharded with a
+  # quantized commit, every learner's part of the update: one all_gather a fragment,
+  # the scales' bytes beside the codes (besides the token counts' s32 gather).
+  config = gmjax.DiLoCo(sync_every=4, fragments=2, delta_precision=delta,
+                        commit_precision=commit)
+  text = _compiled_text(config, 2, 4, shard_outer=shard_outer)
+  gathers = {}
+  for c in hlo.collective_bytes(text):
+    if c.op == "all-gather":
+      gathers.setdefault(c.name, set()).add(c.dtype)
+  wire = [dtypes for dtypes in gathers.values() if dtypes != {"s32"}]
+  assert wire == [{"u8"}] * config.fragments, gathers
+
+
 @pytest.mark.parametrize("precision", ["I4", "BF16"])
 def test_replicated_step_is_the_same_size_at_any_learner_count(precision):
   # shard_outer=False with deltas that are not F32: every learner decodes all the

@@ -28,7 +28,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from gmjax.core.codec import CODE_BITS, JNP_DTYPES, QUANTIZED, dequantize, quantize
-from gmjax.transform import explicit
+from gmjax.transform import collectives, explicit
 
 
 def _row_axes(x: jax.Array) -> tuple[str, ...]:
@@ -191,6 +191,20 @@ def split(crossed: jax.Array, like: Sequence[jax.Array]) -> list[jax.Array]:
   width = like[0].shape[-1]
   scales = lax.bitcast_convert_type(crossed[..., width:], like[1].dtype)
   return [crossed[..., :width], scales]
+
+
+def gather_wire(wire: Sequence[jax.Array], axis_name: Any, learners: int
+                ) -> list[jax.Array]:
+  """Every learner's wire arrays of a bucket (``to_wire``), gathered in one
+  ``all_gather`` (``joined``), each with the learners at ``LEARNER_DIM``.
+
+  Under vmap's spmd_axis_name the gathered dimension comes out split over the learners'
+  axis; every learner needs all of it, laid out as its own part's rows (an FSDP split of
+  the bucket's first dimension stays where it lies).
+  """
+  crossing = joined(wire)
+  got, = collectives.all_gather([crossing], axis_name, learners, LEARNER_DIM)
+  return split(explicit.pin(got, gathered_spec(crossing, LEARNER_DIM)), wire)
 
 
 def gathered_spec(shard: jax.Array, axis: int = 1) -> tuple | None:

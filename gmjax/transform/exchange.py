@@ -47,8 +47,8 @@ from gmjax.core.codec import JNP_DTYPES
 from gmjax.core.schema import ParameterSpec
 from gmjax.core.wire import Wire
 from gmjax.transform import collectives, explicit, screen, shards
-from gmjax.transform.buckets import (LEARNER_DIM, Buckets, from_wire, gathered_spec, joined,
-                                     split, to_wire)
+from gmjax.transform.buckets import (LEARNER_DIM, Buckets, from_wire, gather_wire,
+                                     gathered_spec, joined, split, to_wire)
 from gmjax.transform.replicated import _as_bytes, _from_bytes
 
 def receive(
@@ -184,7 +184,7 @@ def publish(
   otherwise ``encode(master − Θ_old)`` is, and every learner forms
   ``Θ = cast(Θ_old + decode(update))`` from the same bytes, as ``outer.rebuild`` does.
   Sharded (``learners`` = ``M``), each learner holds its part of every bucket and the
-  parts are gathered: one ``all_gather`` for each wire array of each bucket; replicated
+  parts are gathered: one ``all_gather`` a bucket (``buckets.gather_wire``); replicated
   (None), every learner publishes the whole buckets itself.
 
   Args:
@@ -236,11 +236,7 @@ def publish(
     if learners is None:
       gathered.append(from_wire(wire, code)[:, :, None])
       continue
-    # Under vmap's spmd_axis_name the gathered dimension comes out split over the
-    # learners' axis; every learner needs all of it, laid out as its own part's rows.
-    got = [explicit.pin(g, gathered_spec(w, LEARNER_DIM)) for g, w in
-           zip(collectives.all_gather(wire, axis_name, learners, LEARNER_DIM), wire)]
-    gathered.append(from_wire(got, code))
+    gathered.append(from_wire(gather_wire(wire, axis_name, learners), code))
   if not gather:
     return {}, gathered
   theta, rows = {}, buckets.unpack(gathered)

@@ -39,7 +39,7 @@ from gmjax.core import round as round_ops
 from gmjax.core.schema import ParameterSpec
 from gmjax.core.wire import Wire
 from gmjax.transform import collectives, explicit, screen
-from gmjax.transform.buckets import LEARNER_DIM, from_wire, gathered_spec, to_wire
+from gmjax.transform.buckets import LEARNER_DIM, from_wire, gather_wire, to_wire
 
 AxisName = Any
 
@@ -147,11 +147,7 @@ def aggregate(
     gradient, unit_sum, count = explicit.psum((weighted, unit, nonzero), axis_name)
     return gradient, mean_cosine(unit_sum, count), verdict, sent
   learners = lax.axis_size(axis_name)
-  # Under vmap's spmd_axis_name the gathered dimension comes out split over the
-  # learners' axis; every learner needs all of it (an FSDP split of the buckets' first
-  # dimension stays where it lies).
-  deltas = [from_wire([explicit.pin(g, gathered_spec(w, LEARNER_DIM)) for g, w in zip(
-      collectives.all_gather(wire, axis_name, learners, LEARNER_DIM), wire)], code)
+  deltas = [from_wire(gather_wire(wire, axis_name, learners), code)
             for wire, code in zip(wires, buckets.codes)]
   every = lax.all_gather(tokens, axis_name)
   all_tokens = explicit.pin(every, (None,) * every.ndim)
