@@ -106,6 +106,17 @@ def test_quantized_codes_and_scales_are_gathered_together(delta, commit, shard_o
   assert wire == [{"u8"}] * config.fragments, gathers
 
 
+def test_a_step_under_vmap_sends_two_scalars_outside_its_rounds():
+  # Outside the rounds' loops, the one collective of a vmapped step is the all-reduce of
+  # the step count and the drop verdicts (the README says so; shard_map sends nothing:
+  # tests/test_transform_hygiene.py).
+  config = gmjax.DiLoCo(sync_every=4, fragments=2, delta_precision="I4")
+  text = _compiled_text(config, 2, 4)
+  outside = [(c.op, c.dtype, c.shape) for c in hlo.collective_bytes(text)
+             if c.computation.startswith("main")]
+  assert outside == [("all-reduce", "s32", (2,))], outside
+
+
 @pytest.mark.parametrize("precision", ["I4", "BF16"])
 def test_replicated_step_is_the_same_size_at_any_learner_count(precision):
   # shard_outer=False with deltas that are not F32: every learner decodes all the
