@@ -176,7 +176,8 @@ def joined(arrays: Sequence[jax.Array]) -> jax.Array:
 
   XLA:CPU writes each operand of an ``all_to_all`` out device by device (a slice and a
   copy per device and operand), so two arrays a bucket cost twice the program of one as
-  the learners grow.
+  the learners grow; and XLA does not combine the two ``all_gather``s they would make,
+  each a collective's latency.
   """
   if len(arrays) == 1:
     return arrays[0]
