@@ -10,7 +10,9 @@ the grid:
 
 * ``plain adamw``: ``optax.adamw`` on each learner, no communication;
 * ``data-parallel adamw``: the same with the gradients ``pmean``-ed every step;
-* ``diloco ...``: ``gmjax.diloco(optax.adamw(...), config, axis_name="learner")``.
+* ``diloco ...``: ``gmjax.diloco(optax.adamw(...), config, axis_name="learner")``;
+  ``..., between``: its program for the steps between rounds (``update(...,
+  between_rounds=True)``), which a run compiles beside the step with the round.
 
 With ``--learners 1`` the step is ``jit(step)`` with no mesh and ``axis_name=None``, and
 the ratios are against plain adamw.
@@ -99,14 +101,19 @@ def variants():
   import gmjax
 
   inner = lambda axis="learner": optax.adamw(1e-3)
+  one = lambda axis="learner": gmjax.diloco(inner(), gmjax.DiLoCo(sync_every=50),
+                                            axis_name=axis)
+  four = lambda axis="learner": gmjax.diloco(
+      inner(), gmjax.DiLoCo(sync_every=50, fragments=4, delta_precision="I4"),
+      axis_name=axis)
+  between = {"between_rounds": True}
   return {
-      "plain adamw": (inner, False),
-      "data-parallel adamw": (inner, True),
-      "diloco P=1 F32": (lambda axis="learner": gmjax.diloco(
-          inner(), gmjax.DiLoCo(sync_every=50), axis_name=axis), False),
-      "diloco P=4 I4": (lambda axis="learner": gmjax.diloco(
-          inner(), gmjax.DiLoCo(sync_every=50, fragments=4, delta_precision="I4"),
-          axis_name=axis), False),
+      "plain adamw": (inner, False, {}),
+      "data-parallel adamw": (inner, True, {}),
+      "diloco P=1 F32": (one, False, {}),
+      "diloco P=4 I4": (four, False, {}),
+      "diloco P=1 F32, between": (one, False, between),
+      "diloco P=4 I4, between": (four, False, between),
   }
 
 
@@ -140,7 +147,7 @@ def kernels(text):
   return len(re.findall(r" fusion\(", text))
 
 
-def measure(make, data_parallel, mesh, layers, width):
+def measure(make, data_parallel, mesh, layers, width, extra):
   import jax
   import jax.numpy as jnp
   import optax
@@ -148,7 +155,7 @@ def measure(make, data_parallel, mesh, layers, width):
   from jax.sharding import PartitionSpec as P
 
   if mesh is None:
-    return measure_one(make, layers, width)
+    return measure_one(make, layers, width, extra)
   learners = mesh.shape["learner"]
   optimizer = make()
   keys = jnp.stack([jax.random.PRNGKey(m) for m in range(learners)])
@@ -161,7 +168,7 @@ def measure(make, data_parallel, mesh, layers, width):
     grads = jax.grad(loss_fn)(params, tokens)
     if data_parallel:
       grads = jax.lax.pmean(grads, "learner")
-    updates, state = optimizer.update(grads, state, params)
+    updates, state = optimizer.update(grads, state, params, **extra)
     return optax.apply_updates(params, updates), state
 
   with jax.set_mesh(mesh):
@@ -180,7 +187,7 @@ def measure(make, data_parallel, mesh, layers, width):
               temp=compiled.memory_analysis().temp_size_in_bytes, leaves=leaves, size=size)
 
 
-def measure_one(make, layers, width):
+def measure_one(make, layers, width, extra):
   """One learner, no mesh: ``jit(step)`` with ``axis_name=None``."""
   import jax
   import jax.numpy as jnp
@@ -192,7 +199,7 @@ def measure_one(make, layers, width):
 
   def step(params, state, tokens):
     grads = jax.grad(loss_fn)(params, tokens)
-    updates, state = optimizer.update(grads, state, params)
+    updates, state = optimizer.update(grads, state, params, **extra)
     return optax.apply_updates(params, updates), state
 
   state = optimizer.init(params)
@@ -233,8 +240,8 @@ def main():
     mesh = None if learners == 1 else jax.make_mesh((learners,), ("learner",),
                                                     devices=jax.devices()[:learners])
     for layers in args.layers:
-      rows = {label: measure(make, dp, mesh, layers, args.width)
-              for label, (make, dp) in chosen.items()
+      rows = {label: measure(make, dp, mesh, layers, args.width, extra)
+              for label, (make, dp, extra) in chosen.items()
               if mesh is not None or label != "data-parallel adamw"}
       base = rows.get("data-parallel adamw" if mesh is not None else "plain adamw")
       for label, row in rows.items():

@@ -74,22 +74,33 @@ def loss_fn(params, x, y):
   return jnp.mean(jnp.square(h - y))
 
 
-def make_step(optimizer, donate=True, mesh=None, data_parallel=False):
-  """The jitted step; with ``mesh``, one learner per device of its ``"learner"`` axis."""
-  def step(params, state, x, y):
+def make_step(optimizer, donate=True, mesh=None, data_parallel=False, rounds=None):
+  """The jitted step; with ``mesh``, one learner per device of its ``"learner"`` axis.
+
+  With ``rounds`` (a ``gmjax.DiLoCo``) the step takes a fifth, static, argument:
+  ``between_rounds``, which it passes to ``gmjax.diloco``'s update.
+  """
+  def step(params, state, x, y, between=False):
     grads = jax.grad(loss_fn)(params, x, y)
     if data_parallel:
       grads = jax.lax.pmean(grads, "learner")
-    updates, state = optimizer.update(grads, state, params)
+    extra = {"between_rounds": between} if rounds is not None else {}
+    updates, state = optimizer.update(grads, state, params, **extra)
     return optax.apply_updates(params, updates), state
 
   donated = (0, 1) if donate else ()
+  static = (4,) if rounds is not None else ()
   if mesh is None:
-    return jax.jit(step, donate_argnums=donated)
+    return jax.jit(step, donate_argnums=donated, static_argnums=static)
   first = lambda tree: jax.tree.map(lambda a: a[0], tree)
-  body = lambda *args: jax.tree.map(lambda a: a[None], step(*map(first, args)))
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("learner"),
-                               out_specs=P("learner")), donate_argnums=donated)
+
+  def sharded(params, state, x, y, between=False):
+    body = lambda *args: jax.tree.map(lambda a: a[None],
+                                      step(*map(first, args), between=between))
+    return jax.shard_map(body, mesh=mesh, in_specs=P("learner"),
+                         out_specs=P("learner"))(params, state, x, y)
+
+  return jax.jit(sharded, donate_argnums=donated, static_argnums=static)
 
 
 class Trainer:
@@ -98,7 +109,7 @@ class Trainer:
   With ``mesh``, every argument is stacked over the mesh's learners, seeded apart.
   """
 
-  def __init__(self, optimizer, donate=True, mesh=None, data_parallel=False):
+  def __init__(self, optimizer, donate=True, mesh=None, data_parallel=False, rounds=None):
     learners = 1 if mesh is None else mesh.shape["learner"]
     # Seeds 0, 1, 2 for one learner's params, x and y (as before); 3m + those for m.
     keys = [jnp.stack([jax.random.PRNGKey(3 * m + i) for m in range(learners)])
@@ -114,7 +125,13 @@ class Trainer:
       sharding = NamedSharding(mesh, P("learner"))
       self.params, self.x, self.y = jax.device_put((self.params, self.x, self.y), sharding)
       self.state = inmesh.learner_init(optimizer, mesh)(self.params)
-    self.step = make_step(optimizer, donate, mesh, data_parallel)
+    self.step = make_step(optimizer, donate, mesh, data_parallel, rounds)
+    # With ``rounds``, the host counts the updates and runs the round-free program on
+    # the steps its schedule says do no round work (``RoundSchedule.due``).
+    self.schedule = None
+    if rounds is not None:
+      fragments = jax.tree.leaves(self.state.pending)[0].shape[-1]
+      self.schedule, self.count = rounds.schedule(fragments), 0
     # Fake CPU devices run each learner's collectives on XLA's rendezvous threads; many
     # queued steps starve them on a small machine (a 40 s abort), so with a mesh each
     # step is awaited (every variant alike).
@@ -122,15 +139,20 @@ class Trainer:
 
   def temp_bytes(self):
     """Scratch bytes of the compiled step."""
-    compiled = self.step.lower(self.params, self.state, self.x, self.y).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
+    args = (self.params, self.state, self.x, self.y) + (() if self.schedule is None
+                                                          else (True,))
+    return self.step.lower(*args).compile().memory_analysis().temp_size_in_bytes
 
   def window(self, steps):
     """Mean seconds per step over ``steps`` steps: ``(wall, cpu)``, ``cpu`` the
     process's CPU time (every thread's), which other jobs on the machine do not add to."""
     start, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
-      self.params, self.state = self.step(self.params, self.state, self.x, self.y)
+      args = (self.params, self.state, self.x, self.y)
+      if self.schedule is not None:
+        args += (not self.schedule.due(self.count),)
+        self.count += 1
+      self.params, self.state = self.step(*args)
       if self.await_each:
         jax.block_until_ready((self.params, self.state))
     jax.block_until_ready((self.params, self.state))
@@ -147,12 +169,15 @@ def variants(sync_every, learners, multisteps=1):
     accumulate = lambda tx: optax.MultiSteps(tx, multisteps)
     config = lambda h: gmjax.DiLoCo(sync_every=h, fragments=4, delta_precision="I4",
                                     overlap_steps=0)
+    outside = config(sync_every * multisteps)
     return {
         f"MultiSteps(adamw, {multisteps})": (lambda: accumulate(inner()), {}),
         "MultiSteps(diloco P=4 I4)": (
             lambda: accumulate(gmjax.diloco(inner(), config(sync_every))), {}),
         "diloco(MultiSteps) P=4 I4": (
-            lambda: gmjax.diloco(accumulate(inner()), config(sync_every * multisteps)), {}),
+            lambda: gmjax.diloco(accumulate(inner()), outside), {}),
+        "diloco(MultiSteps) P=4 I4, between": (
+            lambda: gmjax.diloco(accumulate(inner()), outside), {"rounds": outside}),
     }
   found = {"optax.adamw": (inner, {})}
   if learners == 1:
@@ -160,12 +185,14 @@ def variants(sync_every, learners, multisteps=1):
   else:
     found["data-parallel adamw"] = (inner, {"data_parallel": True})
     layouts, axis = [(f" {k}", v) for k, v in inmesh.layouts()], {"axis_name": "learner"}
+  one = gmjax.DiLoCo(sync_every=sync_every)
+  streaming = gmjax.DiLoCo(sync_every=sync_every, fragments=4, delta_precision="I4",
+                           overlap_steps=2, mixing=0.5)
   for suffix, kwargs in layouts:
-    found[f"diloco P=1 F32{suffix}"] = (lambda kw=kwargs: gmjax.diloco(
-        inner(), gmjax.DiLoCo(sync_every=sync_every), **axis, **kw), {})
-    found[f"diloco P=4 I4 tau=2 mix=.5{suffix}"] = (lambda kw=kwargs: gmjax.diloco(
-        inner(), gmjax.DiLoCo(sync_every=sync_every, fragments=4, delta_precision="I4",
-                              overlap_steps=2, mixing=0.5), **axis, **kw), {})
+    for name, config in (("P=1 F32", one), ("P=4 I4 tau=2 mix=.5", streaming)):
+      make = lambda kw=kwargs, c=config: gmjax.diloco(inner(), c, **axis, **kw)
+      found[f"diloco {name}{suffix}"] = (make, {})
+      found[f"diloco {name}{suffix}, between"] = (make, {"rounds": config})
   return found
 
 
@@ -206,7 +233,8 @@ def main():
     for key, trainer in trainers.items():
       seconds[key].append(trainer.window(window))
   for (label, _), trainer in trainers.items():
-    if trainer.step._cache_size() > (1 if mesh is None else 2):
+    programs = 1 if trainer.schedule is None else 2  # with and without the round
+    if trainer.step._cache_size() > programs * (1 if mesh is None else 2):
       raise RuntimeError(f"{label}: the step compiled {trainer.step._cache_size()} times")
   print(f"  {'':38s} {'':8s} {'wall ms/step':>13s}  {'ratio':>5s}  {'least':>5s}"
         f"  {'cpu ms/step':>11s}  {'ratio':>5s}  {'least':>5s}  scratch")

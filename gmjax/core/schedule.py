@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Self
 
 _EMA_DECAY = 0.1
@@ -101,6 +102,32 @@ class RoundSchedule:
       if (position + 1) * self.sync_every // self.fragments == offset:
         return cycle * self.fragments + position
     return None
+
+  def due(self, count: int) -> bool:
+    """Whether ``gmjax.diloco``'s update at state count ``count`` does round work.
+
+    That update (the ``count``-th, from 0; it makes the global step ``count + 1``) does
+    when it is the first (``count == 0``: every learner adopts learner 0's start), when
+    a fragment syncs at its step, or when one merges ``overlap_steps`` after its sync.
+    Every other update may be compiled without the round,
+    ``update(..., between_rounds=True)``.
+
+    Raises:
+      ValueError: ``count`` is not an int >= 0, or ``overlap_steps`` is None (the
+        in-mesh schedule needs an int).
+    """
+    if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
+      raise ValueError(
+          f"RoundSchedule.due(count={count!r}): pass the state's step count, an int >= 0"
+          " (the number of updates the state has had).")
+    if self.overlap_steps is None:
+      raise ValueError(
+          "RoundSchedule.due: overlap_steps is None; the in-mesh schedule merges a fixed"
+          " number of steps after each sync: build it from a DiLoCo whose overlap_steps"
+          " is an int.")
+    step = int(count) + 1
+    return (count == 0 or self.round_at(step) is not None
+            or self.round_at(step - self.overlap_steps) is not None)
 
   def first_round_after(self, step: int) -> int:
     """The first round whose sync step is strictly after global ``step``."""

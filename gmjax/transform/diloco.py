@@ -23,7 +23,7 @@ import optax
 from jax import lax
 
 from gmjax.core.diloco import DiLoCo
-from gmjax.transform import checks, control, elementwise, explicit, finite, rounds
+from gmjax.transform import between, checks, elementwise, explicit, finite, rounds
 from gmjax.transform import structure
 from gmjax.transform import tokens as token_counts
 from gmjax.transform.state import DiLoCoState, RoundState, initial_statistics
@@ -120,6 +120,15 @@ def diloco(
   ``vmap`` the (batched) count and the learners' verdicts on their steps (below) are
   replaced by their maxima over the axis, one all-reduce of two scalars a step, so that
   the predicate is not batched.
+
+  **Steps between rounds.** Most updates do no round work, and the host knows which
+  from the step count (``config.schedule(state.pending.shape[-1]).due(count)``).
+  ``update(..., between_rounds=True)`` on those, passed as a static argument of the
+  jitted step, traces the update without the round (``gmjax.transform.between``): the
+  same results bit for bit, without the loops that make XLA write the updates out, and
+  with nothing crossing the learners' axis. On an update that is due it drops the step
+  and leaves the count as it was.
+
   Between merges the returned updates are exactly the inner optimizer's; on a merge
   those of the merged fragment are ``θ_new − params`` at the updates' dtype, so with
   16-bit parameters ``params + updates`` matches Θ up to one rounding, which the next
@@ -150,8 +159,8 @@ def diloco(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update(grads, state, params,
-    *, tokens=None, **extra_args)`` needs ``params`` and passes ``extra_args`` to
-    ``inner``. Its state is a ``DiLoCoState``; log ``state.stats``.
+    *, tokens=None, between_rounds=False, **extra_args)`` needs ``params`` and passes
+    ``extra_args`` to ``inner``. Its state is a ``DiLoCoState``; log ``state.stats``.
 
   Raises:
     ValueError: ``config.overlap_steps`` is None; ``outer`` given with a
@@ -162,8 +171,8 @@ def diloco(
       shapes, with a state that ``init`` would lay out otherwise for these params
       (built under another configuration), or with ``tokens`` that is not one number,
       or, when static, not a non-negative whole number below 2^31.
-    TypeError: ``config`` is not a ``gmjax.DiLoCo``, or ``inner``/``outer`` not a
-      transformation.
+    TypeError: ``config`` is not a ``gmjax.DiLoCo``, ``inner``/``outer`` not a
+      transformation, or ``between_rounds`` not a Python bool.
 
   Example:
     Two learners on a ``vmap`` axis, syncing every 2 steps:
@@ -201,7 +210,6 @@ def diloco(
   acts_elementwise = sharded or elementwise.acts_elementwise(tx, alias)
   inner = optax.with_extra_args_support(inner)
   tau = config.overlap_steps
-  sync_every = config.sync_every
 
   def layout_of(params, where):
     learners = checks.axis_size(axis_name, where, sharded) if sharded else None
@@ -224,7 +232,12 @@ def diloco(
         delay=layout.delay_init(tx, params),
     )
 
-  def update_fn(updates, state, params=None, *, tokens=None, **extra_args):
+  def update_fn(updates, state, params=None, *, tokens=None, between_rounds=False,
+                **extra_args):
+    if not isinstance(between_rounds, bool):
+      raise TypeError(
+          f"gmjax.diloco: update(between_rounds={between_rounds!r}) must be a Python bool"
+          " (it chooses the program: pass it as a static argument of the jitted step).")
     if params is None:
       raise ValueError(
           "gmjax.diloco: update needs params (the deltas are anchor − params); call"
@@ -247,15 +260,16 @@ def diloco(
     )
     inner_updates = finite.marked(inner_updates, updates)
     dropped = finite.non_finite(params, inner_updates)
-    count, anyone_dropped = _unbatched(state.count, dropped, axis_name)
-    first = count == 0
-    t = optax.safe_int32_increment(count)
-    sync_index = structure.lookup(layout.table, t % sync_every)
-    merge_index = jnp.where(t > tau, structure.lookup(layout.table, (t - tau) % sync_every), 0)
     counts = token_counts.withhold(token_counts.add(state.tokens, step_tokens), dropped)
     stats = state.stats._replace(
         dropped=state.stats.dropped + dropped.astype(jnp.int32),
         bad_tokens=state.stats.bad_tokens + bad_tokens.astype(jnp.int32))
+    if between_rounds:
+      due = between.schedule(layout.table, tau, state.count).due
+      return between.update(state, due, inner_updates, inner_state, dropped, counts, stats)
+    count, anyone_dropped = _unbatched(state.count, dropped, axis_name)
+    first, sync_index, merge_index = between.schedule(layout.table, tau, count)
+    t = optax.safe_int32_increment(count)
     round_state = RoundState(state.anchor, state.master, state.outer_state, state.pending,
                              counts, stats, state.residual, state.delay)
 
