@@ -279,3 +279,27 @@ def test_the_between_rounds_program_grows_linearly_with_the_leaves():
   # into each reader, that made a program quadratic in the leaf count.
   small, large = (len(_between_text(n)) for n in (40, 80))
   assert large / small < 2.4, (small, large)
+
+
+def test_nnx_optimizer_passes_between_rounds_on():
+  nnx = pytest.importorskip("flax.nnx")
+  config = gmjax.DiLoCo(sync_every=4)
+  tx = gmjax.diloco(optax.adamw(1e-2), config)
+  schedule = config.schedule(1)
+  x = jnp.arange(12.0).reshape(4, 3) / 10
+
+  @nnx.jit(static_argnums=2)
+  def step(model, opt, between_rounds):
+    grads = nnx.grad(lambda m: jnp.mean((m(x) - 1.0) ** 2))(model)
+    opt.update(model, grads, between_rounds=between_rounds)
+
+  def run(choose):
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    for count in range(10):
+      step(model, opt, choose and not schedule.due(count))
+    return nnx.state(model, nnx.Param), nnx.state(opt)
+
+  chosen, full = run(True), run(False)
+  _assert_equal(chosen, full)
+  assert int(full[1]["opt_state"]["stats"]["rounds"][...]) == 2
