@@ -303,3 +303,26 @@ def test_nnx_optimizer_passes_between_rounds_on():
   chosen, full = run(True), run(False)
   _assert_equal(chosen, full)
   assert int(full[1]["opt_state"]["stats"]["rounds"][...]) == 2
+
+
+def test_the_between_rounds_programs_scratch_is_plain_optaxs():
+  # The full program writes the updates out for the round's loops (a parameter-sized
+  # buffer); between rounds XLA computes them inside apply_updates, as for plain optax.
+  shapes = {"a": (256, 256), "b": (256, 512), "c": (512,)}
+  params = {n: jnp.full(s, 0.01) for n, s in shapes.items()}
+  x = jnp.ones((8, 256))
+
+  def scratch(tx, **options):
+    def step(params, state):
+      grads = jax.grad(lambda p: jnp.mean((jnp.tanh(x @ p["a"]) @ p["b"] + p["c"]) ** 2))(
+          params)
+      updates, state = tx.update(grads, state, params, **options)
+      return optax.apply_updates(params, updates), state
+
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, tx.init(params)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  plain = scratch(optax.adamw(1e-3))
+  optimizer = gmjax.diloco(optax.adamw(1e-3), gmjax.DiLoCo(sync_every=8))
+  largest = 4 * 256 * 512
+  assert scratch(optimizer, between_rounds=True) <= plain + largest // 8
