@@ -8,7 +8,10 @@ loops do), and without donation; each ratio is against ``optax.adamw`` run the s
 Each figure is the mean step time of a window of ``sync_every`` steps (so the window
 holds every fragment's sync once), after a warm-up window (compilation), over
 ``--repeats`` windows that interleave the variants; ``--sync-every`` far above the
-window count measures steps without any sync. Two clocks: the wall clock, and the
+window count measures steps without any sync. Each ``gmjax.diloco`` variant also runs
+as ``..., between``: the host counts the updates and passes ``between_rounds=True`` on
+those that do no round work (``RoundSchedule.due``), so that they run the program
+without the round; its scratch is that program's. Two clocks: the wall clock, and the
 process's CPU time (all its threads), to which other jobs on the machine add little;
 for each, "ratio" is the median of the windows' ratios to the reference and "least"
 the ratio of the least windows (other work only ever adds time). ``temp`` is the compiled step's scratch memory, which XLA on CPU
