@@ -30,9 +30,10 @@ from gmjax.transform import explicit, structure
 
 
 class Schedule(NamedTuple):
-  """What the step count says of an update: ``first`` (the alignment), the 1-based
-  fragment that syncs (``sync_index``, 0: none) and the one that merges
-  (``merge_index``)."""
+  """What the step count says of an update: the global step it makes (``step``,
+  ``count + 1``), ``first`` (the alignment), the 1-based fragment that syncs
+  (``sync_index``, 0: none) and the one that merges (``merge_index``)."""
+  step: jax.Array
   first: jax.Array
   sync_index: jax.Array
   merge_index: jax.Array
@@ -48,18 +49,19 @@ def schedule(table: np.ndarray, tau: int, count: jax.Array) -> Schedule:
   sync_every = table.shape[0]
   t = optax.safe_int32_increment(count)
   merge_index = jnp.where(t > tau, structure.lookup(table, (t - tau) % sync_every), 0)
-  return Schedule(count == 0, structure.lookup(table, t % sync_every), merge_index)
+  return Schedule(t, count == 0, structure.lookup(table, t % sync_every), merge_index)
 
 
-def update(state: Any, due: jax.Array, inner_updates: Any, inner_state: Any,
+def update(state: Any, schedule_: Schedule, inner_updates: Any, inner_state: Any,
            dropped: jax.Array, counts: jax.Array, stats: Any) -> tuple[Any, Any]:
   """The updates and state of a step between rounds (``state`` a ``DiLoCoState``).
 
   ``inner_updates``, ``inner_state``, ``counts`` and ``stats`` are what the step made of
   the inner step, its tokens and its finiteness check (``dropped``); every choice below
-  is a select that XLA fuses into the computation of its value. ``due``: the step's
-  ``Schedule.due``.
+  is a select that XLA fuses into the computation of its value. ``schedule_``: the
+  step's ``Schedule``.
   """
+  due = schedule_.due
   # ``dropped | due`` as the larger of the two by a sort, which XLA does not fuse into
   # the sort's readers: it would otherwise fuse the check's sum over every leaf into
   # each leaf's select, a program quadratic in the leaf count. (An optimization barrier
@@ -72,7 +74,7 @@ def update(state: Any, due: jax.Array, inner_updates: Any, inner_state: Any,
   stats = stats._replace(dropped=stats.dropped + due.astype(stats.dropped.dtype))
   return updates, state._replace(
       inner_state=inner_state,
-      count=keep(optax.safe_int32_increment(state.count), state.count),
+      count=keep(schedule_.step, state.count),
       tokens=keep(counts, state.tokens),
       stats=stats,
   )

@@ -265,11 +265,10 @@ def diloco(
         dropped=state.stats.dropped + dropped.astype(jnp.int32),
         bad_tokens=state.stats.bad_tokens + bad_tokens.astype(jnp.int32))
     if between_rounds:
-      due = between.schedule(layout.table, tau, state.count).due
-      return between.update(state, due, inner_updates, inner_state, dropped, counts, stats)
+      return between.update(state, between.schedule(layout.table, tau, state.count),
+                            inner_updates, inner_state, dropped, counts, stats)
     count, anyone_dropped = _unbatched(state.count, dropped, axis_name)
-    first, sync_index, merge_index = between.schedule(layout.table, tau, count)
-    t = optax.safe_int32_increment(count)
+    t, first, sync_index, merge_index = between.schedule(layout.table, tau, count)
     round_state = RoundState(state.anchor, state.master, state.outer_state, state.pending,
                              counts, stats, state.residual, state.delay)
 
