@@ -96,7 +96,8 @@ def check_against_reference(x, precision):
 
 
 PRECISIONS = ("F8_E4M3", "F4", "I4", "I2")
-SHAPES = [(1,), (31,), (32,), (33,), (65,), (3, 5), (4, 8, 3), (2, 3, 5, 7), ()]
+SHAPES = [(1,), (31,), (32,), (33,), (65,), (3, 5), (4, 8, 3), (2, 3, 5, 7), (),
+          (0,), (0, 3)]
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

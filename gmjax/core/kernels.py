@@ -174,19 +174,21 @@ def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
   shape = codes.shape[:-1]
   shifts = _SHIFTS[bits]
   mask = (1 << bits) - 1
-  words = (codes & mask).astype(jnp.uint32).reshape(*shape, -1, shifts.size)
+  # Explicit lengths: ``-1`` cannot be inferred for an empty array.
+  count = codes.shape[-1] // shifts.size
+  words = (codes & mask).astype(jnp.uint32).reshape(*shape, count, shifts.size)
   words = jnp.sum(words << shifts, axis=-1, dtype=jnp.uint32)
-  return lax.bitcast_convert_type(words, jnp.uint8).reshape(*shape, -1)
+  return lax.bitcast_convert_type(words, jnp.uint8).reshape(*shape, 4 * count)
 
 
 def unpack_codes(packed: jax.Array, bits: int) -> jax.Array:
   """int32 codes of ``bits`` (4 or 2) of packed bytes along the last axis (a multiple of 4
   long), low bits first: the inverse of ``pack_codes``, each uint32 word shifted right by
   ``k·bits``."""
-  shape = packed.shape[:-1]
-  words = lax.bitcast_convert_type(packed.reshape(*shape, -1, 4), jnp.uint32)
+  shape, count = packed.shape[:-1], packed.shape[-1] // 4
+  words = lax.bitcast_convert_type(packed.reshape(*shape, count, 4), jnp.uint32)
   codes = (words[..., None] >> _SHIFTS[bits]) & ((1 << bits) - 1)
-  return codes.astype(jnp.int32).reshape(*shape, -1)
+  return codes.astype(jnp.int32).reshape(*shape, count * _SHIFTS[bits].size)
 
 
 def pack_nibbles(nibbles: jax.Array) -> jax.Array:
