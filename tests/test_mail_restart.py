@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -328,6 +329,11 @@ def test_restore_refuses_a_like_that_is_not_shaped_like_the_save(tmp_path):
   transposed = {"mu": np.zeros((3, 4), np.float32), "count": np.asarray(0, np.int32)}
   with pytest.raises(ValueError, match=r"restore\(like\).*'mu'.*\(3, 4\).*\(4, 3\)"):
     learner.restore(transposed)
+  # A like of other dtypes would have the save cast to them, silently.
+  narrowed = {"mu": np.zeros((4, 3), ml_dtypes.bfloat16), "count": np.asarray(0, np.int32)}
+  with pytest.raises(ValueError, match=r"restore\(like\).*leaf \['mu'\] of like has shape"
+                     r" \(4, 3\) bfloat16, the save shape \(4, 3\) float32"):
+    learner.restore(narrowed)
   renamed = {"m": np.zeros((4, 3), np.float32), "count": np.asarray(0, np.int32)}
   with pytest.raises(ValueError, match=r"restore\(like\).*like has 2 leaves \['count'\],"
                      r" \['m'\]; the save 2 \['count'\], \['mu'\]"):

@@ -288,7 +288,7 @@ class Learner(Rounds):
 
     Raises:
       ValueError: no ``state_dir`` was given to ``join``, ``pull`` was not called, or
-        ``step`` was; or ``like``'s leaves (paths, shapes) are not the save's.
+        ``step`` was; or ``like``'s leaves (paths, shapes, dtypes) are not the save's.
       StateDirMismatch: the state_dir's state is another run's or learner's.
 
     Example:

@@ -302,22 +302,27 @@ class StateDir:
     return SavedCounters.from_json(meta["counters"]), state, meta["position"], residuals
 
   def _check_like(self, like: Any, saved: list[list[Any]], step: int) -> None:
-    """Raises a ValueError when ``like``'s leaves are not the saved state's (paths, shapes).
+    """Raises a ValueError when ``like``'s leaves are not the saved state's (paths,
+    shapes, dtypes).
 
-    Orbax would restore a numpy leaf at its saved shape whatever ``like`` says, and put
-    the saved leaves into ``like``'s tree in order whatever their names.
+    Orbax would restore a numpy leaf at its saved shape whatever ``like`` says, put the
+    saved leaves into ``like``'s tree in order whatever their names, and cast each to
+    ``like``'s dtype.
     """
     given = _leaf_shapes(like)
-    saved = [[path, list(shape)] for path, shape in saved]
+    # Saves made before dtypes were recorded hold [path, shape]: their dtypes are not
+    # checked.
+    given = [g if len(s) > 2 else g[:2] for g, s in zip(given, saved)] + given[len(saved):]
+    saved = [[path, list(shape), *rest] for path, shape, *rest in saved]
     if given == saved:
       return
-    if [p for p, _ in given] != [p for p, _ in saved]:
+    if [g[0] for g in given] != [s[0] for s in saved]:
       problem = (f"like has {len(given)} leaves {_paths(given)}; the save {len(saved)}"
                  f" {_paths(saved)}")
     else:
       problem = "; ".join(
-          f"leaf {path} of like has shape {tuple(shape)}, the save {tuple(other)}"
-          for (path, shape), (_, other) in zip(given, saved) if shape != other)
+          f"leaf {g[0]} of like has {_described(g)}, the save {_described(s)}"
+          for g, s in zip(given, saved) if g != s)
     raise ValueError(
         f"learner {self.name!r}: restore(like): like is not shaped like the state saved in"
         f" state_dir={self.path!r} at local step {step}: {problem}. Pass a tree like the"
@@ -335,11 +340,22 @@ def _residual_tree(residuals: dict[int, dict[str, np.ndarray]]) -> dict[str, Any
 
 
 def _leaf_shapes(tree: Any) -> list[list[Any]]:
-  """``[[path, shape], ...]`` of ``tree``'s leaves, in order (JSON, kept in a save)."""
-  return [[jax.tree_util.keystr(path), list(np.shape(leaf))]
+  """``[[path, shape, dtype], ...]`` of ``tree``'s leaves, in order (JSON, kept in a
+  save)."""
+  return [[jax.tree_util.keystr(path), list(np.shape(leaf)), _dtype(leaf)]
           for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
+def _dtype(leaf: Any) -> str:
+  dtype = getattr(leaf, "dtype", None)
+  return np.dtype(dtype if dtype is not None else np.asarray(leaf).dtype).name
+
+
+def _described(leaf: list[Any]) -> str:
+  """A leaf's shape and, where recorded, its dtype: ``shape (4, 3) float32``."""
+  return " ".join([f"shape {tuple(leaf[1])}", *leaf[2:]])
+
+
 def _paths(leaves: list[list[Any]], limit: int = 8) -> str:
-  shown = ", ".join(path for path, _ in leaves[:limit])
+  shown = ", ".join(leaf[0] for leaf in leaves[:limit])
   return shown + (f", ... ({len(leaves) - limit} more)" if len(leaves) > limit else "")
