@@ -370,3 +370,30 @@ def test_a_lone_learner_stopped_before_merging_its_own_round_restores_inexactly(
   assert restored.position == {"offset": 13}
   assert (learner.step_count, learner.local_step) == (4, 3)
   learner.close(None)
+
+
+@pytest.mark.timeout(120)
+def test_a_save_that_recorded_no_dtypes_is_checked_on_paths_and_shapes(tmp_path):
+  import json  # pylint: disable=g-import-not-at-top
+
+  from gmjax.mail import learner_state  # pylint: disable=g-import-not-at-top
+
+  path = str(tmp_path / "state")
+  counters = learner_state.SavedCounters(1, 1, {0: 1}, (0,), (0,), 0)
+  state_dir = learner_state.StateDir(path, ("run-id", "url"), "a")
+  state_dir.save(1, counters, {"m": np.full((2, 3), 1.5, np.float32)}, 1, None)
+  state_dir.close()
+  meta_file = os.path.join(path, "1", "meta", "metadata")
+  with open(meta_file) as f:
+    meta = json.load(f)
+  assert meta["state_leaves"] == [["['m']", [2, 3], "float32"]]
+  meta["state_leaves"] = [leaf[:2] for leaf in meta["state_leaves"]]  # as saved before
+  with open(meta_file, "w") as f:
+    json.dump(meta, f)
+  state_dir = learner_state.StateDir(path, ("run-id", "url"), "a")
+  _, state, _, _ = state_dir.restore({"m": np.zeros((2, 3), np.float32)}, None)
+  _assert_bits_equal(state, {"m": np.full((2, 3), 1.5, np.float32)})
+  with pytest.raises(ValueError, match=r"leaf \['m'\] of like has shape \(3, 2\), the save"
+                     r" shape \(2, 3\)\."):
+    state_dir.restore({"m": np.zeros((3, 2), np.float32)}, None)
+  state_dir.close()
