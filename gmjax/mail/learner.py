@@ -1,16 +1,8 @@
 """A learner: trains on its own and meets the others through the run's storage.
 
 Which rounds a learner contributes to, at which base version, and when it merges their
-commits: ``gmjax.mail.learner_rounds``.
-
-What a learner that restarts gets back: ``pull`` gives the newest committed Θ and sets
-``step_count`` to its step; nothing of the learner's own survives (its optimizer state,
-data position, residuals, delayed phase starts, steps past that commit). With
-``join(name, state_dir=...)`` it saves, at each ``step`` that applies a commit, the
-``state`` and ``position`` handed to ``step`` with its counters, versions and residuals
-(``gmjax.mail.learner_state``), and ``restore`` gives them back after ``pull`` (with
-``overlap_steps = None`` and ``mixing = 0`` the steps and tokens since each fragment's
-round stay zero: ``pull`` replaced every fragment by Θ).
+commits: ``gmjax.mail.learner_rounds``. What it gets back when it joins again (``pull``,
+``restore``): ``gmjax.mail.learner_resume``.
 
 Three parts, each the only owner of its state: this API and its rounds
 (``learner_rounds``: the training thread's own anchors, versions and counters), a
@@ -45,10 +37,10 @@ from gmjax.mail import learner_args
 from gmjax.mail import learner_state
 from gmjax.mail import names
 from gmjax.mail import pace
-from gmjax.mail import placement
 from gmjax.mail.beats import Beat, HeartbeatWriter
 from gmjax.mail.closer import HEARTBEAT_POLLS
 from gmjax.mail.errors import LearnerClosed
+from gmjax.mail.learner_resume import Resuming
 from gmjax.mail.learner_rounds import Rounds
 from gmjax.mail.manifest import utc_now
 from gmjax.mail.worker import Worker
@@ -59,7 +51,7 @@ PACE_STEPS = 16
 """A learner's pace (``step_seconds``) is the lower median of its last this many steps."""
 
 
-class Learner(Rounds):
+class Learner(Resuming, Rounds):
   """One learner of a run. Made by ``Run.join``; call ``pull`` once, then ``step`` after
   every inner step, then ``close`` (or use it as a context manager).
 
@@ -214,139 +206,6 @@ class Learner(Rounds):
     """The committed version of each fragment this learner holds."""
     return dict(self._versions)
 
-  def pull(self, like: Any) -> Any:
-    """The newest committed Θ of every fragment, shaped like ``like``.
-
-    Args:
-      like: a pytree shaped like the run's parameters (its values are not used).
-
-    Returns:
-      A tree like ``like``: numpy leaves stay numpy; ``jax.Array`` leaves come back with
-      the sharding of ``like``'s leaf (in a multi-process job, as global arrays); others
-      become jax arrays.
-
-    Raises:
-      ValueError: ``like`` does not match the run's schema, or ``step`` was already called.
-    """
-    self._check_open("pull")
-    if self.local_step:
-      raise ValueError(f"learner {self.name!r}: pull() must come before the first step().")
-    schema = self.config.cut(Schema.from_tree(like))
-    if schema != self.manifest.schema:
-      raise ValueError(
-          "pull(like): like does not match the run's parameters:"
-          f" {learner_args.schema_differences(schema, self.manifest.schema)}; pass parameters shaped"
-          " like those the run was created with (run.schema).")
-    self._tree_schema = schema
-    flat = schema.flatten(like)  # with layer blocks, pieces sliced only when read
-    newest = self.run.newest_versions()
-    self.step_count = max((self.run.commit_step(f, v) for f, v in newest.items()), default=0)
-    self.first_round = self.schedule.first_round_after(self.step_count)
-    futures = {f: self._worker.request(f, v) for f, v in newest.items()}
-    deadline = time.monotonic() + max(self.startup_timeout, self._deadline() - time.monotonic())
-    for fragment, version in newest.items():
-      self._futures[(fragment, version)] = futures[fragment]
-      commit = self._wait(fragment, version, deadline)
-      theta = commit.theta
-      del self._futures[(fragment, version)]
-      for n in self.manifest.plan[fragment]:
-        flat[n] = placement.like(theta[n], flat[n])
-      self._anchors[fragment] = theta
-      self._versions[fragment] = commit.record.version
-      if self._delay is not None:
-        self._delay.begin(fragment, theta)
-    # Loading the start is not idling in step() or close().
-    self.idle_seconds, self._resumed = 0.0, None
-    if self._pacer is not None:
-      self._pacer.start(self.first_round, time.monotonic())
-    self._beat(step=self.step_count, first_round=self.first_round)
-    if self._beats is not None:
-      self._beats.write().result()
-    self._pulled = True
-    self._last_flat = flat
-    return schema.unflatten(flat)
-
-  def restore(self, like: Any) -> learner_state.Restored | None:
-    """The state this learner saved in its ``state_dir``, and its counters back.
-
-    Call it after ``pull`` and before the first ``step``. The learner's ``local_step``,
-    and (when the run has not moved past the versions it held at the save, and none of
-    its rounds was in flight then) its ``step_count``, its steps and tokens since each
-    fragment's last round (with ``overlap_steps=None`` and ``mixing=0`` these stay zero:
-    ``pull`` replaced every fragment by Θ) and its error-feedback residuals continue from
-    the save.
-    Otherwise ``pull`` gave the newer Θ, ``step_count`` stays at the run's step, and the
-    saved state comes back anyway (``exact=False``, logged as a warning): its moments
-    are still closer than zeros.
-
-    Args:
-      like: a pytree shaped like the state handed to ``step(..., state=...)`` (e.g.
-        ``optimizer.init(params)``); its leaves' shardings place the restored ones.
-
-    Returns:
-      ``Restored(state, position, exact)``, or None when the state_dir holds nothing.
-
-    Raises:
-      ValueError: no ``state_dir`` was given to ``join``, ``pull`` was not called, or
-        ``step`` was; or ``like``'s leaves (paths, shapes, dtypes) are not the save's.
-      StateDirMismatch: the state_dir's state is another run's or learner's.
-
-    Example:
-      >>> import tempfile
-      >>> import numpy as np
-      >>> import gmjax
-      >>> params = {"w": np.ones((4, 2), np.float32)}
-      >>> run = gmjax.mail.create(tempfile.mkdtemp(), params, gmjax.DiLoCo(sync_every=2))
-      >>> state_dir = tempfile.mkdtemp()  # the learner's own, e.g. on its local disk
-      >>> learner = run.join("worker-0", poll_interval=0.01, state_dir=state_dir)
-      >>> params = learner.pull(params)
-      >>> print(learner.restore({"m": np.zeros((4, 2), np.float32)}))  # nothing saved yet
-      None
-      >>> for position in range(1, 5):  # saves at steps 2 and 4, where it merges commits
-      ...   state = {"m": params["w"] * position}  # e.g. the inner optimizer's state
-      ...   params = learner.step({"w": params["w"] - 0.1}, state=state, position=position)
-      >>> _ = learner.close(params)
-      >>> learner = run.join("worker-0", poll_interval=0.01, state_dir=state_dir)  # restart
-      >>> params = learner.pull(params)
-      >>> restored = learner.restore({"m": np.zeros((4, 2), np.float32)})
-      >>> restored.position, restored.exact, learner.step_count, learner.local_step
-      (4, True, 4, 4)
-      >>> _ = learner.close(params)
-    """
-    self._check_open("restore")
-    if self._state_dir is None:
-      raise ValueError(f"learner {self.name!r}: restore() needs join(..., state_dir=...).")
-    if not self._pulled or self.local_step:
-      raise ValueError(f"learner {self.name!r}: call restore(state) after pull() and before"
-                       " the first step().")
-    self._restore_checked = True
-    if self._state_dir.latest_step() is None:
-      return None
-    counters, state, position, residuals = self._state_dir.restore(like, self._residuals)
-    exact = counters.versions == self._versions and not counters.outstanding
-    self.local_step = counters.local_step
-    if exact:
-      self.step_count = counters.step_count
-      self.first_round = self.schedule.first_round_after(self.step_count)
-      if not self._merge_discards:
-        # With overlap_steps=None and mixing 0 they stay zero: pull replaced every
-        # fragment by Θ, and a delta holds only the steps after that.
-        self._steps_since = list(counters.steps_since)
-        self._tokens_since = list(counters.tokens_since)
-      if residuals is not None:
-        self._residuals = residuals
-      self._beat(step=self.step_count, first_round=self.first_round)
-    elif counters.versions != self._versions:
-      log.warning(
-          "learner %r: the run moved on while it was away (it held versions %s at its"
-          " save, the run has %s): its saved state is restored next to the newer Θ",
-          self.name, counters.versions, self._versions)
-    else:
-      log.warning("learner %r: %d round(s) of it were in flight at its save: its saved"
-                  " state is restored, and it goes on from the run's step",
-                  self.name, counters.outstanding)
-    return learner_state.Restored(state, position, exact)
-
   def step(self, params: Any, *, tokens: int | None = None, loss: float | None = None,
            state: Any = None, position: Any = None) -> Any:
     """Counts one inner step; publishes, merges and waits as the schedule says.
@@ -424,13 +283,6 @@ class Learner(Rounds):
     self._beat(step=self.step_count, **({} if loss is None else {"loss": loss}))
     self._last_step_end = time.perf_counter()
     return self._tree_schema.unflatten(flat)
-
-  def _save(self, state: Any, position: Any) -> None:
-    counters = learner_state.SavedCounters(
-        step_count=self.step_count, local_step=self.local_step, versions=dict(self._versions),
-        steps_since=tuple(self._steps_since), tokens_since=tuple(self._tokens_since),
-        outstanding=len(self._outstanding) + len(self._unadopted))
-    self._state_dir.save(self.local_step, counters, state, position, self._residuals)
 
   def close(self, params: Any) -> Any:
     """Leaves the run: merges rounds in flight, publishes final contributions
