@@ -93,3 +93,39 @@ def test_multisteps_around_diloco_counts_macro_steps(reference):
   _close(inner.anchor, want_state.anchor)
   assert int(np.asarray(inner.stats.rounds)[0]) == int(np.asarray(want_state.stats.rounds)[0])
   assert int(np.asarray(inner.count)[0]) == MACRO
+
+
+def test_multisteps_around_diloco_between_rounds_on_the_macro_count():
+  # MultiSteps runs gmjax.diloco on every micro-step and keeps its state on the last one
+  # of each K, so the host asks the schedule about the macro count there, and runs
+  # every other micro-step between rounds.
+  config = gmjax.DiLoCo(sync_every=4, delta_precision="F8_E4M3", overlap_steps=1,
+                        mixing=0.5)
+  optimizer = optax.MultiSteps(gmjax.diloco(optax.adam(0.05), config, axis_name="learner"),
+                               K)
+
+  def step(params, state, target, between_rounds):
+    updates, state = optimizer.update(_grads(params, target), state, params,
+                                      between_rounds=between_rounds)
+    return optax.apply_updates(params, updates), state
+
+  step = jax.jit(jax.vmap(step, axis_name="learner", in_axes=(0, 0, 0, None)),
+                 static_argnums=3)
+  params, targets = _problem()
+  start = jax.vmap(optimizer.init, axis_name="learner")(params)
+  schedule = config.schedule(start.inner_opt_state.pending.shape[-1])
+  runs = []
+  for choose in (False, True):
+    p, state, between = params, start, 0
+    for micro, target in enumerate(targets):
+      free = choose and not (micro % K == K - 1 and schedule.due(micro // K))
+      between += free
+      p, state = jax.block_until_ready(step(p, state, target, free))
+    runs.append((p, state, between))
+  (full, full_state, _), (chosen, chosen_state, between) = runs
+  assert between == (K - 1) * MACRO + 4 and step._cache_size() == 2
+  for a, b in zip(jax.tree.leaves((chosen, chosen_state.inner_opt_state)),
+                  jax.tree.leaves((full, full_state.inner_opt_state))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert int(np.asarray(chosen_state.inner_opt_state.stats.dropped)[0]) == 0
+  assert int(np.asarray(chosen_state.inner_opt_state.stats.rounds)[0]) > 0
