@@ -249,3 +249,18 @@ def test_attacker_text_is_quoted_short_in_records(tmp_path):
     assert text.isascii() and len(rejected.reason) < 300, rejected
   committed = tmp_path / "run" / "fragments" / "0" / "1.commit.json"
   assert committed.stat().st_size < 32768
+
+
+@pytest.mark.parametrize("shape", [[1] * 65, [0, 2**70]])
+def test_a_shape_numpy_cannot_hold_is_a_rejection_not_a_crash(shape, tmp_path):
+  # A joined learner's file whose header names a shape numpy refuses (65 dimensions, or a
+  # dimension past 2^63 beside a 0): rejected, where numpy's own ValueError would have
+  # escaped the check and stopped the closer.
+  run = mail.create(str(tmp_path / "run"), ms.params0(), gmjax.DiLoCo(sync_every=2))
+  size = 1 if all(d == 1 for d in shape) else 0
+  header = json.dumps({"w": {"dtype": "U8", "shape": shape, "data_offsets": [0, size]}})
+  data = struct.pack("<Q", len(header)) + header.encode() + b"\0" * size
+  with pytest.raises(mail.ContributionRejected, match="bad shape"):
+    contributions.check(data, file_name="mole.safetensors", round_=0, fragment=0,
+                        base_version=0, schema=run.schema.subset(run.plan[0]),
+                        wire=Wire("F32"), known={"mole"}, key=None, max_steps=2)

@@ -117,6 +117,13 @@ GOOD = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
             {"a": {"dtype": "U8", "shape": [2], "data_offsets": [2, 4]}}, b"\0" * 4
         ),  # a gap
         with_header({"__metadata__": {"k": 1}}),
+        # Shapes numpy cannot hold, of 1 or 0 bytes.
+        with_header({"a": {"dtype": "U8", "shape": [1] * 65, "data_offsets": [0, 1]}},
+                    b"\0"),
+        with_header({"a": {"dtype": "U8", "shape": [1] * 33, "data_offsets": [0, 1]}},
+                    b"\0"),
+        with_header({"a": {"dtype": "U8", "shape": [0, 2**70], "data_offsets": [0, 0]}}),
+        with_header({"a": {"dtype": "U8", "shape": [2**62, 0], "data_offsets": [0, 0]}}),
     ],
 )
 def test_malformed_payloads_rejected(data):

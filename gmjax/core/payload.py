@@ -32,6 +32,10 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_HEADER_DEPTH = 4
 """The format nests three deep (header, entry, shape); deeper is hostile (json.loads would
 recurse into it until RecursionError)."""
+MAX_RANK = 32
+"""The most dimensions an entry may have (numpy's own limit is 32 or 64 by version)."""
+MAX_DIMENSION = 2**48
+"""The longest dimension an entry may have (numpy refuses lengths near 2^63)."""
 METADATA_BYTES = 4096
 """Room ``bounds`` leaves for ``__metadata__``: its honest fields take a few hundred."""
 # A string token of JSON, escapes included (unrolled: linear, no backtracking).
@@ -148,7 +152,10 @@ def loads(data: bytes, *, max_header_bytes: int = MAX_HEADER_BYTES
     if dtype is None:
       raise PayloadError(f"entry {quote(name)} has unknown dtype {quote(info['dtype'])}")
     shape, offsets = info["shape"], info["data_offsets"]
-    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+    # Within what numpy can hold: more dimensions, or one past ``MAX_DIMENSION`` (with
+    # another of 0, any size is 0 bytes), would make numpy raise its own ValueError.
+    if not (isinstance(shape, list) and len(shape) <= MAX_RANK
+            and all(type(d) is int and 0 <= d <= MAX_DIMENSION for d in shape)):
       raise PayloadError(f"entry {quote(name)} has a bad shape {quote(shape)}")
     if not (
         isinstance(offsets, list)
