@@ -214,3 +214,14 @@ def test_index_problems(index, reason):
   # A leaf of 5 values, chunks of 3: (3, 2) values, k = 2 keeps 2 of each.
   assert sparse.index_problem(np.array([0, 2, 0, 1]), 5, 2, 3) is None
   assert reason in sparse.index_problem(np.array(index), 5, 2, 3)
+
+
+@pytest.mark.parametrize("topk,chunk,argument", [
+    (0, 16, "topk"), (-1, 16, "topk"), (2.0, 16, "topk"), (True, 16, "topk"),
+    (2, 0, "chunk"), (2, -3, "chunk"), (2, 2**33, "chunk"), (2, True, "chunk"),
+])
+def test_wire_refuses_a_topk_or_chunk_that_is_not_a_positive_int(topk, chunk, argument):
+  # topk=0 kept nothing (every delta silently zero); chunk=0 divided by zero on encode.
+  value = topk if argument == "topk" else chunk
+  with pytest.raises(ValueError, match=rf"Wire\({argument}={value!r}\): {argument} must be"):
+    Wire("I4", topk, chunk)

@@ -61,6 +61,15 @@ class Wire:
 
   def __post_init__(self):
     check_precision(self.precision)
+    topk, chunk = self.topk, self.chunk
+    if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
+      raise ValueError(
+          f"Wire(topk={topk!r}): topk must be None (dense) or a positive int, the values"
+          " each chunk keeps.")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= 2**32:
+      raise ValueError(
+          f"Wire(chunk={chunk!r}): chunk must be a positive int (at most 2**32), the"
+          " length of the chunks topk keeps values of (4096 by default).")
 
   @property
   def sparse(self) -> bool:
