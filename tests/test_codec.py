@@ -1,6 +1,7 @@
 """The codec against a numpy + ml_dtypes reference: exact bytes, error bounds, refusals."""
 
 import math
+import re
 
 import hypothesis
 import hypothesis.extra.numpy as hnp
@@ -341,3 +342,35 @@ def test_no_recompile_on_second_call():
     gmjax.decode(entries, schema, precision)
     assert wire._encode_jit._cache_size() == encodes
     assert wire._decode_jit._cache_size() == decodes
+
+
+def _entries(precision):
+  x = {"w": np.linspace(-1.0, 1.0, 64, dtype=np.float32)}
+  return ({k: np.asarray(v) for k, v in gmjax.encode(x, precision).items()},
+          gmjax.Schema.from_tree(x))
+
+
+@pytest.mark.parametrize("precision,name,change", [
+    ("I4", "w", lambda v: v[: v.size // 2]),  # short codes decoded as zeros before
+    ("I2", "w.scale", lambda v: v[:1]),  # one scale broadcast to every block before
+    ("F8_E4M3", "w", lambda v: v.view(np.uint8)),  # codes converted, not read, before
+    ("F4", "w", lambda v: v.astype(np.float32)),
+    ("F16", "w", lambda v: v.astype(np.float32)),
+])
+def test_decode_refuses_entries_unlike_the_layout(precision, name, change):
+  entries, schema = _entries(precision)
+  entries[name] = change(entries[name])
+  with pytest.raises(ValueError, match=rf"decode: entry '{re.escape(name)}' has shape"
+                     r".*lays it out as .* \(see gmjax.layout"):
+    gmjax.decode(entries, schema, precision)
+
+
+@pytest.mark.parametrize("index,reason", [([1, 9, 0, 1], "out of range"),
+                                          ([1, 1, 0, 1], "repeats")])
+def test_sparse_decode_refuses_bad_indices(index, reason):
+  x = {"w": np.linspace(-1.0, 1.0, 16, dtype=np.float32)}
+  schema, sparse_wire = gmjax.Schema.from_tree(x), wire.Wire("I4", 2, 8)
+  entries = {k: np.asarray(v) for k, v in sparse_wire.encode(schema.flatten(x), schema).items()}
+  entries["w.index"] = np.asarray(index, entries["w.index"].dtype)
+  with pytest.raises(ValueError, match=rf"decode: entry 'w.index': index .* {reason}"):
+    sparse_wire.decode(entries, schema)

@@ -213,11 +213,19 @@ class Wire:
     return entries
 
   def decode(self, entries: Mapping[str, Any], schema: Schema) -> dict[str, jax.Array]:
-    """F32 values by leaf name from the payload ``entries`` ``encode`` produced."""
-    wanted = self.layout(schema).names
+    """F32 values by leaf name from the payload ``entries`` ``encode`` produced.
+
+    Raises:
+      KeyError: an entry of the layout is missing.
+      ValueError: an entry's shape or dtype is not the layout's, or (``topk``) an index
+        entry is out of its chunk's range or does not rise (``sparse.index_problem``).
+    """
+    layout = self.layout(schema)
+    wanted = layout.names
     missing = [n for n in wanted if n not in entries]
     if missing:
       raise KeyError(f"payload lacks entries {missing}")
+    self._check_entries(entries, layout, schema)
     if self.precision in QUANTIZED or self.topk is not None:
       return _decode_jit(self, {n: entries[n] for n in wanted}, schema.parameters)
     # An F32 entry of the right shape already is its value; decoding would only copy it.
@@ -231,6 +239,31 @@ class Wire:
     values = _decode_jit(self, {s.name: entries[s.name] for s in rest}, rest) if rest else {}
     return {spec.name: unchanged[spec.name] if spec.name in unchanged else values[spec.name]
             for spec in schema.parameters}
+
+  def _check_entries(self, entries: Mapping[str, Any], layout: Schema,
+                     schema: Schema) -> None:
+    """Raises a ValueError for an entry unlike ``layout``'s spec, or a bad index entry:
+    decoded as they are, short codes would decode as zeros, a short scale entry would be
+    broadcast, and codes of another dtype converted instead of read."""
+    for spec in layout.parameters:
+      value = entries[spec.name]
+      dtype = np.dtype(value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype)
+      want = np.dtype(NUMPY_DTYPES[spec.dtype])
+      if tuple(np.shape(value)) != spec.shape or dtype != want:
+        raise ValueError(
+            f"decode: entry {spec.name!r} has shape {tuple(np.shape(value))} and dtype"
+            f" {dtype.name}; precision={self.precision!r} lays it out as {spec.shape} of"
+            f" {want.name} (see gmjax.layout(schema, precision)): pass the entries encode"
+            " made for this schema and precision.")
+    if self.topk is None:
+      return
+    for spec in schema.parameters:
+      name = sparse.index_name(spec.name)
+      problem = sparse.index_problem(np.asarray(entries[name]), spec.size, self.topk,
+                                     self.chunk)
+      if problem is not None:
+        raise ValueError(f"decode: entry {name!r}: {problem} (topk={self.topk},"
+                         f" chunk={self.chunk}).")
 
   def zeros(self, schema: Schema) -> dict[str, np.ndarray]:
     """Host entries of all-zero tensors (with ``topk``, the first indices of each chunk)."""
