@@ -65,7 +65,8 @@ def test_nnx_state():
      {"w": jnp.zeros(2), "w.index": jnp.zeros(2)},
      {"a/b": jnp.zeros(2), "a": {"b": jnp.zeros(2)}},
      {"w": jnp.zeros(2), "outer.0.mu.w": jnp.zeros(2)},
-     {"outer.0.count": jnp.zeros(())}],
+     {"outer.0.count": jnp.zeros(())},
+     {"__metadata__": jnp.zeros(3)}],  # a payload's header key: the file would not load
 )
 def test_colliding_names_rejected(tree):
   with pytest.raises(ValueError, match="rename"):

@@ -38,6 +38,7 @@ INDEX = ".index"  # a sparse delta's index entry (``gmjax.core.sparse``)
 # Records of an outer optimizer's state other than the default SGD's momentum
 # (``gmjax.core.outer_records``): every name under this prefix is reserved.
 OUTER = "outer."
+METADATA = "__metadata__"  # the safetensors header's metadata key (``gmjax.core.payload``)
 
 
 def dtype_code(dtype: Any, *, what: str = "leaf") -> str:
@@ -144,6 +145,11 @@ class Schema:
     if self.payload:
       return  # a payload layout holds derived names (``<name>.scale``) by design
     for name in names:
+      if name == METADATA:
+        raise ValueError(
+            f"Schema leaf name {name!r} is the key safetensors reserves for a payload's"
+            " metadata (its header would hold the leaf's entry in its place); rename the"
+            " leaf.")
       if name.startswith(OUTER):
         raise ValueError(
             f"Schema leaf name {name!r} starts with {OUTER!r}, which gmjax reserves for"
