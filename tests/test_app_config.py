@@ -186,3 +186,11 @@ def test_learner_speeds_set_each_learners_slowdown_against_the_fastest(tmp_path)
 def test_adaptive_steps_reaches_diloco(tmp_path):
   text = BASE.replace("sync_every = 2", "sync_every = 2\nadaptive_steps = true")
   assert config_lib.load(_write(tmp_path, text)).diloco.adaptive_steps is True
+
+
+def test_a_config_with_outer_options_records_itself(tmp_path):
+  # The run's record of its configuration (TrainConfig.to_json, written before training)
+  # failed on the options' read-only mapping.
+  text = BASE.replace("[diloco]\n", "[diloco]\nouter_options = { learning_rate = 0.5 }\n")
+  cfg = config_lib.load(_write(tmp_path, text))
+  assert cfg.to_json()["diloco"]["outer_options"] == {"learning_rate": 0.5}

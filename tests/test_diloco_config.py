@@ -1,7 +1,10 @@
 """gmjax.DiLoCo: eager validation, JSON round trip, the outer optimizer, the fragment plan."""
 
+import copy
+import dataclasses
 import functools
 import json
+import pickle
 
 import hypothesis
 import hypothesis.strategies as st
@@ -122,6 +125,33 @@ def test_outer_json_round_trip_hash_and_eq():
   old = {k: v for k, v in gmjax.DiLoCo(sync_every=4).to_json().items()
          if k not in ("outer", "outer_options")}
   assert gmjax.DiLoCo.from_json(old) == gmjax.DiLoCo(sync_every=4)
+
+
+def test_a_configuration_copies_pickles_and_converts_to_a_dict():
+  # Its mappings were read-only proxies, which copy.deepcopy, pickle and
+  # dataclasses.asdict could not handle.
+  config = gmjax.DiLoCo(sync_every=8, fragments=2, layer_axis={"layers": 0},
+                        outer_options={"learning_rate": 0.5})
+  assert copy.deepcopy(config) == config
+  assert pickle.loads(pickle.dumps(config)) == config
+  record = dataclasses.asdict(config)
+  assert record["outer_options"] == {"learning_rate": 0.5}
+  assert record["layer_axis"] == {"layers": 0}
+  assert json.loads(json.dumps(record)) == record
+  for mapping in (config.outer_options, config.layer_axis):
+    with pytest.raises(TypeError, match="read-only"):
+      mapping["x"] = 1
+
+
+@pytest.mark.parametrize("a,b", [
+    ({"outer_learning_rate": 1}, {"outer_learning_rate": 1.0}),
+    ({"mixing": 0}, {"mixing": 0.0}),
+    ({"outer_momentum": 0}, {"outer_momentum": 0.0}),
+    ({"outer": "adam", "outer_options": {"b1": 0}}, {"outer": "adam", "outer_options": {"b1": 0.0}}),
+])
+def test_equal_configurations_hash_alike(a, b):
+  first, second = gmjax.DiLoCo(sync_every=8, **a), gmjax.DiLoCo(sync_every=8, **b)
+  assert first == second and hash(first) == hash(second) and len({first, second}) == 1
 
 
 def test_outer_arguments_defaults():

@@ -1,6 +1,8 @@
 """The typed round record: its JSON keeps the commit file's shape, byte for byte."""
 
+import copy
 import json
+import pickle
 
 import numpy as np
 
@@ -70,6 +72,17 @@ def test_typed_records_round_trip_and_run_returns_them(trained):
   assert mail.Heartbeat.from_json(beat.to_json()) == beat
   # to_json gives the heartbeat file's fields and values (the signature is kept).
   assert beat.to_json() == json.loads(run.store.get(layout.heartbeat("w0")))
+
+
+def test_records_copy_and_pickle(trained):
+  # Their mappings were read-only proxies, which copy.deepcopy and pickle refused (a
+  # record could not be sent to another process).
+  run, _ = trained
+  for record in (*run.rounds(), *run.learners().values()):
+    assert copy.deepcopy(record) == record
+    assert pickle.loads(pickle.dumps(record)) == record
+    with pytest.raises(TypeError, match="read-only"):
+      record.extra["x"] = 1
 
 
 def test_unknown_fields_are_kept_known_ones_are_checked(trained):

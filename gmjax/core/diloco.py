@@ -20,6 +20,7 @@ from typing import Any, Self
 import optax
 
 from gmjax.core import diloco_checks, feedback, layers, outer, robust
+from gmjax.core.frozen import json_hash
 from gmjax.core.records import Precision
 from gmjax.core.schedule import RoundSchedule
 from gmjax.core.schema import Schema
@@ -222,7 +223,8 @@ class DiLoCo:
     return self.delta_wire.layout(schema)
 
   def __hash__(self):
-    return hash(json.dumps(self.to_json(), sort_keys=True))
+    # Equal configurations hash alike: ``outer_learning_rate=1`` equals ``1.0``.
+    return json_hash(self.to_json())
 
   def _refuse_custom(self, what: str) -> None:
     if self.outer == CUSTOM:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +20,7 @@ import numpy as np
 
 from gmjax.core import eager as eager_updates
 from gmjax.core import feedback, robust
+from gmjax.core.frozen import FrozenDict
 from gmjax.core.wire import check_precision
 
 
@@ -97,7 +97,7 @@ def check_fields(config: Any) -> None:
           f"DiLoCo outer_options must be JSON (numbers, strings, bools, lists, dicts),"
           f" got {options!r}: {error}."
       ) from None
-    object.__setattr__(config, "outer_options", types.MappingProxyType(frozen))
+    object.__setattr__(config, "outer_options", FrozenDict(frozen))
   _check_layer_axis(config)
 
 
@@ -181,4 +181,4 @@ def _check_layer_axis(config: Any) -> None:
         f"DiLoCo layer_axis must be None or a non-empty dict from a leaf path prefix to"
         f" the non-negative axis its layers are stacked on, got {axes!r}; e.g."
         " {'layers': 0} for nnx.scan, {'decoder/layers': 1} for MaxText.")
-  object.__setattr__(config, "layer_axis", types.MappingProxyType(dict(axes)))
+  object.__setattr__(config, "layer_axis", FrozenDict(axes))

@@ -36,10 +36,10 @@ import json
 import logging
 import math
 import time
-import types
 from collections.abc import Mapping
 from typing import Any
 
+from gmjax.core.frozen import FrozenDict
 from gmjax.core.guards import quote
 from gmjax.mail import layout
 from gmjax.mail import signing
@@ -179,7 +179,7 @@ class Heartbeat:
   first_round: int | None = None
   final_rounds: tuple[int, ...] = ()
   versions: Mapping[str, int] = dataclasses.field(
-      default_factory=lambda: types.MappingProxyType({}))
+      default_factory=lambda: FrozenDict({}))
   step_seconds: float | None = None
   trained: int | None = None
   idle_seconds: float | None = None
@@ -188,12 +188,12 @@ class Heartbeat:
   closed_at: str | None = None
   error: Any = None
   extra: Mapping[str, Any] = dataclasses.field(
-      default_factory=lambda: types.MappingProxyType({}))
+      default_factory=lambda: FrozenDict({}))
 
   def __post_init__(self):
     object.__setattr__(self, "final_rounds", tuple(self.final_rounds))
-    object.__setattr__(self, "versions", types.MappingProxyType(dict(self.versions)))
-    object.__setattr__(self, "extra", types.MappingProxyType(dict(self.extra)))
+    object.__setattr__(self, "versions", FrozenDict(dict(self.versions)))
+    object.__setattr__(self, "extra", FrozenDict(dict(self.extra)))
 
   def to_json(self) -> dict[str, Any]:
     """The heartbeat as a learner writes it (see the class docstring)."""

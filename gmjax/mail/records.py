@@ -25,10 +25,10 @@ the closer writes:
 from __future__ import annotations
 
 import dataclasses
-import types
 from collections.abc import Mapping
 from typing import Any
 
+from gmjax.core.frozen import FrozenDict
 from gmjax.core.records import Participant
 from gmjax.core.schedule import Estimates
 from gmjax.mail.errors import CorruptRecord
@@ -125,18 +125,18 @@ class RoundRecord:
   takeover_seconds: float | None = None
   note: str | None = None
   extra: Mapping[str, Any] = dataclasses.field(
-      default_factory=lambda: types.MappingProxyType({}))
+      default_factory=lambda: FrozenDict({}))
 
   def __post_init__(self):
-    # Sequences become tuples and mappings read-only views, so a record built by a
+    # Sequences become tuples and mappings read-only dicts, so a record built by a
     # closer equals the same record read back, and neither can be changed in place.
     normal = {
         "participants": tuple(self.participants), "rejected": tuple(self.rejected),
         "final": tuple(self.final), "live": tuple(self.live),
-        "state_files": types.MappingProxyType(dict(self.state_files)),
-        "state_names": types.MappingProxyType(
+        "state_files": FrozenDict(dict(self.state_files)),
+        "state_names": FrozenDict(
             {k: tuple(v) for k, v in self.state_names.items()}),
-        "extra": types.MappingProxyType(dict(self.extra)),
+        "extra": FrozenDict(dict(self.extra)),
     }
     for name, value in normal.items():
       object.__setattr__(self, name, value)
