@@ -154,6 +154,18 @@ def test_equal_configurations_hash_alike(a, b):
   assert first == second and hash(first) == hash(second) and len({first, second}) == 1
 
 
+def test_numpy_scalars_are_taken_as_the_numbers_they_hold():
+  # np.int64(8) was refused as "not a positive int", np.float32(0.7) as "not a number".
+  config = gmjax.DiLoCo(sync_every=np.int64(8), fragments=np.int32(2),
+                        outer_learning_rate=np.float32(0.5), mixing=np.float64(0.25),
+                        overlap_steps=np.int64(1), nesterov=np.bool_(False))
+  assert config == gmjax.DiLoCo(sync_every=8, fragments=2, outer_learning_rate=0.5,
+                                mixing=0.25, overlap_steps=1, nesterov=False)
+  assert type(config.sync_every) is int and type(config.outer_learning_rate) is float
+  assert type(config.nesterov) is bool
+  json.dumps(config.to_json())
+
+
 def test_outer_arguments_defaults():
   config = gmjax.DiLoCo(sync_every=4, outer_learning_rate=0.5, outer_momentum=0.8,
                         nesterov=False)

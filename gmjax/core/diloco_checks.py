@@ -33,6 +33,12 @@ def check_fields(config: Any) -> None:
   Raises:
     ValueError: a field out of its range or of the wrong type, naming it and its value.
   """
+  # numpy scalars (a count read from an array, a rate from a sweep) as the Python values
+  # they stand for: np.int64 is no int, np.float32 no float.
+  for field in dataclasses.fields(config):
+    value = getattr(config, field.name)
+    if isinstance(value, np.generic) and isinstance(value, (np.bool_, np.integer, np.floating)):
+      object.__setattr__(config, field.name, value.item())
   _positive_int("sync_every", config.sync_every)
   _positive_int("fragments", config.fragments)
   if config.fragments > config.sync_every:
