@@ -129,3 +129,18 @@ def test_finish_takes_a_numpy_integer_axis():
   for axis in (np.int64(0), np.int32(-2)):
     theta = gmjax.finish(state, stacked, learner_axis=axis)
     np.testing.assert_array_equal(theta["w"], stacked["w"][0])
+
+
+def test_finish_refuses_an_axis_the_state_is_not_stacked_on():
+  # A slice of Θ came back: row 0 of one learner's w, or axis 1 of a stacked state.
+  optimizer = gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=2, overlap_steps=0))
+  params = {"w": jnp.ones((3, 4))}
+  with pytest.raises(ValueError, match=r"learner_axis=0, but state.count has shape \(\),"
+                                       r".*pass learner_axis=None"):
+    gmjax.finish(optimizer.init(params), params, learner_axis=0)
+  stacked = {"w": jnp.ones((2, 4))}
+  state = jax.vmap(optimizer.init)(stacked)
+  with pytest.raises(ValueError, match=r"learner_axis=1, but state.anchor\['w'\] has shape"
+                                       r" \(2, 4\) while the state holds 2 learners"):
+    gmjax.finish(state, stacked, learner_axis=1)
+  assert gmjax.finish(state, stacked, learner_axis=0)["w"].shape == (4,)

@@ -59,7 +59,8 @@ def finish(state: DiLoCoState, params: Any, *, learner_axis: int | None = None) 
   Raises:
     TypeError: ``state`` is not a ``gmjax.DiLoCoState`` (the message names where one
       lies in it, e.g. ``state.inner_opt_state`` of ``optax.MultiSteps``).
-    ValueError: ``params`` is not structured or shaped like the state's anchor.
+    ValueError: ``params`` is not structured or shaped like the state's anchor, or
+      ``learner_axis`` is not the axis ``state`` is stacked over learners on.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, gmjax
@@ -99,8 +100,29 @@ def finish(state: DiLoCoState, params: Any, *, learner_axis: int | None = None) 
           f"gmjax.finish: learner_axis must be None or an int (the dimension the learners"
           f" are stacked on), got {learner_axis!r}.")
     learner_axis = operator.index(learner_axis)
+    _check_stacked(state, learner_axis)
   with _their_mesh(params):
     return jax.tree.map(lambda a, p: _one(a, p, learner_axis), anchor, params)
+
+
+def _check_stacked(state: DiLoCoState, learner_axis: int) -> None:
+  """Raises a ValueError unless ``state`` is stacked over learners on ``learner_axis``:
+  its count (a scalar a learner) one-dimensional, and every anchor leaf as long on that
+  axis as the count. Taking index 0 of another axis would give a slice of Θ."""
+  count = jnp.shape(state.count)
+  if len(count) != 1:
+    raise ValueError(
+        f"gmjax.finish: learner_axis={learner_axis}, but state.count has shape {count},"
+        " not (learners,): the state is not stacked over learners (one learner's, or a"
+        " call inside the learners' axis); pass learner_axis=None.")
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state.anchor)[0]:
+    shape = jnp.shape(leaf)
+    if not -len(shape) <= learner_axis < len(shape) or shape[learner_axis] != count[0]:
+      raise ValueError(
+          f"gmjax.finish: learner_axis={learner_axis}, but state.anchor"
+          f"{jax.tree_util.keystr(path)} has shape {shape} while the state holds"
+          f" {count[0]} learners (state.count has shape {count}); pass the dimension the"
+          " learners are stacked on (0 for jax.vmap's).")
 
 
 def _not_a_state(state: Any) -> str:
