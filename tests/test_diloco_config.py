@@ -91,6 +91,15 @@ def test_plan(leaves, fragments):
      ("sgd", {"learning_rate": {"schedule": "nope"}}, "schedule='nope' is not an optax"),
      ("sgd", {"learning_rate": {"schedule": "cosine_decay_schedule", "bad": 1}},
       "outer_options.learning_rate"),
+     # Values optax takes when built, and steps wrongly on (or fails on at the first
+     # round, for a string):
+     ("sgd", {"learning_rate": "0.7"}, "outer_options.learning_rate must be a positive"),
+     ("sgd", {"learning_rate": -1.0}, "outer_options.learning_rate must be a positive"),
+     ("sgd", {"learning_rate": 0}, "outer_options.learning_rate must be a positive"),
+     ("sgd", {"learning_rate": True}, "outer_options.learning_rate must be a positive"),
+     ("sgd", {"momentum": 1.5}, r"outer_options.momentum must be a number in \[0, 1\)"),
+     ("adam", {"b2": -0.5}, r"outer_options.b2 must be a number in \[0, 1\)"),
+     ("adam", {"eps": "small"}, "outer_options do not fit optax.adam: a step on a probe"),
     ],
 )
 def test_bad_outer_named(outer, options, match):

@@ -12,6 +12,7 @@ References:
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -144,6 +145,14 @@ def transformation(name: str, options: Mapping[str, Any]) -> optax.GradientTrans
   Raises:
     ValueError: ``name`` is no optax optimizer, or the options do not fit it.
   """
+  built = _build(name, options)
+  _check_numbers(options)
+  _probe(name, options)
+  return built
+
+
+def _build(name: str, options: Mapping[str, Any]) -> optax.GradientTransformation:
+  """``optax.<name>(**options)``, checked to be a transformation."""
   factory = getattr(optax, name, None) if isinstance(name, str) else None
   if not callable(factory) or name.startswith("_"):
     raise ValueError(
@@ -162,6 +171,50 @@ def transformation(name: str, options: Mapping[str, Any]) -> optax.GradientTrans
         f"DiLoCo outer: optax.{name}(...) is not a GradientTransformation, got {built!r}."
     )
   return built
+
+
+# Options optax takes as a rate in [0, 1) (a momentum, a moment's decay), where it takes
+# them at all.
+_RATES = ("momentum", "b1", "b2", "decay")
+
+
+def _check_numbers(options: Mapping[str, Any]) -> None:
+  """Raises a ValueError for a learning rate that is not a positive number (or a
+  schedule), or a rate outside ``[0, 1)``: optax takes either and steps wrongly, or
+  fails only when it first steps (a string)."""
+  for key, value in options.items():
+    number = not isinstance(value, bool) and isinstance(value, (int, float))
+    if key == "learning_rate" and not isinstance(value, Mapping) and not (
+        number and 0 < value < float("inf")):
+      raise ValueError(
+          f"DiLoCo outer_options.learning_rate must be a positive number or a schedule"
+          f" ({{'schedule': 'cosine_decay_schedule', ...}}), got {value!r}.")
+    if key in _RATES and value is not None and not (number and 0 <= value < 1):
+      raise ValueError(f"DiLoCo outer_options.{key} must be a number in [0, 1), got {value!r}.")
+
+
+@functools.lru_cache(maxsize=64)
+def _probed(name: str, options: str) -> str | None:
+  """Why ``optax.<name>(**options)`` (``options`` as JSON) fails a step, or None."""
+  built = _build(name, json.loads(options))
+  probe = jax.ShapeDtypeStruct((2,), jnp.float32)
+  try:
+    jax.eval_shape(lambda p: built.update(p, built.init(p), p), probe)
+  except Exception as error:  # pylint: disable=broad-except
+    # Any failure of the optimizer's own code on a plain vector: the options do not fit.
+    return f"{type(error).__name__}: {error}"
+  return None
+
+
+def _probe(name: str, options: Mapping[str, Any]) -> None:
+  """Raises a ValueError if ``optax.<name>(**options)`` cannot take one (abstract) step
+  on an F32 vector, so that options of the wrong type fail where they are written, not
+  at the first round (the result is kept per JSON of the options)."""
+  problem = _probed(name, json.dumps(dict(options), sort_keys=True))
+  if problem is not None:
+    raise ValueError(
+        f"DiLoCo outer_options do not fit optax.{name}: a step on a probe vector fails"
+        f" ({problem}); got {dict(options)!r}.")
 
 
 def apply_outer(
