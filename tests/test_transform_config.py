@@ -127,6 +127,18 @@ def test_params_reshaped_after_init_are_named():
     optimizer.update({"w": jnp.ones((2, 3))}, state, {"w": jnp.ones((2, 3))})
 
 
+def test_params_cast_after_init_are_named():
+  # The message spoke of a state built for another configuration (a master it lacks).
+  optimizer = gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=4))
+  state = optimizer.init({"w": jnp.ones((2, 3))})
+  params = {"w": jnp.ones((2, 3), jnp.bfloat16)}
+  with pytest.raises(ValueError, match=r"params\['w'\] of dtype bfloat16, but the state"
+                                       r" was built for float32.*optimizer.init"):
+    optimizer.update(params, state, params)
+  # float64 is taken as float32, as init takes it.
+  optimizer.update({"w": np.ones((2, 3))}, state, {"w": np.ones((2, 3))})
+
+
 @pytest.mark.parametrize("inner", [optax.sgd(0.1), optax.adam(0.1)], ids=["sgd", "adam"])
 def test_updates_unlike_the_params_are_named(inner):
   optimizer = gmjax.diloco(inner, gmjax.DiLoCo(sync_every=4))

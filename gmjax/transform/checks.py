@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from gmjax.core.diloco import CUSTOM, DiLoCo
@@ -128,10 +129,22 @@ def _check_like(what: str, tree: Any, like: Any, structured: str, shaped: str,
 
 
 def params(params: Any, anchor: Any) -> None:
-  """Raises unless ``params`` has the structure and shapes the state was built for."""
+  """Raises unless ``params`` has the structure, shapes and dtypes the state was built
+  for (float64 is taken as float32, as ``init`` takes it)."""
+  fix = "build the state with optimizer.init on the parameters as they are now"
   _check_like("params", params, anchor, "the state was built for",
-              "the state was built for shape",
-              "build the state with optimizer.init on the parameters as they are now")
+              "the state was built for shape", fix)
+  # The state's layout follows the dtypes (a master is kept beside 16-bit parameters):
+  # named here, rather than as a state that does not fit.
+  as_built = lambda x: (jnp.dtype(jnp.float32) if jnp.result_type(x) == jnp.float64
+                        else jnp.result_type(x))
+  for (path, p), a in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                          jax.tree.leaves(anchor)):
+    if as_built(p) != as_built(a):
+      raise ValueError(
+          f"gmjax.diloco: update got params{jax.tree_util.keystr(path)} of dtype"
+          f" {jnp.result_type(p)}, but the state was built for {jnp.result_type(a)} (its"
+          f" anchor); {fix}, or pass them at the dtype init saw.")
 
 
 def updates(updates: Any, params: Any) -> None:
