@@ -62,7 +62,10 @@ def test_seed_examples():
     "kwargs",
     [dict(sync_every=0, fragments=1), dict(sync_every=2, fragments=3),
      dict(sync_every=2, fragments=0), dict(sync_every=2, fragments=1, in_flight=0),
-     dict(sync_every=2, fragments=1, overlap_steps=-1), dict(sync_every=True, fragments=1)],
+     dict(sync_every=2, fragments=1, overlap_steps=-1), dict(sync_every=True, fragments=1),
+     # Accepted before: due() was then True on every count.
+     dict(sync_every=4, fragments=2, overlap_steps=True),
+     dict(sync_every=4, fragments=2, overlap_steps=4)],
 )
 def test_invalid_schedules(kwargs):
   with pytest.raises(ValueError):

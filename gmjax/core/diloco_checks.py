@@ -24,6 +24,9 @@ from gmjax.core.frozen import FrozenDict
 from gmjax.core.wire import check_precision
 
 
+MAX_SYNC_EVERY = 2**31 - 1
+
+
 def check_fields(config: Any) -> None:
   """Checks the fields of ``config`` (a ``DiLoCo``) that stand alone; freezes its mappings.
 
@@ -40,6 +43,10 @@ def check_fields(config: Any) -> None:
     if isinstance(value, np.generic) and isinstance(value, (np.bool_, np.integer, np.floating)):
       object.__setattr__(config, field.name, value.item())
   _positive_int("sync_every", config.sync_every)
+  if config.sync_every > MAX_SYNC_EVERY:
+    raise ValueError(
+        f"DiLoCo sync_every must be at most 2**31 - 1, got {config.sync_every}: the"
+        " in-mesh step count is an int32, which never reaches a larger one.")
   _positive_int("fragments", config.fragments)
   if config.fragments > config.sync_every:
     raise ValueError(

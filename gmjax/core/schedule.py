@@ -71,12 +71,13 @@ class RoundSchedule:
           f"RoundSchedule needs fragments <= sync_every, got fragments={self.fragments} and"
           f" sync_every={self.sync_every}; use fewer fragments or sync less often."
       )
-    if self.overlap_steps is not None and (
-        not isinstance(self.overlap_steps, int) or self.overlap_steps < 0
-    ):
+    tau = self.overlap_steps
+    if tau is not None and (isinstance(tau, bool) or not isinstance(tau, int)
+                            or not 0 <= tau < self.sync_every):
       raise ValueError(
-          f"RoundSchedule overlap_steps must be None or an int >= 0, got {self.overlap_steps!r}."
-      )
+          f"RoundSchedule overlap_steps must be None or an int in [0, sync_every), got"
+          f" {tau!r} with sync_every={self.sync_every}: the next round of a fragment needs"
+          " the merged anchor.")
 
   def fragment_of(self, round: int) -> int:  # pylint: disable=redefined-builtin
     return round % self.fragments

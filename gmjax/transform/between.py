@@ -23,7 +23,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from gmjax.transform import explicit, structure
@@ -44,9 +43,9 @@ class Schedule(NamedTuple):
     return self.first | (self.sync_index > 0) | (self.merge_index > 0)
 
 
-def schedule(table: np.ndarray, tau: int, count: jax.Array) -> Schedule:
+def schedule(table: structure.SyncTable, tau: int, count: jax.Array) -> Schedule:
   """The round work of the update at state count ``count`` (``t = count + 1``)."""
-  sync_every = table.shape[0]
+  sync_every = table.sync_every
   t = optax.safe_int32_increment(count)
   merge_index = jnp.where(t > tau, structure.lookup(table, (t - tau) % sync_every), 0)
   return Schedule(t, count == 0, structure.lookup(table, t % sync_every), merge_index)

@@ -8,7 +8,7 @@ or one learner's rows) and over which the outer states are built.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,29 +73,35 @@ def state_mismatch(state: Any, expected: Any) -> tuple[str, str, str] | None:
   return None
 
 
-def sync_table(schedule: RoundSchedule) -> np.ndarray:
-  """``table[t mod H]``: 1 + the fragment that syncs at global step ``t``, or 0."""
-  table = np.zeros(schedule.sync_every, np.int32)
-  for step in range(1, schedule.sync_every + 1):
-    r = schedule.round_at(step)
-    if r is not None:
-      table[step % schedule.sync_every] = schedule.fragment_of(r) + 1
-  return table
+class SyncTable(NamedTuple):
+  """Which fragment syncs at global step ``t``: ``1 + fragment`` at ``t mod H`` in
+  ``positions``, 0 elsewhere (``lookup``). ``P`` entries, whatever ``sync_every``."""
+  sync_every: int
+  positions: np.ndarray
+  fragments: np.ndarray
 
 
-def lookup(table: np.ndarray, index: jax.Array) -> jax.Array:
-  """``table[index]`` as a masked sum over the table's nonzero entries.
+def sync_table(schedule: RoundSchedule) -> SyncTable:
+  """The ``SyncTable`` of ``schedule``: round ``r < P`` syncs fragment ``r`` at
+  ``step_of(r)``, and every ``H`` steps after."""
+  rounds = range(schedule.fragments)
+  positions = [schedule.step_of(r) % schedule.sync_every for r in rounds]
+  return SyncTable(schedule.sync_every, np.asarray(positions, np.int32),
+                   np.asarray([schedule.fragment_of(r) + 1 for r in rounds], np.int32))
+
+
+def lookup(table: SyncTable, index: jax.Array) -> jax.Array:
+  """``1 + fragment`` that syncs at ``index`` (``t mod H``), or 0: a masked sum over the
+  table's ``P`` entries.
 
   An indexed read of a constant by a learner-batched index is a gather, which explicit
-  sharding refuses to place on its own; a comparison and a sum are elementwise. Only the
-  nonzero entries are compared (a schedule table holds ``P`` of them in ``sync_every``),
-  so the step's program and work do not grow with ``sync_every``.
+  sharding refuses to place on its own; a comparison and a sum are elementwise, and the
+  step's program and work do not grow with ``sync_every``.
   """
-  (positions,) = np.nonzero(table)
-  if positions.size == 0:
-    return jnp.zeros([], table.dtype)
-  matches = positions.astype(np.int32) == index
-  return jnp.sum(jnp.where(matches, jnp.asarray(table[positions]), 0))
+  if table.positions.size == 0:
+    return jnp.zeros([], jnp.int32)
+  matches = table.positions == index
+  return jnp.sum(jnp.where(matches, jnp.asarray(table.fragments), 0))
 
 
 class Layout:
