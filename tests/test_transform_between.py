@@ -54,6 +54,14 @@ def test_due_refuses_what_it_cannot_answer():
     gmjax.DiLoCo(sync_every=4).schedule(1).due(-1)
   with pytest.raises(ValueError, match="overlap_steps is None"):
     gmjax.DiLoCo(sync_every=4, overlap_steps=None).schedule(1).due(3)
+  schedule = gmjax.DiLoCo(sync_every=4).schedule(1)
+  for bad in (True, 2.0, jnp.ones(2, jnp.int32), jnp.bool_(True)):
+    with pytest.raises(ValueError, match=r"pass the state's step count, an int >= 0"):
+      schedule.due(bad)
+  # An integer scalar of numpy or JAX (one learner's state.count) is a count too: it was
+  # refused with a message asking for the state's step count.
+  for count in range(9):
+    assert schedule.due(np.int64(count)) == schedule.due(jnp.int32(count)) == schedule.due(count)
 
 
 def _problem(learners, seed=0):

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
+import operator
 from typing import Any, Self
+
+import numpy as np
 
 _EMA_DECAY = 0.1
 # An observation counts for at most _RISE_FACTOR times the estimate plus _RISE_SECONDS:
@@ -117,10 +119,13 @@ class RoundSchedule:
       ValueError: ``count`` is not an int >= 0, or ``overlap_steps`` is None (the
         in-mesh schedule needs an int).
     """
-    if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
+    value = _whole(count)
+    if value is None or value < 0:
       raise ValueError(
           f"RoundSchedule.due(count={count!r}): pass the state's step count, an int >= 0"
-          " (the number of updates the state has had).")
+          " (the number of updates the state has had), e.g. counted on the host as the"
+          " updates are made, or int(state.count) for one learner's state.")
+    count = value
     if self.overlap_steps is None:
       raise ValueError(
           "RoundSchedule.due: overlap_steps is None; the in-mesh schedule merges a fixed"
@@ -194,3 +199,14 @@ class Estimates:
     record = record if isinstance(record, dict) else {}
     return cls(**{k: (None if record.get(k) is None else _clamp(record[k]))
                   for k in ("step", "quorum", "sync")})
+
+
+def _whole(count: Any) -> int | None:
+  """``count`` as a Python int if it is an integer scalar (an int, a numpy integer, a
+  0-d integer array, concrete), else None (a bool, a float, a vector)."""
+  if isinstance(count, (bool, np.bool_)) or np.dtype(getattr(count, "dtype", np.int64)) == bool:
+    return None
+  try:
+    return operator.index(count)
+  except TypeError:
+    return None
