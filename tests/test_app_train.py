@@ -132,6 +132,29 @@ def test_train_never_deletes_a_run_unless_forced(tmp_path):
   assert not list(out.glob("learner-*.log"))
 
 
+def test_train_keeps_an_earlier_jobs_outputs_whose_run_was_deleted(tmp_path, capsys):
+  # The run deleted by hand, its metrics and learners' states kept: a new job deleted
+  # them without a word.
+  from gmjax.app import cli  # pylint: disable=g-import-not-at-top
+
+  config = tmp_path / "tiny.toml"
+  config.write_text(TINY)
+  out = tmp_path / "out"
+  (out / "state" / "learner-0").mkdir(parents=True)
+  (out / "state" / "learner-0" / "notes.txt").write_text("kept")
+  (out / "metrics-learner-0.jsonl").write_text('{"step": 1}\n')
+  (out / "config.json").write_text("{}")
+  assert cli.main(["train", str(config), "--out", str(out), "--quiet"]) == 2
+  err = capsys.readouterr().err
+  assert (f"{out} holds an earlier job's outputs (metrics-learner-0.jsonl, state/,"
+          " config.json) but no run" in err), err
+  assert "--force to delete them" in err, err
+  assert (out / "state" / "learner-0" / "notes.txt").read_text() == "kept"
+  assert (out / "metrics-learner-0.jsonl").read_text() == '{"step": 1}\n'
+  assert (out / "config.json").read_text() == "{}"
+  assert not (out / "run").exists()
+
+
 @pytest.mark.parametrize("out", ["afile", "afile/run1"])
 def test_train_refuses_an_out_that_is_or_is_under_a_file(tmp_path, capsys, out):
   from gmjax.app import cli  # pylint: disable=g-import-not-at-top

@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
   train.add_argument("--out", help="output folder (default: the config's [train] out)")
   train.add_argument("--quiet", action="store_true", help="no progress bars")
   train.add_argument("--force", action="store_true",
-                     help="delete a run already in the output folder and train anew")
+                     help="delete a run, or an earlier job's outputs, already in the output"
+                     " folder and train anew")
   train.add_argument("--resume", action="store_true",
                      help="continue the run in the output folder, started with this config,"
                      " until its steps are done")

@@ -147,6 +147,17 @@ def _check_out(out: Path) -> None:
           " file; pass a folder for the run and its metrics (a missing one is created)")
 
 
+def _earlier_outputs(out: Path) -> list[str]:
+  """What an earlier job left in ``out`` that a new one would delete or overwrite: its
+  metrics, its learners' states and its config."""
+  if not out.is_dir():
+    return []
+  found = sorted(p.name for p in out.glob("metrics*.jsonl"))
+  found += [name + "/" for name in (STATE,) if (out / name).exists()]
+  found += [CONFIG] if (out / CONFIG).exists() else []
+  return found
+
+
 def _resume_point(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
                   schema: gmjax.Schema) -> int:
   """The global step the run in ``run_dir`` reached (its newest committed round's), once
@@ -278,8 +289,9 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
       ``steps``, else the baseline trains again from the start.
 
   Raises:
-    FileExistsError: ``<out>/run`` holds a run already and neither ``force`` nor
-      ``resume`` is set (a run is never deleted unless asked); ``<out>``, or a folder
+    FileExistsError: ``<out>/run`` holds a run already, or ``<out>`` an earlier job's
+      metrics, learners' states or config, and neither ``force`` nor ``resume`` is set
+      (a run and its outputs are never deleted unless asked); ``<out>``, or a folder
       it would be made in, is a file.
     FileNotFoundError: ``resume`` without a run in ``<out>/run``; the corpus is missing.
     ValueError: ``force`` with ``resume``; ``resume`` with a config other than the
@@ -317,6 +329,14 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
             f" {', '.join(running)}; stop that gmjax train first")
       print(f"gmjax train: --force: deleting the previous run in {run_dir}")
       shutil.rmtree(run_dir)
+    earlier = _earlier_outputs(out)
+    if earlier and not force:
+      # A job's metrics and learners' states outlive a run deleted by hand: kept.
+      raise FileExistsError(
+          f"{out} holds an earlier job's outputs ({', '.join(earlier)}) but no run; pass"
+          " --out DIR to train elsewhere, or --force to delete them and train anew")
+    if earlier:
+      print(f"gmjax train: --force: deleting {', '.join(earlier)} in {out}")
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("metrics*.jsonl"):
       old.unlink()
