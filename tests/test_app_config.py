@@ -111,6 +111,14 @@ def test_missing_file():
     ("steps = 4", "steps = 4\nlearner_speeds = 0.5", r"\[train\] learner_speeds = 0\.5 must be"
      r" a list; e\.g\. learner_speeds = \[1, 1, 0\.5, 0\.25\]"),
     ("learners = 2\n", "", r"\[train\] lacks learners; set it, e\.g\. learners = 2"),
+    # Accepted before, and failing after the job had started or written its files:
+    ("steps = 4", "steps = 4\nseed = 2147483647", r"\[train\] seed = 2147483647 must be"
+     r" below 2\*\*31 - learners = 2147483646"),
+    ("[diloco]", "[model]\nvocab = 1000000000\n[diloco]", r"\[model\] makes a model of"
+     r" 129,000,104,192 parameters, over the demo job's 1,073,741,824"),
+    ("steps = 4", "steps = 4\nout = 'gs://bucket/x'", r"\[train\] out = 'gs://bucket/x' must"
+     r" be a local folder"),
+    ("[train]", "train = 1\n[other]", r"unknown tables \['other'\]"),
 ])
 def test_every_value_is_checked_with_a_fix(tmp_path, old, new, message):
   with pytest.raises(ValueError, match=message) as error:
@@ -194,3 +202,22 @@ def test_a_config_with_outer_options_records_itself(tmp_path):
   text = BASE.replace("[diloco]\n", "[diloco]\nouter_options = { learning_rate = 0.5 }\n")
   cfg = config_lib.load(_write(tmp_path, text))
   assert cfg.to_json()["diloco"]["outer_options"] == {"learning_rate": 0.5}
+
+
+@pytest.mark.parametrize("text, table", [
+    ("train = 1\n[model]\n[diloco]\nsync_every = 2\n", "train = 1"),
+    (BASE + "\nmodel = 3\n", None),
+    ("model = 3\n" + BASE, "model = 3"),
+    ("diloco = [1]\n[train]\nlearners = 2\nsteps = 4\nbatch_size = 2\nlearning_rate = 1e-3\n",
+     "diloco = [1]"),
+])
+def test_a_table_that_is_not_a_table_is_named(tmp_path, text, table):
+  # Raw AttributeError and TypeError tracebacks before.
+  try:
+    config_lib.load(_write(tmp_path, text))
+  except ValueError as error:
+    message = str(error)
+  else:
+    raise AssertionError("accepted")
+  if table is not None:
+    assert f"{table} must be a table; write it as [" in message, message

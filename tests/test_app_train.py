@@ -411,3 +411,38 @@ def test_a_stopped_run_resumes_until_its_steps_are_done(tmp_path):
   assert "have trained all 40 steps" in result.stdout
   assert "keeping the baseline's 40 steps" in result.stdout
   assert (out / "metrics-baseline.jsonl").read_bytes() == baseline
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "CONFIG", "--out", ""], "--out '': must be a local folder"),
+    (["train", "CONFIG", "--out", "gs://bucket/x"], "--out 'gs://bucket/x': must be a local"),
+    (["status", "RUN", "--key", ""], "--key is empty; give the run's key"),
+])
+def test_bad_arguments_are_named_in_one_line(tmp_path, capsys, argv, message):
+  # --out '' was ignored, a URL made junk local folders, --key '' a raw TypeError.
+  from gmjax.app import cli  # pylint: disable=g-import-not-at-top
+
+  config = tmp_path / "tiny.toml"
+  config.write_text(TINY)
+  argv = [str(config) if a == "CONFIG" else str(tmp_path / "run") if a == "RUN" else a
+          for a in argv]
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err
+  assert message in err and err.count("\n") == 1, err
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.toml"]
+
+
+def test_status_of_s3_without_credentials_says_so_in_one_line(capsys, monkeypatch):
+  # botocore's NoCredentialsError came out as a traceback.
+  from gmjax.app import cli  # pylint: disable=g-import-not-at-top
+
+  for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+               "AWS_PROFILE", "AWS_ENDPOINT_URL"):
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
+  monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
+  monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+  assert cli.main(["status", "s3://gmjax-nowhere/run", "--retry-seconds", "2"]) == 2
+  err = capsys.readouterr().err
+  assert "no usable credentials for the storage (NoCredentialsError" in err, err
+  assert "Traceback" not in err and err.count("\n") == 1, err

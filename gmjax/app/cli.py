@@ -73,6 +73,9 @@ def _train(args: argparse.Namespace) -> int:
   config_lib, train = _import_app()
 
   cfg = config_lib.load(args.config)
+  if args.out is not None and (not args.out.strip() or "://" in args.out):
+    raise ValueError(f"--out {args.out!r}: must be a local folder (the job writes its"
+                     " metrics, plots and run there), e.g. --out runs/mine")
   if args.out:
     import dataclasses  # pylint: disable=g-import-not-at-top
 
@@ -97,6 +100,9 @@ def _status(args: argparse.Namespace) -> int:
   from gmjax.mail.status import format_status  # pylint: disable=g-import-not-at-top
 
   key = args.key
+  if key is not None and not key:
+    raise ValueError("--key is empty; give the run's key, or drop --key for a run without"
+                     " a key")
   if args.key_env is not None:
     key = os.environ.get(args.key_env)
     if not key:

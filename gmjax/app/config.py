@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gmjax.app import data
-from gmjax.app.model import ModelConfig
+from gmjax.app.model import ModelConfig, parameter_count
 from gmjax.core.diloco import CUSTOM, DiLoCo
 
 
@@ -118,6 +118,8 @@ _AT_LEAST_ONE = {
     "corpus_bytes": "bytes of the corpus to read; leave it out to read all of it",
 }
 _FLOAT_BOUNDS = {"learning_rate": "> 0", "weight_decay": ">= 0", "poll_interval": "> 0"}
+MAX_PARAMETERS = 2**30
+"""The largest demo model a config may ask for."""
 ATTENTION_BYTES = 4 * 2**30
 """The most the demo model's attention scores may take in one training process."""
 
@@ -144,6 +146,11 @@ def _check_train(train: dict[str, Any]) -> None:
     if train[key] < 0:
       raise ValueError(f"config [train] {key} = {train[key]!r} must be >= 0; set it to 0 or"
                        " more")
+  # Learner i is seeded with seed + 1 + i, which JAX takes as a 32-bit integer.
+  if train["seed"] + train["learners"] >= 2**31:
+    raise ValueError(f"config [train] seed = {train['seed']} must be below 2**31 - learners"
+                     f" = {2**31 - train['learners']} (each learner's seed is seed + 1 +"
+                     " its index); e.g. seed = 0")
   for key, bound in _FLOAT_BOUNDS.items():
     value = train[key]
     if not math.isfinite(value) or (value <= 0 if bound == "> 0" else value < 0):
@@ -153,6 +160,9 @@ def _check_train(train: dict[str, Any]) -> None:
     if not train[key].strip():
       raise ValueError(f"config [train] {key} = {train[key]!r} must not be empty; leave it"
                        " out for the config file's name")
+  if "://" in train["out"]:
+    raise ValueError(f"config [train] out = {train['out']!r} must be a local folder (the job"
+                     " writes its metrics, plots and run there); e.g. out = 'runs/mine'")
   step_ms = train["step_ms"]
   if step_ms is not None and not (math.isfinite(step_ms) and step_ms > 0):
     raise ValueError(f"config [train] step_ms = {step_ms!r} must be a finite number > 0: the"
@@ -181,6 +191,11 @@ def _model(raw: dict[str, Any]) -> ModelConfig:
       raise ValueError(f"config [model] {key} = {_toml(value)} must be a positive whole"
                        f" number; e.g. {key} = {example}")
   model = ModelConfig(**raw)
+  count = parameter_count(model)
+  if count > MAX_PARAMETERS:
+    raise ValueError(f"config [model] makes a model of {count:,} parameters, over the"
+                     f" demo job's {MAX_PARAMETERS:,} (4 GiB in F32, one copy a learner and"
+                     " more for its optimizer); lower vocab, d_model, mlp or layers")
   if model.vocab < data.VOCAB:
     raise ValueError(f"config [model] vocab = {model.vocab} is too small for the demo"
                      f" corpus's {data.VOCAB} byte values; set vocab = {data.VOCAB}")
@@ -262,6 +277,10 @@ def load(path: str | Path) -> TrainConfig:
   unknown = sorted(set(raw) - {"train", "model", "diloco"})
   if unknown:
     raise ValueError(f"config {str(path)!r}: unknown tables {unknown}; use [train], [model], [diloco]")
+  for table in ("train", "model", "diloco"):
+    if not isinstance(raw.get(table, {}), dict):
+      raise ValueError(f"config {str(path)!r}: {table} = {_toml(raw[table])} must be a table;"
+                       f" write it as [{table}] followed by its keys, one per line")
   train = dict(_DEFAULTS, name=path.stem, out=f"runs/{path.stem}")
   for key, value in raw.get("train", {}).items():
     if key not in _RUN_KEYS:

@@ -63,6 +63,16 @@ def loss_fn(model: TransformerLM, batch: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
 
+def parameter_count(config: ModelConfig) -> int:
+  """The parameters ``build(config)`` makes, counted from the sizes alone."""
+  d, mlp = config.d_model, config.mlp
+  norm = 2 * d
+  attention = 4 * d * d + 4 * d  # query, key, value and output kernels and biases
+  block = 2 * norm + attention + (d * mlp + mlp) + (mlp * d + d)
+  return (config.vocab * d + config.seq_len * d + config.layers * block + norm
+          + d * config.vocab + config.vocab)
+
+
 def build(config: ModelConfig, seed: int = 0):
   """``(graphdef, params)`` of a fresh model: params is the ``nnx.Param`` state."""
   model = TransformerLM(config, nnx.Rngs(seed))

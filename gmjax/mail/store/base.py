@@ -98,6 +98,12 @@ class BadObject(ValueError):
     self.reason = reason
 
 
+# botocore's errors for credentials it cannot find or use (s3fs raises them as they
+# are), named rather than imported: a credentials problem, never transient.
+_NO_CREDENTIALS = frozenset({"NoCredentialsError", "PartialCredentialsError",
+                             "CredentialRetrievalError"})
+
+
 def is_transient(error: BaseException) -> bool:
   """Whether a storage error is worth retrying (a timeout, reset or HTTP 429/5xx)."""
   if isinstance(error, (FileNotFoundError, FileExistsError, PermissionError,
@@ -232,6 +238,12 @@ class Store(abc.ABC):
           _ATTEMPT.seconds = None
       except Exception as error:  # pylint: disable=broad-except
         attempts += 1
+        if type(error).__name__ in _NO_CREDENTIALS:
+          raise PermissionError(
+              f"{what} {self.url}/{path.strip('/')}: no usable credentials for the"
+              f" storage ({type(error).__name__}: {error}); configure them (for s3://,"
+              " AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or a profile), or pass"
+              " storage_options") from error
         if not is_transient(error):
           raise
         if time.monotonic() + delay > started + budget:
