@@ -214,3 +214,50 @@ def test_pull_names_the_leaves_that_differ_from_the_run(change, match):
                      r" parameters: " + match):
     learner.pull(like)
   learner.close(learner.pull(params))
+
+
+@pytest.mark.parametrize("leaf,match", [
+    (np.zeros((4, 3), np.int32), r"leaf 'a' has dtype int32, but gmjax parameters must be"),
+    (np.zeros((4, 3), np.float16), r"leaf 'a' has dtype float16, expected float32"),
+    (np.full((4, 3), "a"), r"leaf 'a' has dtype <U1, but gmjax parameters must be"),
+])
+def test_step_refuses_params_of_another_dtype_before_the_step_counts(leaf, match):
+  # Accepted before: integer parameters committed Θ as int32 zeros, F16 ones merged as
+  # F16, and strings failed at the publishing step after it had counted.
+  url = f"memory://create-dtype-{os.getpid()}-{leaf.dtype}"
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  learner = run.join("solo", poll_interval=0.01)
+  params = learner.pull(ms.params0())
+  with pytest.raises(ValueError, match=match):
+    learner.step({**params, "a": leaf})
+  assert (learner.step_count, learner.local_step) == (0, 0)
+  params = learner.step({**params, "a": params["a"].astype(np.float64)})  # taken as F32
+  learner.close(params)
+
+
+def test_tokens_past_what_a_closer_accepts_are_refused_naming_tokens():
+  # 2**40 tokens were accepted, and the closer then rejected every contribution.
+  url = f"memory://create-many-tokens-{os.getpid()}"
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  learner = run.join("solo", poll_interval=0.01)
+  params = learner.pull(ms.params0())
+  with pytest.raises(ValueError, match=r"tokens must be at most 2\*\*30 a step, got"
+                     r" 1099511627776.*not a running total"):
+    learner.step(params, tokens=2**40)
+  assert (learner.step_count, learner.local_step) == (0, 0)
+  for _ in range(2):
+    params = learner.step(params, tokens=2**30)
+  learner.close(params)
+  assert [[p.tokens for p in r.participants] for r in run.rounds()] == [[2**31]]
+
+
+def test_a_loss_that_is_not_finite_is_kept_as_none():
+  # Written as NaN, which JSON has no value for (strict readers refuse the heartbeat).
+  url = f"memory://create-nan-loss-{os.getpid()}"
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  learner = run.join("solo", poll_interval=0.01)
+  params = learner.step(learner.pull(ms.params0()), loss=float("nan"))
+  learner.close(params)
+  beat = run.learners()["solo"]
+  assert beat.loss is None
+  json.dumps(beat.to_json(), allow_nan=False)

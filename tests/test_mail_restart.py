@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -341,6 +342,10 @@ def test_restore_refuses_a_like_that_is_not_shaped_like_the_save(tmp_path):
   with pytest.raises(ValueError, match=r"restore\(like\).*like has 1 leaves \['mu'\]; the save 2"):
     learner.restore({"mu": np.zeros((4, 3), np.float32)})
   assert (learner.step_count, learner.local_step) == (2, 0)  # nothing taken back yet
+  # A refused restore leaves steps locked (they saved over the save, and Orbax refused
+  # the save of a step it held).
+  with pytest.raises(ValueError, match=r"holds a saved state; call learner.restore"):
+    learner.step(params, state=_state(0), position=0)
   restored = learner.restore(_state(0))  # the right like still restores the save
   assert restored.exact and restored.position == {"offset": 12}
   _assert_bits_equal(restored.state, given[1])
@@ -397,3 +402,27 @@ def test_a_save_that_recorded_no_dtypes_is_checked_on_paths_and_shapes(tmp_path)
                      r" shape \(2, 3\)\."):
     state_dir.restore({"m": np.zeros((3, 2), np.float32)}, None)
   state_dir.close()
+
+
+
+@pytest.mark.timeout(120)
+def test_a_state_orbax_cannot_save_is_refused_before_the_step_counts(tmp_path):
+  # Orbax refused it at the save, after the step had merged a commit the caller never got.
+  url, state_dir = str(tmp_path / "run"), tmp_path / "state"
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  learner = run.join("a", poll_interval=ms.POLL, state_dir=state_dir)
+  params = learner.pull(ms.params0())
+  for bad, shown in (({"m": "abc"}, r"state\['m'\] is str 'abc'"),
+                     ({"m": [np.zeros(2), object()]}, r"state\['m'\]\[1\] is object")):
+    with pytest.raises(ValueError, match=shown + r".*cannot be saved; pass a tree of arrays"):
+      learner.step(params, state=bad, position=0)
+    assert (learner.step_count, learner.local_step) == (0, 0)
+  state = {"m": np.zeros(2, np.float32), "count": np.int32(0), "lr": 0.1,
+           "bf": jnp.zeros(2, jnp.bfloat16)}
+  for position in range(1, 3):
+    params = learner.step(params, state=state, position=position)
+  learner.close(params)
+  learner = run.join("a", poll_interval=ms.POLL, state_dir=state_dir)
+  learner.pull(ms.params0())
+  assert learner.restore(state).position == 2
+  learner.close(params)

@@ -262,7 +262,12 @@ class Schema:
     return jax.tree_util.tree_unflatten(self.treedef, [entries[n] for n in self.leaf_names])
 
   def check(self, tree: Any, *, what: str = "params") -> dict[str, Any]:
-    """Flattens ``tree`` and checks each leaf's shape and dtype against the schema."""
+    """Flattens ``tree`` and checks each leaf's shape and dtype against the schema
+    (float64 is taken as F32).
+
+    Raises:
+      ValueError: a leaf of another shape, of another float dtype, or not a float.
+    """
     if self.source is not None:
       return Pieces(self.source.check(tree, what=what), self.pieces)
     flat = self.flatten(tree)
@@ -273,6 +278,13 @@ class Schema:
             f"{what}: leaf {spec.name!r} has shape {tuple(leaf.shape)}, expected"
             f" {spec.shape}."
         )
+      dtype = np.dtype(getattr(leaf, "dtype", None) or np.asarray(leaf).dtype)
+      code = dtype_code(dtype, what=f"{what}: leaf {spec.name!r}")
+      if code != spec.dtype:
+        raise ValueError(
+            f"{what}: leaf {spec.name!r} has dtype {dtype}, expected"
+            f" {np.dtype(NUMPY_DTYPES[spec.dtype])} (the schema's {spec.dtype}); cast it"
+            " back to the dtype the run was created with.")
     return flat
 
   def to_json(self) -> list[list[Any]]:

@@ -12,6 +12,7 @@ import numpy as np
 
 from gmjax.core import guards
 from gmjax.core.schema import Schema
+from gmjax.mail.contributions import MAX_TOKENS_PER_STEP
 
 
 def schema_differences(given: Schema, run: Schema, limit: int = 4) -> str:
@@ -48,11 +49,18 @@ def tokens_value(tokens: Any) -> int | None:
     raise ValueError(
         f"tokens must be a non-negative int or None, got {described}; pass the step's"
         " token count (e.g. int(batch.size)), or None to count 1 a step.")
+  if tokens > MAX_TOKENS_PER_STEP:
+    # A closer refuses a contribution of more than 2**30 tokens a step: its learner's
+    # every contribution would be dropped (a lone learner's rounds never close).
+    raise ValueError(
+        f"tokens must be at most 2**30 a step, got {int(tokens)}; pass the step's own"
+        " token count (e.g. int(batch.size)), not a running total.")
   return int(tokens)
 
 
 def loss_value(loss: Any) -> float | None:
-  """``step``'s ``loss`` as a float, checked before the step counts or publishes.
+  """``step``'s ``loss`` as a float (None for a NaN or infinite one), checked before the
+  step counts or publishes.
 
   Raises:
     ValueError: ``loss`` is not None nor one real number (a Python number or a 0-d
@@ -62,7 +70,9 @@ def loss_value(loss: Any) -> float | None:
     return None
   shape = np.shape(loss) if not isinstance(loss, (str, bytes)) else None
   if shape == () and np.asarray(loss).dtype.kind in "biuf":  # a real number
-    return float(loss)
+    # A NaN or infinite loss is kept as None: JSON (the heartbeat on storage) has no
+    # value for it, and strict readers refuse Python's NaN.
+    return float(loss) if np.isfinite(float(loss)) else None
   described = (f"{type(loss).__name__} of shape {shape}" if shape
                else f"{type(loss).__name__} {guards.quote(loss)}")
   raise ValueError(

@@ -137,10 +137,13 @@ class Resuming:
     if not self._pulled or self.local_step:
       raise ValueError(f"learner {self.name!r}: call restore(state) after pull() and before"
                        " the first step().")
-    self._restore_checked = True
     if self._state_dir.latest_step() is None:
+      self._restore_checked = True
       return None
+    # Steps stay locked until a restore succeeds: a refused like leaves the save to
+    # restore (with the right one), not a learner that would save over it.
     counters, state, position, residuals = self._state_dir.restore(like, self._residuals)
+    self._restore_checked = True
     exact = counters.versions == self._versions and not counters.outstanding
     self.local_step = counters.local_step
     if exact:

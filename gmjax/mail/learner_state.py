@@ -33,8 +33,10 @@ import threading
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from gmjax.core import guards
 from gmjax.mail.errors import StateDirMismatch
 
 # A learner's checkpoints are its own, but Orbax is not documented as thread-safe and
@@ -177,9 +179,9 @@ def check_step(state_dir: StateDir | None, name: str, state: Any, position: Any,
   """Checks the ``state`` and ``position`` handed to ``Learner.step``.
 
   Raises:
-    ValueError: with a ``state_dir``, no ``state``, or a saved state not ``restore``d
-      first (``restore_checked`` False), or a ``position`` that is not JSON; without
-      one, a ``state`` or ``position`` given.
+    ValueError: with a ``state_dir``, no ``state``, a ``state`` leaf Orbax cannot save,
+      or a saved state not ``restore``d first (``restore_checked`` False), or a
+      ``position`` that is not JSON; without one, a ``state`` or ``position`` given.
   """
   if state_dir is not None:
     if state is None:
@@ -191,9 +193,28 @@ def check_step(state_dir: StateDir | None, name: str, state: Any, position: Any,
           " state; call learner.restore(opt_state) after pull() to continue from it, or"
           " join with an empty state_dir to start afresh.")
     check_position(position)
+    check_state(state)
   elif state is not None or position is not None:
     raise ValueError(f"learner {name!r}: step(state=..., position=...) needs"
                      " join(..., state_dir=...) to save them.")
+
+
+def check_state(state: Any) -> None:
+  """Raises a ValueError naming the first leaf of ``state`` that Orbax cannot save: an
+  array (numpy or JAX) or a number of numeric dtype. Checked before the step counts;
+  Orbax would refuse it after the step had merged a commit."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+    if isinstance(leaf, (bool, int, float)):
+      continue
+    dtype = getattr(leaf, "dtype", None) if isinstance(
+        leaf, (np.generic, np.ndarray, jax.Array)) else None
+    if dtype is not None and (jnp.issubdtype(dtype, jnp.number)
+                              or jnp.issubdtype(dtype, jnp.bool_)):
+      continue
+    raise ValueError(
+        f"step(state=...): leaf state{jax.tree_util.keystr(path)} is"
+        f" {type(leaf).__name__} {guards.quote(leaf)}, which cannot be saved; pass a tree"
+        " of arrays and numbers (e.g. the optimizer state optimizer.init made).")
 
 
 class StateDir:
@@ -283,7 +304,9 @@ class StateDir:
       self._check_like(like, meta["state_leaves"], step)
     items = {}
     if jax.tree.leaves(like):
-      items["state"] = ocp.args.StandardRestore(like)
+      # Orbax restores onto arrays, not numpy scalars (np.int32(0)): 0-d arrays instead.
+      items["state"] = ocp.args.StandardRestore(jax.tree.map(
+          lambda x: np.asarray(x) if isinstance(x, np.generic) else x, like))
     keep_residuals = bool(meta.get("residuals")) and residuals_like is not None
     if keep_residuals:
       items["residuals"] = ocp.args.StandardRestore(_residual_tree(residuals_like))
