@@ -261,3 +261,12 @@ def test_a_loss_that_is_not_finite_is_kept_as_none():
   beat = run.learners()["solo"]
   assert beat.loss is None
   json.dumps(beat.to_json(), allow_nan=False)
+
+
+@pytest.mark.parametrize("where", ["afile", "afile/run"])
+def test_create_at_a_file_names_it(tmp_path, where):
+  # It told the user to call gmjax.mail.create, which they had just called.
+  (tmp_path / "afile").write_text("kept")
+  with pytest.raises(ValueError, match=rf"url '.*{where}': .*afile is a file; pass a folder"):
+    mail.create(str(tmp_path / where), ms.params0(), gmjax.DiLoCo(sync_every=2))
+  assert (tmp_path / "afile").read_text() == "kept"

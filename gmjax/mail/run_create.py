@@ -15,6 +15,7 @@ anything else raises ``RunExists``.
 
 from __future__ import annotations
 
+import os
 import uuid
 from typing import Any, NamedTuple
 
@@ -60,6 +61,7 @@ def write_run(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None,
   keep_versions = retention.check_keep_versions(keep_versions)
   key = signing.as_key(key)
   store = open_store(url, storage_options=storage_options)
+  _check_folder(url, store.local_root)
   schema = config.cut(Schema.from_tree(params))
   config.check_parameters(schema)
   empty = [p for p in schema.parameters if p.size == 0]
@@ -107,3 +109,16 @@ def write_run(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None,
     if not states.write_commit(store, record, signing.run_key(key, manifest.auth)):
       states.remove_state(store, files)
   return Created(store, manifest, key)
+
+
+def _check_folder(url: str, root: str | None) -> None:
+  """Raises a ValueError if the local folder ``root`` of a run (None: not local) is a
+  file or lies under one (the run could then be neither written nor found)."""
+  path = root
+  while path:
+    if os.path.lexists(path) and not os.path.isdir(path):
+      raise ValueError(
+          f"gmjax.mail.create: url {url!r}: {path} is a file; pass a folder for the run"
+          " (made if missing), e.g. a new path beside it.")
+    parent = os.path.dirname(path)
+    path = None if parent == path else parent
