@@ -4,6 +4,12 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import gmjax
 
 import transform_harness as harness
 import transform_reference as reference
@@ -36,3 +42,39 @@ def test_bf16_parameters_stay_bf16_and_follow_numpy():
   for name, value in master.items():
     np.testing.assert_array_equal(
         np.asarray(state.anchor[name][0]), np.asarray(value).astype(ml_dtypes.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_partially_manual_shard_map_starts_every_learner_at_learner_0s_bits(dtype):
+  # bf16 parameters aborted the process: the first update broadcast learner 0's
+  # parameters with a 16-bit float all-reduce, which XLA:CPU's promotion of it crashed
+  # on under a partially manual shard_map. A float sum also made learner 0's -0.0 a 0.0.
+  mesh = jax.make_mesh((2, 2), ("learner", "fsdp"), devices=jax.devices()[:4],
+                       axis_types=(AxisType.Auto,) * 2)
+  optimizer = gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=2), axis_name="learner")
+  start = jnp.asarray([-0.0, 1.5, -2.25, 3.0, 0.0, -7.0, 1e-3], dtype)
+  params = {"w": jnp.stack([start, start + 1])}  # learner 1 starts elsewhere
+  first = lambda tree: jax.tree.map(lambda v: v[0], tree)
+  stack = lambda tree: jax.tree.map(lambda v: v[None], tree)
+
+  def train_step(params, state):
+    grads = jax.tree.map(lambda p: jnp.sin(p.astype(jnp.float32)).astype(p.dtype), params)
+    updates, state = optimizer.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  manual = lambda f: jax.shard_map(f, mesh=mesh, in_specs=P("learner"),
+                                   out_specs=P("learner"), axis_names={"learner"})
+  with jax.set_mesh(mesh):
+    state = jax.jit(manual(lambda p: stack(optimizer.init(first(p)))))(params)
+    step = jax.jit(manual(lambda p, s: stack(train_step(*first((p, s))))))
+    for count in range(3):
+      params, state = jax.block_until_ready(step(params, state))
+      if count == 0:
+        # Read on the host: an index of the device array is itself a sum over the
+        # learners' devices, which makes -0.0 a 0.0.
+        bits = np.asarray(state.anchor["w"]).view(f"uint{8 * np.dtype(dtype).itemsize}")
+        want = np.asarray(start).view(bits.dtype)
+        for m in range(2):
+          np.testing.assert_array_equal(bits[m], want)
+  assert int(state.stats.rounds[0]) == 1
+  assert params["w"].dtype == dtype and bool(jnp.all(jnp.isfinite(params["w"])))

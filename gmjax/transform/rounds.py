@@ -66,10 +66,7 @@ def start(layout: Layout, tx, axis_name: Any, learner: Any):
       shared = params
     else:
       source = lax.axis_index(axis_name) == 0
-      # A masked sum is a broadcast from learner 0 that is exact in any dtype.
-      shared = jax.tree.map(
-          lambda p: explicit.psum(jnp.where(source, p, jnp.zeros_like(p)), axis_name), params
-      )
+      shared = jax.tree.map(lambda p: _from_learner_0(p, source, axis_name), params)
     theta = layout.cast(shared)
     flat = layout.flatten(theta)
     pieces = layout.view(flat)
@@ -86,6 +83,22 @@ def start(layout: Layout, tx, axis_name: Any, learner: Any):
     return vary_like((shared, new), (params, state))
 
   return run
+
+
+def _from_learner_0(x: jax.Array, source: jax.Array, axis_name: Any) -> jax.Array:
+  """Learner 0's ``x`` on every learner: a masked sum of its bits, widened to at least
+  32 of them.
+
+  Summed as bits, the broadcast is exact for every value (a sum of floats would turn
+  learner 0's ``-0.0`` into ``+0.0``); widened, it is no 16-bit all-reduce, which XLA's
+  CPU backend promotes to 32 bits and, under a partially manual ``shard_map``, aborts
+  on (``Invalid binary instruction opcode copy``).
+  """
+  width = jnp.dtype(x.dtype).itemsize
+  bits = jnp.dtype(f"uint{8 * width}")
+  wide = lax.bitcast_convert_type(x, bits).astype(jnp.promote_types(bits, jnp.uint32))
+  summed = explicit.psum(jnp.where(source, wide, jnp.zeros_like(wide)), axis_name)
+  return lax.bitcast_convert_type(summed.astype(bits), x.dtype)
 
 
 def _kept_residual(new: dict[str, jax.Array], old: dict[str, jax.Array],
