@@ -144,3 +144,15 @@ def test_finish_refuses_an_axis_the_state_is_not_stacked_on():
                                        r" \(2, 4\) while the state holds 2 learners"):
     gmjax.finish(state, stacked, learner_axis=1)
   assert gmjax.finish(state, stacked, learner_axis=0)["w"].shape == (4,)
+
+
+def test_finish_says_how_to_pass_params_in_other_containers():
+  # An nnx.Optimizer's state and nnx.State params: the message only said to pass the
+  # parameters the optimizer was updating, which they were.
+  optimizer = gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=2, overlap_steps=0))
+  params = {"w": jnp.ones(3)}
+  state = optimizer.init(params)
+  with pytest.raises(ValueError, match=r"in the containers the optimizer saw.*nnx.pure"):
+    gmjax.finish(state, [jnp.ones(3)])
+  with pytest.raises(ValueError, match=r"the optimizer was updating\.$"):
+    gmjax.finish(state, {"w": jnp.ones(3), "b": jnp.ones(2)})

@@ -83,9 +83,14 @@ def finish(state: DiLoCoState, params: Any, *, learner_axis: int | None = None) 
   anchor = state.anchor
   found = structure.mismatch(params, anchor)
   if found is not None and found[0] == "structure":
+    same_leaves = [jnp.shape(p) for p in jax.tree.leaves(params)] == [
+        jnp.shape(a) for a in jax.tree.leaves(anchor)]
     raise ValueError(
         f"gmjax.finish: params are structured as {found[2]}, but the state's anchor as"
-        f" {found[3]}; pass the parameters the optimizer was updating.")
+        f" {found[3]}; pass the parameters the optimizer was updating"
+        + (", in the containers the optimizer saw (their leaves match the anchor's: for"
+           " an nnx.Optimizer, pass nnx.pure(optimizer.opt_state) and nnx.pure(params))"
+           if same_leaves else "") + ".")
   if found is not None:
     _, path, got, want = found
     raise ValueError(
