@@ -124,6 +124,8 @@ GOOD = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
                     b"\0"),
         with_header({"a": {"dtype": "U8", "shape": [0, 2**70], "data_offsets": [0, 0]}}),
         with_header({"a": {"dtype": "U8", "shape": [2**62, 0], "data_offsets": [0, 0]}}),
+        with_header({"a": {"dtype": "F32", "shape": [0, 2**48, 2**48],
+                           "data_offsets": [0, 0]}}),
     ],
 )
 def test_malformed_payloads_rejected(data):

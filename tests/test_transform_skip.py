@@ -74,3 +74,27 @@ def test_non_finite_outer_result_is_skipped(shard_outer):
   for m in range(learners):  # reset to the anchor, by an additive update (one rounding)
     np.testing.assert_allclose(params["w"][m], start["w"], rtol=0, atol=1e-6)
   assert all(np.all(np.isfinite(v)) for v in jax.tree.leaves(state))
+
+
+@pytest.mark.parametrize("shard_outer", [True, False])
+@pytest.mark.parametrize("commit_precision", [None, "F8_E4M3", "F16", "F32"])
+def test_a_round_whose_theta_overflows_the_parameters_dtype_is_skipped(commit_precision,
+                                                                      shard_outer):
+  # F16 parameters near their largest value: the new F32 master is finite, Θ at F16 is
+  # not. With a commit precision only the update was checked, and Θ = inf was kept (the
+  # parameters inf, then NaN); the mail closer skipped the round.
+  config = gmjax.DiLoCo(sync_every=1, commit_precision=commit_precision)
+  optimizer = gmjax.diloco(optax.sgd(1.0), config, axis_name="learner",
+                           shard_outer=shard_outer)
+
+  def step(params, state, grads):
+    updates, state = optimizer.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  params = {"w": jnp.full((2, 4), 65000.0, jnp.float16)}
+  state = jax.vmap(optimizer.init, axis_name="learner")(params)
+  grads = {"w": jnp.full((2, 4), -500.0, jnp.float16)}  # each delta -500: Θ past 65504
+  params, state = jax.jit(jax.vmap(step, axis_name="learner"))(params, state, grads)
+  assert state.stats.skipped.tolist() == [1, 1] and state.stats.rounds.tolist() == [1, 1]
+  np.testing.assert_array_equal(np.asarray(state.anchor["w"], np.float32), 64992.0)
+  assert bool(jnp.all(jnp.isfinite(params["w"])))

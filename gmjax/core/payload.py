@@ -35,7 +35,8 @@ recurse into it until RecursionError)."""
 MAX_RANK = 32
 """The most dimensions an entry may have (numpy's own limit is 32 or 64 by version)."""
 MAX_DIMENSION = 2**48
-"""The longest dimension an entry may have (numpy refuses lengths near 2^63)."""
+"""The longest dimension an entry may have, and the most its non-zero dimensions may
+hold together (numpy refuses sizes near 2^63, even of an empty array)."""
 METADATA_BYTES = 4096
 """Room ``bounds`` leaves for ``__metadata__``: its honest fields take a few hundred."""
 # A string token of JSON, escapes included (unrolled: linear, no backtracking).
@@ -155,7 +156,8 @@ def loads(data: bytes, *, max_header_bytes: int = MAX_HEADER_BYTES
     # Within what numpy can hold: more dimensions, or one past ``MAX_DIMENSION`` (with
     # another of 0, any size is 0 bytes), would make numpy raise its own ValueError.
     if not (isinstance(shape, list) and len(shape) <= MAX_RANK
-            and all(type(d) is int and 0 <= d <= MAX_DIMENSION for d in shape)):
+            and all(type(d) is int and 0 <= d <= MAX_DIMENSION for d in shape)
+            and math.prod(d for d in shape if d) <= MAX_DIMENSION):
       raise PayloadError(f"entry {quote(name)} has a bad shape {quote(shape)}")
     if not (
         isinstance(offsets, list)
@@ -170,9 +172,13 @@ def loads(data: bytes, *, max_header_bytes: int = MAX_HEADER_BYTES
           f"entry {quote(name)}: shape {quote(shape)} of {info['dtype']} needs"
           f" {quote(size)} bytes, its range holds {offsets[1] - offsets[0]}"
       )
-    entries[name] = np.frombuffer(
-        body[offsets[0] : offsets[1]], dtype=dtype
-    ).reshape(tuple(shape))  # a tuple: reshape([]) would give (1,), not a scalar
+    try:
+      entries[name] = np.frombuffer(
+          body[offsets[0] : offsets[1]], dtype=dtype
+      ).reshape(tuple(shape))  # a tuple: reshape([]) would give (1,), not a scalar
+    except (ValueError, OverflowError, MemoryError) as error:  # what numpy refuses to hold
+      raise PayloadError(f"entry {quote(name)}: shape {quote(shape)}: {quote(str(error))}"
+                         ) from None
     ranges.append(tuple(offsets))
   position = 0
   for start, end in sorted(ranges):

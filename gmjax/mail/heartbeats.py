@@ -53,6 +53,7 @@ MAX_HEARTBEAT_BYTES = 1 << 20
 MAX_COUNT = 2**53
 """Rounds, steps and sequence numbers stay below this (exact as JSON numbers anywhere)."""
 MAX_TEXT = 256  # status, host, times: short strings
+MAX_SECONDS = 1e15  # a step time or idle time past any real one, well inside a float
 # A learner whose background work failed: not live, like a closed one.
 FAILED = "failed"
 
@@ -115,8 +116,16 @@ def parse(name: str, data: bytes, key: bytes | None) -> dict[str, Any]:
       _count(record, field, name)
   for field in ("step_seconds", "idle_seconds"):
     value = record.get(field)
-    if value is not None and (type(value) not in (int, float) or not 0 <= value < math.inf):
+    # Bounded below float's range: a JSON integer of 400 digits is no float.
+    if value is not None and (type(value) not in (int, float) or not 0 <= value < MAX_SECONDS):
       raise BadHeartbeat(name, f"{field}={quote(value)} is not a finite number of seconds")
+  pid = record.get("pid")
+  if pid is not None and (type(pid) is not int or not 0 <= pid < 2**31):
+    raise BadHeartbeat(name, f"pid={quote(pid)} is not a process id")
+  incarnation = record.get("incarnation")
+  if incarnation is not None and (not isinstance(incarnation, str)
+                                  or len(incarnation) > MAX_TEXT):
+    raise BadHeartbeat(name, f"incarnation={quote(incarnation)} is not a short string")
   rounds = record.get("final_rounds", [])
   if not isinstance(rounds, list) or not all(
       type(r) is int and 0 <= r < MAX_COUNT for r in rounds):

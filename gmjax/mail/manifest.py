@@ -15,6 +15,7 @@ import json
 from typing import Any, Self
 
 from gmjax.core.diloco import DiLoCo
+from gmjax.core.guards import quote
 from gmjax.core.schema import Schema
 from gmjax.mail import layout
 from gmjax.mail import signing
@@ -103,8 +104,9 @@ class Manifest:
       )
     except CorruptRecord:
       raise
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
-      raise CorruptRecord(f"manifest.json does not parse: {error!r}") from error
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as error:
+      # RecursionError: JSON nested past the parser's depth (a hostile manifest).
+      raise CorruptRecord(f"manifest.json does not parse: {quote(repr(error))}") from None
 
   def same_run(self, other: Manifest, key: bytes | None) -> list[str]:
     """What differs between this stored manifest and a new one keyed with ``key``."""

@@ -70,7 +70,7 @@ def run_key(key: bytes | None, auth: Mapping[str, Any] | None) -> bytes | None:
 
 
 def key_matches(auth: Mapping[str, Any], key: bytes) -> bool:
-  return hmac.compare_digest(str(auth.get("check", "")), _hmac(key, str(auth["salt"]).encode()))
+  return _same(auth.get("check", ""), _hmac(key, str(auth["salt"]).encode()))
 
 
 def sign_payload(key: bytes, entries: Mapping[str, Any], metadata: Mapping[str, str]) -> str:
@@ -80,8 +80,7 @@ def sign_payload(key: bytes, entries: Mapping[str, Any], metadata: Mapping[str, 
 def payload_signature_ok(key: bytes, entries: Mapping[str, Any],
                          metadata: Mapping[str, str]) -> bool:
   unsigned = {k: v for k, v in metadata.items() if k != SIGNATURE}
-  given = metadata.get(SIGNATURE, "")
-  return hmac.compare_digest(given, _hmac(key, _payload_message(entries, unsigned)))
+  return _same(metadata.get(SIGNATURE, ""), _hmac(key, _payload_message(entries, unsigned)))
 
 
 def sign_record(key: bytes, record: Mapping[str, Any]) -> str:
@@ -89,7 +88,18 @@ def sign_record(key: bytes, record: Mapping[str, Any]) -> str:
 
 
 def record_signature_ok(key: bytes, record: Mapping[str, Any]) -> bool:
-  return hmac.compare_digest(str(record.get(SIGNATURE, "")), sign_record(key, record))
+  return _same(record.get(SIGNATURE, ""), sign_record(key, record))
+
+
+def _same(given: Any, expected: str) -> bool:
+  """Whether ``given`` (untrusted) is the hex signature ``expected``, in constant time.
+
+  Compared as bytes: ``hmac.compare_digest`` raises a TypeError for a ``str`` with a
+  character past ASCII, which a hostile file could hold.
+  """
+  if not isinstance(given, str):
+    return False
+  return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode("ascii"))
 
 
 def _hmac(key: bytes, message: bytes) -> str:

@@ -206,7 +206,8 @@ def publish(
   Returns:
     ``(theta, bad)``: Θ by piece at the parameter dtype, and 1 for each published
     bucket part of this learner holding a NaN or Inf (F32); without ``gather``,
-    ``({}, parts)``: this learner's published part of each bucket, as it decodes.
+    ``({}, parts)``: this learner's published part of each bucket, as it decodes (with a
+    commit precision, the part of Θ it rebuilds).
   """
   count = learners or 1
   own = (lambda b: b[:, :, 0]) if learners is None else (
@@ -229,10 +230,15 @@ def publish(
     mine = from_wire(wire, code)
     if commit_wire.precision is None:
       mine = mine.astype(JNP_DTYPES[dtype])
+      checked = mine
+    else:
+      # Θ as every learner rebuilds it is what must be finite, not only the update:
+      # Θ_old + a finite update can overflow the parameters' dtype (F16 past 65504).
+      checked = (old[index] + mine).astype(JNP_DTYPES[dtype])
     if not gather:
-      gathered.append(mine)
+      gathered.append(checked)
       continue
-    bad = bad + round_ops.non_finite_flag(mine)
+    bad = bad + round_ops.non_finite_flag(checked)
     if learners is None:
       gathered.append(from_wire(wire, code)[:, :, None])
       continue
