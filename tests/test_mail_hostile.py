@@ -264,3 +264,25 @@ def test_a_shape_numpy_cannot_hold_is_a_rejection_not_a_crash(shape, tmp_path):
     contributions.check(data, file_name="mole.safetensors", round_=0, fragment=0,
                         base_version=0, schema=run.schema.subset(run.plan[0]),
                         wire=Wire("F32"), known={"mole"}, key=None, max_steps=2)
+
+
+def test_hostile_records_are_rejected_as_corrupt_not_raised():
+  # Each raised its own exception before: hmac's TypeError for a non-ASCII signature,
+  # RecursionError for a deep manifest, OverflowError for a 400-digit step time (and for
+  # os.kill of a huge pid), TypeError for an unhashable incarnation.
+  from gmjax.mail import heartbeats, manifest, signing  # pylint: disable=g-import-not-at-top
+
+  key = b"k" * 32
+  record = {"name": "m", "status": "live", "seq": 1}
+  for signature in ("é", 7, None, "00" * 32):
+    assert not signing.record_signature_ok(key, {**record, "signature": signature})
+    assert not signing.payload_signature_ok(key, {}, {"signature": signature})
+  assert signing.record_signature_ok(key, {**record,
+                                           "signature": signing.sign_record(key, record)})
+  for bad in ({"signature": "é"}, {"step_seconds": 10**400}, {"idle_seconds": 1e300},
+              {"pid": 2**70}, {"pid": -1}, {"incarnation": []}, {"incarnation": "x" * 999}):
+    data = json.dumps({**record, **bad}).encode()
+    with pytest.raises(heartbeats.BadHeartbeat):
+      heartbeats.parse("m", data, key if "signature" in bad else None)
+  with pytest.raises(mail.CorruptRecord, match="does not parse"):
+    manifest.Manifest.loads(b"[" * 100_000)
