@@ -8,8 +8,12 @@ from their definition.
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+
+import gmjax
 
 import transform_harness as harness
 import transform_reference as reference
@@ -71,3 +75,28 @@ def test_screened_round_matches_the_reference(kind, learners, precision, shard_o
   np.testing.assert_allclose(stats.delta_norm, log[-1]["delta_norm"], rtol=1e-5)
   np.testing.assert_allclose(stats.cosine, log[-1]["cosine"], atol=1e-5, equal_nan=True)
   assert step._cache_size() == 1
+
+
+@pytest.mark.parametrize("shard_outer", [True, False])
+@pytest.mark.parametrize("tokens", [(0, 0, 0, 7), (0, 0, 0, 0)])
+def test_kept_deltas_without_tokens_weigh_equally_among_themselves(shard_outer, tokens):
+  # Learner 3's delta is rejected (a NaN); the other three counted no tokens, so each
+  # weighs 1/3, as by mail. In-mesh each weighed 1/4 (every learner on the axis): g was
+  # 3/4 of the mean.
+  config = gmjax.DiLoCo(sync_every=1, outer_learning_rate=1.0, outer_momentum=0.0)
+  optimizer = gmjax.diloco(optax.sgd(1.0), config, axis_name="learner",
+                           shard_outer=shard_outer)
+
+  def step(params, state, grads, count):
+    updates, state = optimizer.update(grads, state, params, tokens=count)
+    return optax.apply_updates(params, updates), state
+
+  params = {"w": jnp.ones((4, 4))}
+  state = jax.vmap(optimizer.init, axis_name="learner")(params)
+  grads = {"w": jnp.asarray([[1.0] * 4] * 3 + [[jnp.nan] * 4])}
+  params, state = jax.jit(jax.vmap(step, axis_name="learner"))(
+      params, state, grads, jnp.asarray(tokens, jnp.float32))
+  # Every kept delta is 1 (θ = 1 − 1·1 = 0 against the anchor 1): g = 1, Θ = 1 − 1 = 0.
+  np.testing.assert_array_equal(np.asarray(state.anchor["w"]), 0.0)
+  assert state.stats.rejected.tolist() == [1] * 4
+  np.testing.assert_allclose(np.asarray(state.stats.delta_norm), 2.0)

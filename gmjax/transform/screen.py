@@ -68,7 +68,8 @@ def judge(squared: jax.Array, non_finite: jax.Array, counts: jax.Array) -> Verdi
   clamp = keep & ~jnp.isnan(reference) & (values > cap)
   capped = jnp.where(clamp[:, None], _pair(jnp.where(clamp, cap, 0)), counts)
   used = jnp.where(keep[:, None], capped, 0)
-  weights = jnp.where(keep, token_counts.weights(used), 0.0)
+  # Equal weights over the kept deltas when none counted tokens, as the mail closer's.
+  weights = jnp.where(keep, token_counts.weights(used, keep), 0.0)
   return Verdict(keep, weights, jnp.sum(~keep).astype(jnp.int32),
                  jnp.sum(clamp).astype(jnp.int32))
 

@@ -144,13 +144,15 @@ def total(counts: jax.Array) -> jax.Array:
   return normalized(jnp.sum(counts[:, 0]), jnp.sum(counts[:, 1]))
 
 
-def weights(counts: jax.Array) -> jax.Array:
-  """``w_m = tokens_m / Σ tokens`` for ``(M, 2)`` pairs, F32; equal when none were counted.
+def weights(counts: jax.Array, keep: jax.Array | None = None) -> jax.Array:
+  """``w_m = tokens_m / Σ tokens`` for ``(M, 2)`` pairs, F32; equal over the learners
+  ``keep`` marks (all by default) when none were counted.
 
   Counts below 2^24 convert exactly, so the weight is the correctly rounded quotient, as
   the mail closer computes it.
   """
-  learners = counts.shape[0]
+  learners = (jnp.float32(counts.shape[0]) if keep is None
+              else jnp.maximum(jnp.sum(keep).astype(jnp.float32), 1.0))
   whole = as_float(total(counts))
   nonzero = whole > 0
   return jnp.where(nonzero, as_float(counts) / jnp.where(nonzero, whole, 1), 1.0 / learners)
