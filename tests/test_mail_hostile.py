@@ -286,3 +286,24 @@ def test_hostile_records_are_rejected_as_corrupt_not_raised():
       heartbeats.parse("m", data, key if "signature" in bad else None)
   with pytest.raises(mail.CorruptRecord, match="does not parse"):
     manifest.Manifest.loads(b"[" * 100_000)
+
+
+@pytest.mark.timeout(120)
+def test_a_planted_commit_that_readers_cannot_parse_is_superseded(tmp_path):
+  # It had every field the slot check asked for, not all a reader parses: the closer took
+  # it as another closer's commit of version 1, and every reader then failed on it.
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  run.store.put("fragments/0/1.commit.json", json.dumps(
+      {"round": 0, "fragment": 0, "version": 1, "step": 2, "participants": [],
+       "rejected": [], "state": "x", "state_files": {}, "state_names": {}, "sha256": {},
+       "theta_sha256": "", "committed_at": ""}).encode())
+  learner = run.join("w", poll_interval=ms.POLL)
+  params = learner.pull(ms.params0())
+  for _ in range(4):
+    params = learner.step(params, tokens=4)
+  learner.close(params)
+  rounds = run.rounds()
+  assert [(r.round, r.version) for r in rounds] == [(0, 1), (1, 2)]
+  assert rounds[0].extra["supersedes"] == ["fragments/0/1.commit.json"]
+  assert mail.verify(run) == []  # the superseded slot is the record's, not damage

@@ -64,6 +64,12 @@ def record_problem(record: Any, fragment: int, version: int, key: bytes | None) 
     return "field 'round' is missing or not an int"
   if key is not None and not signing.record_signature_ok(key, record):
     return NOT_SIGNED
+  try:
+    # Every field a reader parses: a record that passed the checks above but not these
+    # would be taken as the version's commit, then fail every reader.
+    RoundRecord.from_json(record, where="it")
+  except CorruptRecord as error:
+    return str(error)
   return None
 
 
