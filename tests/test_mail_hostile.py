@@ -307,3 +307,23 @@ def test_a_planted_commit_that_readers_cannot_parse_is_superseded(tmp_path):
   assert [(r.round, r.version) for r in rounds] == [(0, 1), (1, 2)]
   assert rounds[0].extra["supersedes"] == ["fragments/0/1.commit.json"]
   assert mail.verify(run) == []  # the superseded slot is the record's, not damage
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("planted", ["fifo", "link to /dev/zero"])
+def test_a_fifo_or_device_in_place_of_theta_is_read_past(planted, tmp_path):
+  # Θ was read without a bound: a FIFO there blocked pull for good, a link to /dev/zero
+  # read forever. Now it is not a regular file: pull reads the checkpoint instead.
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2), key="k")
+  path = os.path.join(url, run.commit(0, 0).theta)
+  os.unlink(path)
+  if planted == "fifo":
+    os.mkfifo(path)
+  else:
+    os.symlink("/dev/zero", path)
+  learner = mail.open(url, key="k").join("w", poll_interval=ms.POLL)
+  params = learner.pull(ms.params0())
+  for name, value in ms.params0().items():
+    np.testing.assert_array_equal(np.asarray(params[name]), value)
+  learner.close(params)

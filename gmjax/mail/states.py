@@ -40,7 +40,7 @@ from gmjax.core.records import FragmentState
 from gmjax.mail import layout
 from gmjax.mail.errors import CorruptRecord
 from gmjax.mail.records import RoundRecord
-from gmjax.mail.store import Store, fsync_dir
+from gmjax.mail.store import BadObject, Store, fsync_dir
 # The commit records, here for the modules that read states and commits together.
 from gmjax.mail.commits import DamagedCommit as DamagedCommit  # pylint: disable=g-bad-import-order
 from gmjax.mail.commits import commit_slots as commit_slots
@@ -243,6 +243,8 @@ def _verified_file(store: Store, rel: str, relfile: str, digest: str) -> bytes:
     return store.get_verified(f"{rel}/{relfile}", digest)
   except FileNotFoundError as error:
     raise CorruptRecord(f"state file {rel}/{relfile} named by a commit is missing") from error
+  except BadObject as error:  # a FIFO, a link or a folder planted in its place
+    raise CorruptRecord(f"state file {rel}/{relfile}: {error}") from error
   except CorruptRecord as error:
     raise CorruptRecord(f"state file {rel}/{relfile} does not match its sha256") from error
 
@@ -295,7 +297,7 @@ def load_theta(store: Store, record: RoundRecord) -> dict[str, np.ndarray]:
         return entries
       log.warning("Θ file %s does not match its commit's theta_sha256; reading the"
                   " checkpoint instead", rel)
-    except (FileNotFoundError, payload.PayloadError) as error:
+    except (FileNotFoundError, BadObject, payload.PayloadError) as error:
       log.warning("Θ file %s is unreadable (%r); reading the checkpoint instead", rel, error)
   state = load_state(store, record)
   if theta_digest(state.theta) != record.theta_sha256:

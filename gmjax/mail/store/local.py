@@ -101,7 +101,7 @@ class LocalStore(Store):
     target = self._path(path)
     if os.path.isdir(target):
       raise FileNotFoundError(target)
-    with _absent_under_a_file(target), open(target, "rb") as f:
+    with os.fdopen(self._open_regular(target, path), "rb") as f:
       return f.read()
 
   def _get_hashed(self, path: str, digest: Any) -> bytes:
@@ -109,17 +109,20 @@ class LocalStore(Store):
     if os.path.isdir(target):
       raise FileNotFoundError(target)
     chunks = []
-    with _absent_under_a_file(target), open(target, "rb") as f:
+    with os.fdopen(self._open_regular(target, path), "rb") as f:
       while chunk := f.read(_CHUNK):
         digest.update(chunk)
         chunks.append(chunk)
     return b"".join(chunks)
 
-  def _read(self, path: str, max_bytes: int) -> bytes:
-    target = self._path(path)
+  def _open_regular(self, target: str, path: str) -> int:
+    """A descriptor of the regular file at ``target``; BadObject for anything else.
+
+    O_NONBLOCK: opening a FIFO must not wait for a writer; O_NOFOLLOW: the store writes
+    no links, so a link here (to /dev/zero, say) was planted. Every read goes through
+    it: a FIFO planted where a checkpoint file or Θ lies would block its reader.
+    """
     try:
-      # O_NONBLOCK: opening a FIFO must not wait for a writer; O_NOFOLLOW: the store
-      # writes no links, so a link here (to /dev/zero, say) was planted.
       with _absent_under_a_file(target):
         fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError as error:
@@ -131,6 +134,16 @@ class LocalStore(Store):
       if not stat.S_ISREG(info.st_mode):
         raise BadObject(path, "is not a regular file"
                         f" (mode {stat.filemode(info.st_mode)})")
+    except BaseException:
+      os.close(fd)
+      raise
+    return fd
+
+  def _read(self, path: str, max_bytes: int) -> bytes:
+    target = self._path(path)
+    fd = self._open_regular(target, path)
+    try:
+      info = os.fstat(fd)
       if info.st_size > max_bytes:
         raise BadObject(path, f"holds {info.st_size} bytes, more than {max_bytes} bytes")
     except BaseException:
