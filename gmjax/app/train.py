@@ -148,14 +148,10 @@ def _check_out(out: Path) -> None:
 
 
 def _earlier_outputs(out: Path) -> list[str]:
-  """What an earlier job left in ``out`` that a new one would delete or overwrite: its
-  metrics, its learners' states and its config."""
-  if not out.is_dir():
-    return []
-  found = sorted(p.name for p in out.glob("metrics*.jsonl"))
-  found += [name + "/" for name in (STATE,) if (out / name).exists()]
-  found += [CONFIG] if (out / CONFIG).exists() else []
-  return found
+  """An earlier job's metrics, learners' states and config in ``out``, which a new job
+  would delete or overwrite."""
+  found = sorted(p.name for p in out.glob("metrics*.jsonl")) if out.is_dir() else []
+  return found + [n + "/" * (n == STATE) for n in (STATE, CONFIG) if (out / n).exists()]
 
 
 def _resume_point(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
@@ -289,10 +285,9 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
       ``steps``, else the baseline trains again from the start.
 
   Raises:
-    FileExistsError: ``<out>/run`` holds a run already, or ``<out>`` an earlier job's
-      metrics, learners' states or config, and neither ``force`` nor ``resume`` is set
-      (a run and its outputs are never deleted unless asked); ``<out>``, or a folder
-      it would be made in, is a file.
+    FileExistsError: ``<out>/run`` holds a run, or ``<out>`` an earlier job's outputs,
+      and neither ``force`` nor ``resume`` is set (neither is deleted unless asked);
+      ``<out>``, or a folder it would be made in, is a file.
     FileNotFoundError: ``resume`` without a run in ``<out>/run``; the corpus is missing.
     ValueError: ``force`` with ``resume``; ``resume`` with a config other than the
       run's (the differing settings named); ``resume`` or ``force`` while the run's
@@ -329,9 +324,8 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
             f" {', '.join(running)}; stop that gmjax train first")
       print(f"gmjax train: --force: deleting the previous run in {run_dir}")
       shutil.rmtree(run_dir)
-    earlier = _earlier_outputs(out)
+    earlier = _earlier_outputs(out)  # they outlive a run deleted by hand: kept unless forced
     if earlier and not force:
-      # A job's metrics and learners' states outlive a run deleted by hand: kept.
       raise FileExistsError(
           f"{out} holds an earlier job's outputs ({', '.join(earlier)}) but no run; pass"
           " --out DIR to train elsewhere, or --force to delete them and train anew")
