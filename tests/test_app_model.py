@@ -5,6 +5,7 @@ import os
 
 import jax
 import numpy as np
+import pytest
 
 from gmjax.app import config as config_lib
 from gmjax.app import model, worker
@@ -23,3 +24,11 @@ def test_the_inner_step_compiles_once():
   for _ in range(3):
     params, state, _ = train_step(params, state, batch)
   assert train_step._cache_size() == 1  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("config", [model.ModelConfig(), model.ModelConfig(
+    vocab=300, d_model=16, layers=3, heads=2, mlp=40, seq_len=10)])
+def test_parameter_count_is_the_built_models(config):
+  # The config check bounds the model by this count, computed from the sizes alone.
+  _, params = model.build(config)
+  assert model.parameter_count(config) == sum(p.size for p in jax.tree.leaves(params))
