@@ -426,3 +426,25 @@ def test_a_state_orbax_cannot_save_is_refused_before_the_step_counts(tmp_path):
   learner.pull(ms.params0())
   assert learner.restore(state).position == 2
   learner.close(params)
+
+
+@pytest.mark.timeout(120)
+def test_numpy_and_jax_positions_are_saved_as_the_numbers_they_hold(tmp_path):
+  # A data loader's step kept as np.int64 was refused as "not JSON".
+  url, state_dir = str(tmp_path / "run"), tmp_path / "state"
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  learner = run.join("a", poll_interval=ms.POLL, state_dir=state_dir)
+  params = learner.pull(ms.params0())
+  with pytest.raises(ValueError, match=r"the position must be JSON"):
+    learner.step(params, state=_state(1), position=np.float32("nan"))
+  assert learner.local_step == 0
+  for i in range(1, 3):
+    position = {"step": np.int64(i), "shards": jnp.arange(2) + i, "lr": np.float32(0.5)}
+    params = learner.step(params, state=_state(i), position=position)
+  learner.close(params)
+  learner = run.join("a", poll_interval=ms.POLL, state_dir=state_dir)
+  learner.pull(ms.params0())
+  position = learner.restore(_state(0)).position
+  assert position == {"step": 2, "shards": [2, 3], "lr": 0.5}
+  assert type(position["step"]) is int
+  learner.close(params)

@@ -137,10 +137,21 @@ def check_state_dir(state_dir: Any) -> str:
   return path
 
 
-def check_position(position: Any) -> None:
-  """Raises ``ValueError`` unless ``position`` is JSON (what a save can hold)."""
+def _native(value: Any) -> Any:
+  """numpy and JAX values as the Python values JSON holds (``json.dumps``' default)."""
+  if isinstance(value, (np.generic, np.ndarray, jax.Array)):
+    return np.asarray(value).tolist()
+  raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def check_position(position: Any) -> Any:
+  """``position`` as the JSON value a save holds; ``ValueError`` where it is not JSON.
+
+  numpy and JAX scalars and arrays (a step count kept as ``np.int64``, an offset per
+  data shard) are taken as the numbers they hold.
+  """
   try:
-    json.dumps(position, allow_nan=False)
+    return json.loads(json.dumps(position, allow_nan=False, default=_native))
   except (TypeError, ValueError) as error:
     raise ValueError(f"step(position=...): the position must be JSON (numbers, strings,"
                      f" lists, dicts), got {position!r} ({error}); pass e.g. the data"
@@ -175,8 +186,11 @@ def open_state_dir(state_dir: Any, run: tuple[str, str], name: str, *,
 
 
 def check_step(state_dir: StateDir | None, name: str, state: Any, position: Any, *,
-               restore_checked: bool) -> None:
+               restore_checked: bool) -> Any:
   """Checks the ``state`` and ``position`` handed to ``Learner.step``.
+
+  Returns:
+    ``position`` as the JSON value a save holds (``check_position``).
 
   Raises:
     ValueError: with a ``state_dir``, no ``state``, a ``state`` leaf Orbax cannot save,
@@ -192,11 +206,12 @@ def check_step(state_dir: StateDir | None, name: str, state: Any, position: Any,
           f"learner {name!r}: state_dir={state_dir.path!r} holds a saved"
           " state; call learner.restore(opt_state) after pull() to continue from it, or"
           " join with an empty state_dir to start afresh.")
-    check_position(position)
     check_state(state)
-  elif state is not None or position is not None:
+    return check_position(position)
+  if state is not None or position is not None:
     raise ValueError(f"learner {name!r}: step(state=..., position=...) needs"
                      " join(..., state_dir=...) to save them.")
+  return None
 
 
 def check_state(state: Any) -> None:
