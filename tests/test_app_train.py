@@ -155,6 +155,38 @@ def test_train_keeps_an_earlier_jobs_outputs_whose_run_was_deleted(tmp_path, cap
   assert not (out / "run").exists()
 
 
+def test_a_run_folder_without_a_manifest_is_named_as_no_run(tmp_path, capsys):
+  # A run whose creation was stopped: the job said to --resume it, and --resume said
+  # to drop --resume, so neither got on.
+  from gmjax.app import cli, outdir  # pylint: disable=g-import-not-at-top
+
+  config = tmp_path / "tiny.toml"
+  config.write_text(TINY)
+  out = tmp_path / "out"
+  stray = out / "run" / "fragment-0" / "part"
+  stray.parent.mkdir(parents=True)
+  stray.write_text("kept")
+  assert cli.main(["train", str(config), "--out", str(out), "--quiet"]) == 2
+  err = capsys.readouterr().err
+  assert f"{out / 'run'} exists but holds no run (no manifest.json" in err, err
+  assert "--force to delete it" in err and "--resume" not in err, err
+  assert cli.main(["train", str(config), "--out", str(out), "--quiet", "--resume"]) == 2
+  err = capsys.readouterr().err
+  assert f"--resume: {out / 'run'} holds no run to continue" in err, err
+  assert "pass --force instead of --resume" in err, err
+  assert stray.read_text() == "kept"
+  outdir.check_new_run(out, out / "run", force=True)
+  assert not (out / "run").exists() and "deleting the previous run" in capsys.readouterr().out
+  (out / "run").mkdir()  # empty, as a job stopped before the run's first file leaves it
+  outdir.check_new_run(out, out / "run", force=False)
+  (out / "run").rmdir()
+  (out / "run").write_text("kept")
+  with pytest.raises(FileExistsError, match=r"holds no run"):
+    outdir.check_new_run(out, out / "run", force=False)
+  outdir.check_new_run(out, out / "run", force=True)
+  assert not (out / "run").exists()
+
+
 @pytest.mark.parametrize("out", ["afile", "afile/run1"])
 def test_train_refuses_an_out_that_is_or_is_under_a_file(tmp_path, capsys, out):
   from gmjax.app import cli  # pylint: disable=g-import-not-at-top

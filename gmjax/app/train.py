@@ -15,7 +15,6 @@ import datetime
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -26,17 +25,9 @@ from tqdm.auto import tqdm
 
 import gmjax
 from gmjax.app import config as config_lib
-from gmjax.app import model, plots
+from gmjax.app import model, outdir, plots
 from gmjax.app.baseline import train_baseline
-from gmjax.mail import heartbeats, layout
 from gmjax.mail.records import RoundRecord
-
-
-CONFIG = "config.json"
-"""The config a run was started with, in ``<out>``: ``--resume`` must match it."""
-STATE = "state"
-"""``<out>/state/<learner>``: each learner's own ``state_dir`` (Adam state, data position)."""
-_NOT_SETTINGS = ("name", "out", "source")  # where a config came from, not what it runs
 
 
 def _read_jsonl(path: Path, offset: int = 0) -> list[dict[str, Any]]:
@@ -94,106 +85,6 @@ def bytes_by_learner(cfg: config_lib.TrainConfig, params: Any, rounds: list[Roun
   return sent
 
 
-def _settings(record: dict[str, Any]) -> dict[str, Any]:
-  """``{"[table] key": value}`` of a ``TrainConfig.to_json()`` record."""
-  flat = {}
-  for key, value in record.items():
-    if key in ("model", "diloco") and isinstance(value, dict):
-      flat.update({f"[{key}] {k}": v for k, v in value.items() if k != "name"})
-    elif key not in _NOT_SETTINGS:
-      flat[f"[train] {key}"] = value
-  return flat
-
-
-def _differences(started: dict[str, Any], now: dict[str, Any]) -> list[str]:
-  """``[table] key: started -> now`` for each setting that differs between two records."""
-  before, after = _settings(started), _settings(now)
-  unset = "(unset)"
-  return [f"{key}: {before.get(key, unset)!r} -> {after.get(key, unset)!r}"
-          for key in sorted(set(before) | set(after)) if before.get(key) != after.get(key)]
-
-
-def _alive(pid: int) -> bool:
-  """Whether process ``pid`` of this host runs (an exited one not yet reaped does not)."""
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True  # another user's process
-  try:
-    state = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()[0]
-  except (OSError, IndexError):
-    return True  # no /proc to tell a zombie by
-  return state != "Z"
-
-
-def _running(run) -> list[str]:
-  """The run's learners whose heartbeat says live and whose process runs on this host."""
-  return [f"{name} (pid {record.pid})" for name, record in sorted(run.learners().items())
-          if record.status in (heartbeats.LIVE, heartbeats.CLOSING)
-          and isinstance(record.pid, int) and record.host == socket.gethostname()
-          and _alive(record.pid)]
-
-
-def _check_out(out: Path) -> None:
-  """Raises FileExistsError if ``out``, or a folder it would be made in, is a file."""
-  for place in (out, *out.parents):
-    if place.exists():
-      if place.is_dir():
-        return
-      raise FileExistsError(
-          f"the output folder {out} (--out, or the config's [train] out): {place} is a"
-          " file; pass a folder for the run and its metrics (a missing one is created)")
-
-
-def _earlier_outputs(out: Path) -> list[str]:
-  """An earlier job's metrics, learners' states and config in ``out``, which a new job
-  would delete or overwrite."""
-  found = sorted(p.name for p in out.glob("metrics*.jsonl")) if out.is_dir() else []
-  return found + [n + "/" * (n == STATE) for n in (STATE, CONFIG) if (out / n).exists()]
-
-
-def _resume_point(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
-                  schema: gmjax.Schema) -> int:
-  """The global step the run in ``run_dir`` reached (its newest committed round's), once
-  ``cfg`` is checked to be the config it was started with.
-
-  Raises:
-    FileNotFoundError: there is no run to continue.
-    ValueError: ``cfg`` differs from the config the run was started with (the settings
-      named), or the run's learners are still running.
-  """
-  if not (run_dir / layout.MANIFEST).is_file():
-    raise FileNotFoundError(
-        f"--resume: there is no run to continue in {run_dir}; drop --resume to start one"
-        " there")
-  run = gmjax.mail.open(str(run_dir))
-  saved = out / CONFIG
-  differences = []
-  if saved.is_file():
-    differences = _differences(json.loads(saved.read_text(encoding="utf-8")), cfg.to_json())
-  if run.config != cfg.diloco:
-    differences += [d for d in _differences({"diloco": run.config.to_json()},
-                                            {"diloco": cfg.diloco.to_json()})
-                    if d not in differences]
-  if run.schema != schema:
-    differences.append("[model]: the parameters' shapes differ from the run's")
-  if differences:
-    where = saved if saved.is_file() else run_dir / layout.MANIFEST
-    raise ValueError(
-        f"--resume: {cfg.source or 'the config'} differs from the config the run in"
-        f" {run_dir} was started with ({where}): {'; '.join(differences)}; resume with"
-        " that config, or train anew with --out DIR (or --force to delete the run)")
-  running = _running(run)
-  if running:
-    raise ValueError(
-        f"--resume: learners of the run in {run_dir} are still running:"
-        f" {', '.join(running)}; stop that gmjax train first")
-  newest = run.newest_versions()
-  return max((run.commit_step(f, v) for f, v in newest.items()), default=0)
-
-
 def _finished(path: Path, steps: int) -> bool:
   """Whether the metrics at ``path`` reach step ``steps``."""
   return any(r.get("event") == "step" and r.get("step") == steps for r in _read_jsonl(path))
@@ -231,7 +122,7 @@ def _train_learners(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
     processes.append(subprocess.Popen(  # pylint: disable=consider-using-with
         [sys.executable, "-m", "gmjax.app.worker", "--config", cfg.source, "--run",
          str(run_dir), "--name", name, "--index", str(index), "--metrics", str(metrics),
-         "--since", since, "--state-dir", str(out / STATE / name),
+         "--since", since, "--state-dir", str(out / outdir.STATE / name),
          *(["--resume"] if resume else [])],
         stdout=log, stderr=subprocess.STDOUT, env=env))
   bars = [tqdm(total=cfg.steps, initial=start, desc=name, position=i,
@@ -299,44 +190,22 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
                      " pass one of them")
   out = Path(cfg.out)
   run_dir = out / "run"
-  _check_out(out)
+  outdir.check_out(out)
   config_lib.check_data(cfg)
   _, params = model.build(cfg.model, seed=cfg.seed)
   schema = cfg.diloco.cut(gmjax.Schema.from_tree(params))
   cfg.diloco.check_parameters(schema)
   if resume:
-    start = _resume_point(cfg, out, run_dir, schema)
+    start = outdir.resume_point(cfg, out, run_dir, schema)
   else:
     start = 0
-    if run_dir.exists():
-      if not force:
-        raise FileExistsError(
-            f"{run_dir} holds a run already; pass --resume to continue it, --out DIR to"
-            " train elsewhere, or --force to delete that run and train anew")
-      # Deleted under live learners, the run would be recreated around them: they
-      # would write into the new run and the new learners could not join under their
-      # names.
-      running = _running(gmjax.mail.open(str(run_dir))) if (
-          run_dir / layout.MANIFEST).is_file() else []
-      if running:
-        raise ValueError(
-            f"--force: learners of the run in {run_dir} are still running:"
-            f" {', '.join(running)}; stop that gmjax train first")
-      print(f"gmjax train: --force: deleting the previous run in {run_dir}")
-      shutil.rmtree(run_dir)
-    earlier = _earlier_outputs(out)  # they outlive a run deleted by hand: kept unless forced
-    if earlier and not force:
-      raise FileExistsError(
-          f"{out} holds an earlier job's outputs ({', '.join(earlier)}) but no run; pass"
-          " --out DIR to train elsewhere, or --force to delete them and train anew")
-    if earlier:
-      print(f"gmjax train: --force: deleting {', '.join(earlier)} in {out}")
+    outdir.check_new_run(out, run_dir, force)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("metrics*.jsonl"):
       old.unlink()
-    if (out / STATE).exists():  # the learners' states of a run that is gone
-      shutil.rmtree(out / STATE)
-    (out / CONFIG).write_text(json.dumps(cfg.to_json(), indent=2), encoding="utf-8")
+    if (out / outdir.STATE).exists():  # the learners' states of a run that is gone
+      shutil.rmtree(out / outdir.STATE)
+    (out / outdir.CONFIG).write_text(json.dumps(cfg.to_json(), indent=2), encoding="utf-8")
     # Every version kept: the metrics and plots read every round's record at the end.
     gmjax.mail.create(str(run_dir), params, cfg.diloco, keep_versions=None)
 

@@ -1,0 +1,171 @@
+"""What a ``gmjax train`` job finds in its output folder ``<out>``: a run in
+``<out>/run``, an earlier job's outputs, learners of that run still running.
+
+A new job deletes nothing it was not asked to (``--force``); ``--resume`` continues only
+the run started with the same config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import Any
+
+import gmjax
+from gmjax.app import config as config_lib
+from gmjax.mail import heartbeats, layout
+
+
+CONFIG = "config.json"
+"""The config a run was started with, in ``<out>``: ``--resume`` must match it."""
+STATE = "state"
+"""``<out>/state/<learner>``: each learner's own ``state_dir`` (Adam state, data position)."""
+_NOT_SETTINGS = ("name", "out", "source")  # where a config came from, not what it runs
+
+
+def _settings(record: dict[str, Any]) -> dict[str, Any]:
+  """``{"[table] key": value}`` of a ``TrainConfig.to_json()`` record."""
+  flat = {}
+  for key, value in record.items():
+    if key in ("model", "diloco") and isinstance(value, dict):
+      flat.update({f"[{key}] {k}": v for k, v in value.items() if k != "name"})
+    elif key not in _NOT_SETTINGS:
+      flat[f"[train] {key}"] = value
+  return flat
+
+
+def _differences(started: dict[str, Any], now: dict[str, Any]) -> list[str]:
+  """``[table] key: started -> now`` for each setting that differs between two records."""
+  before, after = _settings(started), _settings(now)
+  unset = "(unset)"
+  return [f"{key}: {before.get(key, unset)!r} -> {after.get(key, unset)!r}"
+          for key in sorted(set(before) | set(after)) if before.get(key) != after.get(key)]
+
+
+def _alive(pid: int) -> bool:
+  """Whether process ``pid`` of this host runs (an exited one not yet reaped does not)."""
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True  # another user's process
+  try:
+    state = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()[0]
+  except (OSError, IndexError):
+    return True  # no /proc to tell a zombie by
+  return state != "Z"
+
+
+def running(run) -> list[str]:
+  """The run's learners whose heartbeat says live and whose process runs on this host."""
+  return [f"{name} (pid {record.pid})" for name, record in sorted(run.learners().items())
+          if record.status in (heartbeats.LIVE, heartbeats.CLOSING)
+          and isinstance(record.pid, int) and record.host == socket.gethostname()
+          and _alive(record.pid)]
+
+
+def check_out(out: Path) -> None:
+  """Raises FileExistsError if ``out``, or a folder it would be made in, is a file."""
+  for place in (out, *out.parents):
+    if place.exists():
+      if place.is_dir():
+        return
+      raise FileExistsError(
+          f"the output folder {out} (--out, or the config's [train] out): {place} is a"
+          " file; pass a folder for the run and its metrics (a missing one is created)")
+
+
+def earlier_outputs(out: Path) -> list[str]:
+  """An earlier job's metrics, learners' states and config in ``out``, which a new job
+  would delete or overwrite."""
+  found = sorted(p.name for p in out.glob("metrics*.jsonl")) if out.is_dir() else []
+  return found + [n + "/" * (n == STATE) for n in (STATE, CONFIG) if (out / n).exists()]
+
+
+def resume_point(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
+                  schema: gmjax.Schema) -> int:
+  """The global step the run in ``run_dir`` reached (its newest committed round's), once
+  ``cfg`` is checked to be the config it was started with.
+
+  Raises:
+    FileNotFoundError: there is no run to continue.
+    ValueError: ``cfg`` differs from the config the run was started with (the settings
+      named), or the run's learners are still running.
+  """
+  if not (run_dir / layout.MANIFEST).is_file():
+    raise FileNotFoundError(
+        f"--resume: there is no run to continue in {run_dir}; drop --resume to start one"
+        " there" if not run_dir.exists() else
+        f"--resume: {run_dir} holds no run to continue (no {layout.MANIFEST}: its creation"
+        " was stopped, or it is another folder); pass --force instead of --resume to"
+        " delete it and train anew, or --out DIR to train elsewhere")
+  run = gmjax.mail.open(str(run_dir))
+  saved = out / CONFIG
+  differences = []
+  if saved.is_file():
+    differences = _differences(json.loads(saved.read_text(encoding="utf-8")), cfg.to_json())
+  if run.config != cfg.diloco:
+    differences += [d for d in _differences({"diloco": run.config.to_json()},
+                                            {"diloco": cfg.diloco.to_json()})
+                    if d not in differences]
+  if run.schema != schema:
+    differences.append("[model]: the parameters' shapes differ from the run's")
+  if differences:
+    where = saved if saved.is_file() else run_dir / layout.MANIFEST
+    raise ValueError(
+        f"--resume: {cfg.source or 'the config'} differs from the config the run in"
+        f" {run_dir} was started with ({where}): {'; '.join(differences)}; resume with"
+        " that config, or train anew with --out DIR (or --force to delete the run)")
+  live = running(run)
+  if live:
+    raise ValueError(
+        f"--resume: learners of the run in {run_dir} are still running:"
+        f" {', '.join(live)}; stop that gmjax train first")
+  newest = run.newest_versions()
+  return max((run.commit_step(f, v) for f, v in newest.items()), default=0)
+
+
+def check_new_run(out: Path, run_dir: Path, force: bool) -> None:
+  """Makes way for a new run in ``run_dir``: with ``force``, deletes the run there and an
+  earlier job's outputs in ``out``; without, raises ``FileExistsError`` naming them.
+
+  Raises:
+    FileExistsError: without ``force``, ``run_dir`` holds a run, or anything else, or
+      ``out`` an earlier job's outputs.
+    ValueError: with ``force``, the run's learners still run on this host.
+  """
+  if run_dir.exists() and not (run_dir.is_dir() and not any(run_dir.iterdir())):
+    if not force:
+      if (run_dir / layout.MANIFEST).is_file():
+        raise FileExistsError(
+            f"{run_dir} holds a run already; pass --resume to continue it, --out DIR to"
+            " train elsewhere, or --force to delete that run and train anew")
+      raise FileExistsError(
+          f"{run_dir} exists but holds no run (no {layout.MANIFEST}: its creation was"
+          " stopped, or it is another folder); pass --force to delete it and train anew,"
+          " or --out DIR to train elsewhere")
+    # Deleted under live learners, the run would be recreated around them: they
+    # would write into the new run and the new learners could not join under their
+    # names.
+    live = running(gmjax.mail.open(str(run_dir))) if (
+        run_dir / layout.MANIFEST).is_file() else []
+    if live:
+      raise ValueError(
+          f"--force: learners of the run in {run_dir} are still running:"
+          f" {', '.join(live)}; stop that gmjax train first")
+    print(f"gmjax train: --force: deleting the previous run in {run_dir}")
+    if run_dir.is_dir():
+      shutil.rmtree(run_dir)
+    else:
+      run_dir.unlink()
+  earlier = earlier_outputs(out)  # they outlive a run deleted by hand: kept unless forced
+  if earlier and not force:
+    raise FileExistsError(
+        f"{out} holds an earlier job's outputs ({', '.join(earlier)}) but no run; pass"
+        " --out DIR to train elsewhere, or --force to delete them and train anew")
+  if earlier:
+    print(f"gmjax train: --force: deleting {', '.join(earlier)} in {out}")
