@@ -207,7 +207,7 @@ def _assert_theta_matches_reference(config, run, records, out):
   expected = ms.records_reference(config, run.plan, records,
                                   {name: ms.target(int(name[1:])) for name in out})
   for f, version in run.newest_versions().items():
-    theta = states.load_theta(run.store, run.commit(f, version))
+    theta = states.load_theta(run.store, run.commit(f, version), 1 << 30)
     for leaf in run.plan[f]:
       np.testing.assert_allclose(theta[leaf], expected[leaf], rtol=2e-5, atol=2e-6,
                                  err_msg=f"fragment {f}, leaf {leaf}")
@@ -298,7 +298,7 @@ def test_a_two_process_learner_agrees_on_its_deadlines(tmp_path):
   assert all([p.learner for p in r.participants] == ["job"] for r in records)
   assert sum(_steps(r)["job"] for r in records) == 9  # every step in one contribution
   last = records[-1]
-  theta = states.load_state(run.store, run.commit(0, last.version)).theta
+  theta = states.load_state(run.store, run.commit(0, last.version), 1 << 30).theta
   for name, value in seen[0]["final"].items():
     np.testing.assert_array_equal(np.asarray(value, np.float32), theta[name])
 

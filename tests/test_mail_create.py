@@ -25,7 +25,7 @@ def test_create_stores_version_zero(tmp_path):
   for fragment, names in enumerate(run.plan):
     record = run.commit(fragment, 0)
     assert record.round is None and record.version == 0
-    state = states.load_state(run.store, record)
+    state = states.load_state(run.store, record, 1 << 30)
     for name in names:
       np.testing.assert_array_equal(state.theta[name], ms.params0()[name])
       np.testing.assert_array_equal(state.outer[f"momentum.{name}"], 0)

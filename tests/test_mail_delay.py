@@ -54,7 +54,7 @@ def test_a_delayed_learner_trains_on_while_its_round_is_open(tmp_path, eager):
     assert sorted(p.learner for p in rounds[0].participants) == ["a", "b"]
     # Round 1's deltas were taken from the phases' start, Θ_0: base version 0.
     assert [base_version(run, 1, name) for name in "ab"] == [0, 0]
-    theta = states.load_theta(run.store, run.commit(0, 1))
+    theta = states.load_theta(run.store, run.commit(0, 1), 1 << 30)
     same = all(np.array_equal(np.asarray(pa[n]), v) for n, v in theta.items())
     # a's phase 3 starts at Θ_1 itself; eager, at Θ_1 plus its own correction.
     assert same != eager
@@ -128,7 +128,7 @@ def test_delayed_learners_flush_and_leave_on_the_newest_commit(tmp_path, eager):
   assert [r.round for r in rounds] == [0, 1, 2, 3]
   assert [sorted(p.learner for p in r.participants) for r in rounds] == [["a", "b"]] * 4
   assert all(p.steps == H // 2 for p in rounds[-1].participants)
-  theta = states.load_theta(run.store, run.commit(0, 4))
+  theta = states.load_theta(run.store, run.commit(0, 4), 1 << 30)
   for name in "ab":
     for leaf, value in theta.items():
       np.testing.assert_array_equal(np.asarray(out[name][leaf]), value)

@@ -56,7 +56,7 @@ def _reasons(record):
 
 def _finite(run):
   for record in run.rounds():
-    theta = states.load_theta(run.store, run.commit(record.fragment, record.version))
+    theta = states.load_theta(run.store, run.commit(record.fragment, record.version), 1 << 30)
     assert all(np.isfinite(v).all() for v in theta.values()), record.round
 
 
@@ -173,7 +173,7 @@ def test_outer_step_that_is_not_finite_is_skipped_and_the_run_goes_on(tmp_path):
   assert "not finite" in rounds[0].extra["skipped"] and rounds[0].outer_step is False
   assert [p.learner for p in rounds[0].participants] == ["solo"]
   assert all("skipped" not in r.extra and r.outer_step for r in rounds[1:])
-  theta0, theta1 = (states.load_theta(run.store, run.commit(0, v)) for v in (0, 1))
+  theta0, theta1 = (states.load_theta(run.store, run.commit(0, v), 1 << 30) for v in (0, 1))
   for name in theta0:
     np.testing.assert_array_equal(theta0[name], theta1[name])
   _finite(run)
@@ -327,3 +327,65 @@ def test_a_fifo_or_device_in_place_of_theta_is_read_past(planted, tmp_path):
   for name, value in ms.params0().items():
     np.testing.assert_array_equal(np.asarray(params[name]), value)
   learner.close(params)
+
+
+def _max_file_bytes(run):
+  return states.max_file_bytes(run.manifest.schema, run.manifest.config)
+
+
+@pytest.mark.timeout(60)
+def test_a_huge_object_in_place_of_theta_is_refused_unread(tmp_path, caplog):
+  # Θ was read whole, whatever its size: an object of many GiB planted there was
+  # downloaded into every learner's memory before it was found not to parse.
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2), key="k")
+  assert 64 << 20 < _max_file_bytes(run) < 65 << 20  # tiny parameters, Orbax's allowance
+  path = os.path.join(url, run.commit(0, 0).theta)
+  os.truncate(path, _max_file_bytes(run) + 1)  # sparse: no disk, but read whole, memory
+  learner = mail.open(url, key="k").join("w", poll_interval=ms.POLL)
+  params = learner.pull(ms.params0())
+  for name, value in ms.params0().items():
+    np.testing.assert_array_equal(np.asarray(params[name]), value)
+  learner.close(params)
+  assert f"more than {_max_file_bytes(run)} bytes" in caplog.text, caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_a_huge_object_in_place_of_a_checkpoint_file_is_named_unread(tmp_path):
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  record = run.commit(0, 0)
+  name = sorted(record.state_files)[-1]
+  os.truncate(os.path.join(url, record.state, name), _max_file_bytes(run) + 1)
+  problems = mail.verify(url)
+  assert any(f"{name}" in p and f"more than {_max_file_bytes(run)} bytes" in p
+             for p in problems), problems
+  with pytest.raises(mail.CorruptRecord, match=r"more than"):
+    states.load_state(run.store, record, _max_file_bytes(run))
+
+
+@pytest.mark.timeout(120)
+def test_a_damaged_update_file_sends_the_learner_to_the_checkpoint(tmp_path, caplog):
+  # A learner rebuilding Θ from the previous one and the update file raised the
+  # update's CorruptRecord out of its worker instead of reading the committed Θ.
+  url = str(tmp_path / "run")
+  config = gmjax.DiLoCo(sync_every=2, commit_precision="BF16")
+  run = mail.create(url, ms.params0(), config)
+  ms.train(run, "a", 0, 2)
+  record = run.commit(0, 1)
+  expected = states.load_theta(run.store, record, _max_file_bytes(run))
+  learner = run.join("b", poll_interval=ms.POLL)
+  learner.pull(ms.params0())
+  worker = learner._worker  # pylint: disable=protected-access
+  worker.closer.states.clear()  # it holds Θ of version 0, not the closer's state
+  theta0 = states.load_theta(run.store, run.commit(0, 0), 1 << 30)
+  for damage in (lambda f: f.write(b"\0" * 64), lambda f: f.truncate(_max_file_bytes(run) + 1)):
+    with open(os.path.join(url, record.update), "r+b") as f:
+      damage(f)
+    worker._thetas[0] = (0, theta0)  # pylint: disable=protected-access
+    theta = worker._fetch(record)  # pylint: disable=protected-access
+    for name, value in expected.items():
+      np.testing.assert_array_equal(theta[name], value)
+  learner.close(None)
+  assert "update file of fragment 0 version 1 is damaged" in caplog.text, caplog.text
+  assert f"more than {_max_file_bytes(run)} bytes" in caplog.text, caplog.text

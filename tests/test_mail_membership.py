@@ -46,7 +46,7 @@ def test_join_mid_run_and_leave(tmp_path):
   assert start_step % 2 == 0 and start_step >= 6
   assert first_round == start_step // 2  # the first round after the newest commit
   version = start_step // 2
-  theta = states.load_state(run.store, run.commit(0, version)).theta
+  theta = states.load_state(run.store, run.commit(0, version), 1 << 30).theta
   for name in theta:
     np.testing.assert_array_equal(pulled[name], theta[name])
 

@@ -98,7 +98,7 @@ def _check_counts_and_theta(run, driven, rounds):
   expected = ms.records_reference(run.config, run.plan, records,
                                   {name: d.goal for name, d in driven.items()})
   for f, version in run.newest_versions().items():
-    theta = states.load_theta(run.store, run.commit(f, version))
+    theta = states.load_theta(run.store, run.commit(f, version), 1 << 30)
     for leaf in run.plan[f]:
       np.testing.assert_allclose(theta[leaf], expected[leaf], rtol=2e-5, atol=2e-6,
                                  err_msg=f"fragment {f}, leaf {leaf}")
@@ -176,7 +176,7 @@ def test_an_exact_restore_counts_from_the_pull(tmp_path):
   assert [p.steps for p in records[1].participants] == [256 - merged]
   expected = ms.records_reference(config, run.plan, records, {"m0": goal})
   for f, version in run.newest_versions().items():
-    theta = states.load_theta(run.store, run.commit(f, version))
+    theta = states.load_theta(run.store, run.commit(f, version), 1 << 30)
     for leaf in run.plan[f]:
       np.testing.assert_allclose(theta[leaf], expected[leaf], rtol=2e-5, atol=2e-6,
                                  err_msg=f"fragment {f}, leaf {leaf}")

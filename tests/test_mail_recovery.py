@@ -107,7 +107,7 @@ def test_zeroed_newest_state_is_repaired_from_the_version_before(tmp_path):
   url = str(tmp_path / "run")
   run = mail.create(url, ms.params0(), _config())
   _train(url, ["a0", "a1"], 4)
-  before = states.load_theta(run.store, run.commit(0, 1))
+  before = states.load_theta(run.store, run.commit(0, 1), 1 << 30)
   damaged = run.commit(0, 2)
   for relfile in damaged.state_files:
     path = f"{damaged.state}/{relfile}"
@@ -121,7 +121,7 @@ def test_zeroed_newest_state_is_repaired_from_the_version_before(tmp_path):
   repaired = run.commit(0, 2)
   assert repaired.extra["repair"]["from_version"] == 1 and repaired.extra["supersedes"] == [
       layout.commit(0, 2)]
-  np.testing.assert_array_equal(states.load_state(run.store, repaired).theta["a"],
+  np.testing.assert_array_equal(states.load_state(run.store, repaired, 1 << 30).theta["a"],
                                 before["a"])
   _train(url, ["b0", "b1"], 2)  # the next closer builds on the repaired version
   assert _intact_versions(run) == [1, 2, 3]

@@ -50,7 +50,7 @@ def _finish(process):
 def _theta(url):
   run = mail.open(url)
   version = run.newest_versions()[0]
-  return version, states.load_theta(run.store, run.commit(0, version))
+  return version, states.load_theta(run.store, run.commit(0, version), 1 << 30)
 
 
 def _assert_bits_equal(a, b):

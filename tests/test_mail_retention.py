@@ -165,7 +165,7 @@ def test_storage_stays_bounded_and_restarted_learners_rejoin(tmp_path, kind, req
   assert mail.verify(url, storage_options=storage_options) == []
   # Both rejoined learners end on the newest Θ.
   last = max(range(len(run.plan)), key=lambda f: run.commit(f, newest[f]).round)
-  theta = states.load_theta(run.store, run.commit(last, newest[last]))
+  theta = states.load_theta(run.store, run.commit(last, newest[last]), 1 << 30)
   for name in run.plan[last]:
     for learner in ("a0", "a1"):
       np.testing.assert_array_equal(out[learner][name], theta[name])
@@ -188,7 +188,7 @@ def test_late_learner_merges_the_newest_version_when_its_rounds_were_pruned(tmp_
   finally:
     params = slow.close(params)
   assert slow.versions[0] >= 5
-  theta = states.load_theta(run.store, run.commit(0, 5))
+  theta = states.load_theta(run.store, run.commit(0, 5), 1 << 30)
   assert not any("slow" in {p.learner for p in r.participants} for r in run.rounds())
   # Only the rounds of the versions kept (4 and 5): nothing was sent to pruned rounds.
   assert run.store.list("rounds") == ["3", "4"]
@@ -208,7 +208,7 @@ def test_pull_verify_and_repair_on_a_pruned_run(tmp_path, caplog):
   learner = mail.open(url).join("newcomer", poll_interval=ms.POLL)
   pulled = learner.pull(ms.params0())
   learner.close(pulled)
-  theta = states.load_theta(run.store, run.commit(0, newest[0]))
+  theta = states.load_theta(run.store, run.commit(0, newest[0]), 1 << 30)
   for name in theta:
     np.testing.assert_array_equal(pulled[name], theta[name])
   # The newest state of fragment 0 damaged: repaired from the version kept before it.
@@ -223,7 +223,7 @@ def test_pull_verify_and_repair_on_a_pruned_run(tmp_path, caplog):
   before = run.commit(0, newest[0] - 1)
   run.store.put(f"{before.state}/{sorted(before.state_files)[0]}", b"damaged")
   with pytest.raises(mail.CorruptRecord, match="pruned"):
-    recovery.newest_intact_state(run.store, 0, newest[0], None)
+    recovery.newest_intact_state(run.store, 0, newest[0], None, 1 << 30)
   # A pruned version is never repaired (committed again).
   with pytest.raises(retention.Pruned):
     recovery.repair(run.store, run.manifest, 0, 1, None, "test")

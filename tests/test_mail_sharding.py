@@ -54,7 +54,7 @@ def test_a_two_process_jax_job_is_one_learner(tmp_path, settings):
   rounds = run.rounds()
   assert [r.round for r in rounds] == [0, 1, 2]
   assert all([p.learner for p in r.participants] == ["job"] for r in rounds)
-  theta = states.load_state(run.store, run.commit(0, 3)).theta
+  theta = states.load_state(run.store, run.commit(0, 3), 1 << 30).theta
   for name, value in seen[0]["final"].items():
     np.testing.assert_array_equal(np.asarray(value, np.float32), theta[name])
   # The same learner in one process (numpy, unsharded) commits the same Θ each round:
@@ -62,8 +62,8 @@ def test_a_two_process_jax_job_is_one_learner(tmp_path, settings):
   alone = mail.create(str(tmp_path / "alone"), ms.params0(), config)
   ms.train(alone, "job", 0, 5)
   for version in (1, 2, 3):
-    expected = states.load_state(alone.store, alone.commit(0, version)).theta
-    got = states.load_state(run.store, run.commit(0, version)).theta
+    expected = states.load_state(alone.store, alone.commit(0, version), 1 << 30).theta
+    got = states.load_state(run.store, run.commit(0, version), 1 << 30).theta
     for name in expected:
       np.testing.assert_allclose(got[name], expected[name], rtol=1e-6, atol=1e-7,
                                  err_msg=f"{name} at version {version}")

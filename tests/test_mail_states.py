@@ -26,8 +26,8 @@ def test_theta_file_matches_the_checkpoint(tmp_path):
   assert record.theta == f"{record.state}/theta.safetensors"
   assert set(record.to_json()["sha256"]) == {"state", "update"}
   assert "theta.safetensors" not in record.state_files  # not one of Orbax's files
-  theta = states.load_theta(run.store, record)
-  state = states.load_state(run.store, record)
+  theta = states.load_theta(run.store, record, 1 << 30)
+  state = states.load_state(run.store, record, 1 << 30)
   assert sorted(theta) == sorted(state.theta)
   for name in theta:
     np.testing.assert_array_equal(theta[name], state.theta[name])
@@ -42,17 +42,17 @@ def test_damaged_theta_file_sends_learners_to_the_checkpoint(tmp_path):
   data[-1] ^= 1
   run.store.put(record.theta, bytes(data))
   for damaged in (record, dataclasses.replace(record, theta=None)):
-    theta = states.load_theta(run.store, damaged)
+    theta = states.load_theta(run.store, damaged, 1 << 30)
     for name, value in ms.params0().items():
       np.testing.assert_array_equal(theta[name], value)
   run.store.delete(record.theta)
-  theta = states.load_theta(run.store, record)
+  theta = states.load_theta(run.store, record, 1 << 30)
   np.testing.assert_array_equal(theta["a"], ms.params0()["a"])
   # The checkpoint is the state of record: damaged too, nothing is returned.
   state_file = sorted(record.state_files)[0]
   run.store.put(f"{record.state}/{state_file}", b"damaged")
   with pytest.raises(mail.CorruptRecord, match="sha256"):
-    states.load_theta(run.store, record)
+    states.load_theta(run.store, record, 1 << 30)
 
 
 def test_commit_precision_commits_carry_the_update_and_no_theta_file(tmp_path):
@@ -70,7 +70,7 @@ def test_commit_precision_commits_carry_the_update_and_no_theta_file(tmp_path):
     np.testing.assert_array_equal(out["a0"][name], out["a1"][name])
   # A learner that joins now reads Θ from the checkpoint, checked against the record.
   newest = run.commit(0, max(run.newest_versions().values()))
-  theta = states.load_theta(run.store, newest)
+  theta = states.load_theta(run.store, newest, 1 << 30)
   assert states.theta_digest(theta) == newest.theta_sha256
 
 

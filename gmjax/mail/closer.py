@@ -258,7 +258,8 @@ class Closer:
       return held
     try:
       record = states.read_commit(self.store, fragment, version, self.key)
-      state = states.load_state(self.store, record)
+      state = states.load_state(self.store, record, states.max_file_bytes(
+          self.manifest.schema, self.manifest.config))
     except (states.DamagedCommit, CorruptRecord) as error:
       try:
         _, state = recovery.repair(self.store, self.manifest, fragment, version, self.key,

@@ -40,9 +40,10 @@ from gmjax.mail.store import Store
 log = logging.getLogger(__name__)
 
 
-def newest_intact_state(store: Store, fragment: int, below: int, key: bytes | None
-                        ) -> tuple[RoundRecord, FragmentState]:
-  """The record and verified state of the newest version ``< below`` that loads.
+def newest_intact_state(store: Store, fragment: int, below: int, key: bytes | None,
+                        max_bytes: int) -> tuple[RoundRecord, FragmentState]:
+  """The record and verified state of the newest version ``< below`` that loads (its files
+  at most ``max_bytes`` each: ``states.max_file_bytes``).
 
   Only versions with a commit record are tried: in a run that prunes, the kept ones.
 
@@ -54,7 +55,7 @@ def newest_intact_state(store: Store, fragment: int, below: int, key: bytes | No
   for version in reversed(kept):
     try:
       record = states.read_commit(store, fragment, version, key)
-      return record, states.load_state(store, record)
+      return record, states.load_state(store, record, max_bytes)
     except (FileNotFoundError, CorruptRecord) as error:
       log.warning("version %d of fragment %d is damaged (%s); trying the one before",
                   version, fragment, error)
@@ -93,7 +94,8 @@ def repair(store: Store, manifest: Manifest, fragment: int, version: int,
     raise CorruptRecord(f"version 0 of fragment {fragment} is damaged ({reason}); it holds"
                         " the creator's parameters: create the run again.")
   slots = len(states.commit_slots(store, fragment, version, key))
-  base, state = newest_intact_state(store, fragment, version, key)
+  max_bytes = states.max_file_bytes(manifest.schema, manifest.config)
+  base, state = newest_intact_state(store, fragment, version, key, max_bytes)
   log.warning("repairing version %d of fragment %d (%s) with the state of version %d",
               version, fragment, reason, state.version)
   repaired = FragmentState(version, dict(state.theta), dict(state.outer))
@@ -115,4 +117,4 @@ def repair(store: Store, manifest: Manifest, fragment: int, version: int,
     return record, repaired
   states.remove_state(store, files)
   record = states.read_commit(store, fragment, version, key)
-  return record, states.load_state(store, record)
+  return record, states.load_state(store, record, max_bytes)

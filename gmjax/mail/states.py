@@ -8,7 +8,8 @@ checkpoint straight into ``<run>/fragments/<f>/<v>-<nonce>/``; on any other fssp
 writes into a local temporary directory whose files are then uploaded through the store.
 The commit record lists the sha256 of every file of the checkpoint (``state_files``) and
 of the update file, and nothing is restored or decoded before those digests match (each
-file is hashed as it is read).
+file is hashed as it is read). No file is read past ``max_file_bytes``, a bound on the
+run's honest files: an object planted in a file's place is refused before it is read.
 
 The checkpoint is the state of record, read by closers (a takeover, a new closer).
 Learners need only Θ. With a commit precision a learner holding the previous Θ reads
@@ -23,6 +24,7 @@ sends it to the checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -33,10 +35,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from gmjax.core import payload
+from gmjax.core.diloco import DiLoCo
 from gmjax.core.records import FragmentState
+from gmjax.core.schema import Schema
 from gmjax.mail import layout
 from gmjax.mail.errors import CorruptRecord
 from gmjax.mail.records import RoundRecord
@@ -99,6 +104,26 @@ def _saver():
   alone = _this_process_only()
   return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(multiprocessing_options=alone, **options),
                           multiprocessing_options=alone)
+
+
+@functools.lru_cache(maxsize=16)
+def max_file_bytes(schema: Schema, config: DiLoCo) -> int:
+  """The most bytes an honest file of a run's fragment states holds: twice Θ, the master
+  copy and the outer optimizer's state of every parameter at 4 bytes a value or more,
+  plus 64 MiB for Orbax's metadata.
+
+  A reader of a checkpoint file, Θ or an update reads at most this many bytes: an object
+  planted in its place (a huge one, on a store that lets learners write) is refused
+  before it is downloaded, not read whole into memory. The bound is loose (per run, not
+  per fragment or file) so that no honest file comes near it.
+  """
+  params = {spec.name: jax.ShapeDtypeStruct(spec.shape, jnp.float32)
+            for spec in schema.parameters}
+  outer_state = jax.eval_shape(config.outer_transform().init, params)
+  values = [leaf.size * max(leaf.dtype.itemsize, 4) for leaf in jax.tree.leaves(outer_state)]
+  values += [spec.size * max(spec.nbytes // max(spec.size, 1), 4)
+             for spec in schema.parameters] * 2
+  return 2 * sum(values) + (64 << 20)
 
 
 def sha256(data: bytes) -> str:
@@ -207,11 +232,17 @@ def save_state(store: Store, fragment: int, state: FragmentState, nonce: str
       state_sha256=sha256(json.dumps(files, sort_keys=True).encode()))
 
 
-def load_state(store: Store, record: RoundRecord) -> FragmentState:
+def load_state(store: Store, record: RoundRecord, max_bytes: int) -> FragmentState:
   """The state a commit record names, after checking every file against its sha256.
 
+  Args:
+    store: the run's store.
+    record: the commit record.
+    max_bytes: the most bytes a file may hold (``max_file_bytes``).
+
   Raises:
-    CorruptRecord: a file is missing or its sha256 differs from the record's.
+    CorruptRecord: a file is missing, larger than ``max_bytes``, not a regular file, or
+      its sha256 differs from the record's.
   """
   rel, files = record.state, dict(record.state_files)
   if sha256(json.dumps(files, sort_keys=True).encode()) != record.state_sha256:
@@ -221,14 +252,14 @@ def load_state(store: Store, record: RoundRecord) -> FragmentState:
     # to the run's directory, which is trusted like the store itself.
     target = os.path.join(store.local_root, *rel.split("/"))
     for relfile, digest in files.items():
-      _verified_file(store, rel, relfile, digest)
+      _verified_file(store, rel, relfile, digest, max_bytes)
     with _ORBAX_LOCK:
       tree = _checkpointer().restore(target)
     return _state_from_tree(tree, record)
   with tempfile.TemporaryDirectory(prefix="gmjax-state-") as scratch:
     target = os.path.join(scratch, "state")
     for relfile, digest in files.items():
-      data = _verified_file(store, rel, relfile, digest)
+      data = _verified_file(store, rel, relfile, digest, max_bytes)
       path = os.path.join(target, *relfile.split("/"))
       os.makedirs(os.path.dirname(path), exist_ok=True)
       with open(path, "wb") as f:
@@ -238,12 +269,13 @@ def load_state(store: Store, record: RoundRecord) -> FragmentState:
   return _state_from_tree(tree, record)
 
 
-def _verified_file(store: Store, rel: str, relfile: str, digest: str) -> bytes:
+def _verified_file(store: Store, rel: str, relfile: str, digest: str, max_bytes: int
+                   ) -> bytes:
   try:
-    return store.get_verified(f"{rel}/{relfile}", digest)
+    return store.get_verified(f"{rel}/{relfile}", digest, max_bytes)
   except FileNotFoundError as error:
     raise CorruptRecord(f"state file {rel}/{relfile} named by a commit is missing") from error
-  except BadObject as error:  # a FIFO, a link or a folder planted in its place
+  except BadObject as error:  # a FIFO, a link, a folder or a huge object planted there
     raise CorruptRecord(f"state file {rel}/{relfile}: {error}") from error
   except CorruptRecord as error:
     raise CorruptRecord(f"state file {rel}/{relfile} does not match its sha256") from error
@@ -276,10 +308,15 @@ def save_theta(store: Store, stored: StoredState, theta: Mapping[str, Any]) -> S
   return dataclasses.replace(stored, theta=rel)
 
 
-def load_theta(store: Store, record: RoundRecord) -> dict[str, np.ndarray]:
+def load_theta(store: Store, record: RoundRecord, max_bytes: int) -> dict[str, np.ndarray]:
   """Θ of the version a commit record names, verified, without the outer state when it
   can: from the record's Θ file, else (no such file, or it does not verify) restored from
   the checkpoint. Either way it must match the record's ``theta_sha256``.
+
+  Args:
+    store: the run's store.
+    record: the commit record.
+    max_bytes: the most bytes a file may hold (``max_file_bytes``).
 
   Returns:
     Θ by parameter name.
@@ -290,7 +327,7 @@ def load_theta(store: Store, record: RoundRecord) -> dict[str, np.ndarray]:
   rel = record.theta
   if rel:
     try:
-      entries, _ = payload.loads(store.get(rel))
+      entries, _ = payload.loads(store.read(rel, max_bytes))
       names = record.state_names.get("theta")
       if names is not None and sorted(entries) == sorted(names) and theta_digest(
           entries) == record.theta_sha256:
@@ -299,7 +336,7 @@ def load_theta(store: Store, record: RoundRecord) -> dict[str, np.ndarray]:
                   " checkpoint instead", rel)
     except (FileNotFoundError, BadObject, payload.PayloadError) as error:
       log.warning("Θ file %s is unreadable (%r); reading the checkpoint instead", rel, error)
-  state = load_state(store, record)
+  state = load_state(store, record, max_bytes)
   if theta_digest(state.theta) != record.theta_sha256:
     raise CorruptRecord(f"state {record.state} does not match the commit's theta_sha256")
   return dict(state.theta)
@@ -315,16 +352,21 @@ def save_update(store: Store, stored: StoredState, update: Mapping[str, Any]
   return dataclasses.replace(stored, update=rel, update_sha256=sha256(data))
 
 
-def load_update(store: Store, record: RoundRecord) -> dict[str, np.ndarray]:
+def load_update(store: Store, record: RoundRecord, max_bytes: int
+                ) -> dict[str, np.ndarray]:
   """The update a commit record names, verified against its sha256.
 
   Raises:
     FileNotFoundError: the record names no update, or its file is missing.
-    CorruptRecord: the file does not match the record's sha256.
+    CorruptRecord: the file does not match the record's sha256, holds more than
+      ``max_bytes`` (``max_file_bytes``) or is not a regular file.
   """
   if record.update is None:
     raise FileNotFoundError(f"the commit of {record.state} names no update file")
-  data = store.get_verified(record.update, record.update_sha256 or "")
+  try:
+    data = store.get_verified(record.update, record.update_sha256 or "", max_bytes)
+  except BadObject as error:
+    raise CorruptRecord(f"update file {record.update}: {error}") from error
   entries, _ = payload.loads(data)
   return entries
 

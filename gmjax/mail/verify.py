@@ -26,6 +26,7 @@ from gmjax.mail import retention
 from gmjax.mail import states
 from gmjax.mail.errors import AuthenticationError, CorruptRecord, RunNotFound
 from gmjax.mail.records import RoundRecord
+from gmjax.mail.store import BadObject
 
 
 def verify(url: Any, key: bytes | str | None = None, *,
@@ -172,22 +173,23 @@ def _files(run, record: dict[str, Any], where: str) -> list[str]:
     return [str(error)]
   problems = []
   store = run.store
+  max_bytes = states.max_file_bytes(run.manifest.schema, run.manifest.config)
   try:
-    state = states.load_state(store, record)  # checks every file's sha256 first
+    state = states.load_state(store, record, max_bytes)  # checks every file's sha256 first
     if states.theta_digest(state.theta) != record.theta_sha256:
       problems.append(f"{where}: the checkpoint's Θ does not match theta_sha256")
   except (CorruptRecord, FileNotFoundError, KeyError, TypeError, ValueError) as error:
     problems.append(f"{where}: state {record.state}: {error}")
   if record.theta:
     try:
-      entries, _ = payload.loads(store.get(record.theta))
+      entries, _ = payload.loads(store.read(record.theta, max_bytes))
       if states.theta_digest(entries) != record.theta_sha256:
         problems.append(f"{where}: {record.theta} does not match theta_sha256")
     except (FileNotFoundError, payload.PayloadError, ValueError) as error:
       problems.append(f"{where}: {record.theta} is unreadable: {error!r}")
   if record.update:
     try:
-      store.get_verified(record.update, record.update_sha256 or "")
-    except (FileNotFoundError, CorruptRecord) as error:
+      store.get_verified(record.update, record.update_sha256 or "", max_bytes)
+    except (FileNotFoundError, CorruptRecord, BadObject) as error:
       problems.append(f"{where}: update {record.update}: {error!r}")
   return problems

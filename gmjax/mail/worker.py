@@ -78,6 +78,7 @@ class Worker:
     self.poll_interval = poll_interval
     self.closer = Closer(store, manifest, key, name, poll_interval, startup_timeout)
     self.fragment_schemas = [manifest.schema.subset(n) for n in manifest.plan]
+    self._max_file_bytes = states.max_file_bytes(manifest.schema, manifest.config)
     self._on_failure = on_failure
     self._roster = Roster(store, key)
     self._known = Known(self._roster)
@@ -334,11 +335,12 @@ class Worker:
     if held is not None and held[0] == version:
       return held[1]
     state = self.closer.states.get(fragment)
-    theta = None
+    theta = update = None
     if state is not None and state.version == version:
       theta = dict(state.theta)
     elif record.update and held is not None and held[0] == version - 1:
-      update = states.load_update(self.store, record)
+      update = self._update(record)
+    if update is not None:
       specs = self.fragment_schemas[fragment].parameters
       rebuilt = outer.rebuild_jit(held[1], update, specs,
                                   self.manifest.config.commit_wire)
@@ -350,13 +352,23 @@ class Worker:
                     " reading the committed Θ instead", fragment, version)
     if theta is None:
       try:
-        theta = states.load_theta(self.store, record)
+        theta = states.load_theta(self.store, record, self._max_file_bytes)
       except CorruptRecord as error:  # a damaged state: supersede it (recovery.repair)
         _, state = recovery.repair(self.store, self.manifest, fragment, version, self.key,
                                    repr(error))
         theta = dict(state.theta)
     self._thetas[fragment] = (version, theta)
     return theta
+
+  def _update(self, record: RoundRecord) -> dict[str, np.ndarray] | None:
+    """The update file of ``record``'s commit; None (with a warning) if it is damaged:
+    Θ is then read from the commit's Θ file or checkpoint."""
+    try:
+      return states.load_update(self.store, record, self._max_file_bytes)
+    except CorruptRecord as error:
+      log.warning("the update file of fragment %d version %d is damaged (%s); reading the"
+                  " committed Θ instead", record.fragment, record.version, error)
+      return None
 
   def _upload(self, job: Publish) -> None:
     schema = self.fragment_schemas[job.fragment]

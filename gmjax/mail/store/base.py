@@ -312,19 +312,25 @@ class Store(abc.ABC):
     """The size in bytes of the object at ``path``; FileNotFoundError if there is none."""
     return self._retry("size", path, lambda: self._size(path))
 
-  def get_verified(self, path: str, sha256: str) -> bytes:
-    """The bytes at ``path``, hashed as they are read and checked against ``sha256``.
+  def get_verified(self, path: str, sha256: str, max_bytes: int | None = None) -> bytes:
+    """The bytes at ``path``, hashed as they are read and checked against ``sha256``;
+    with ``max_bytes``, read as ``read`` reads (a regular file, at most that many bytes).
 
     Raises:
       FileNotFoundError: nothing is at ``path``.
+      BadObject: with ``max_bytes``, ``path`` is not a regular file or holds more.
       CorruptRecord: the bytes' sha256 is not ``sha256``.
     """
-    def read() -> tuple[bytes, str]:
-      digest = hashlib.sha256()
-      data = self._get_hashed(path, digest)
-      return data, digest.hexdigest()
+    if max_bytes is not None:
+      data = self.read(path, max_bytes)
+      actual = hashlib.sha256(data).hexdigest()
+    else:
+      def read() -> tuple[bytes, str]:
+        digest = hashlib.sha256()
+        data = self._get_hashed(path, digest)
+        return data, digest.hexdigest()
 
-    data, actual = self._retry("get", path, read, self._size_for_deadline(path))
+      data, actual = self._retry("get", path, read, self._size_for_deadline(path))
     if actual != sha256:
       raise CorruptRecord(f"{path} does not match the sha256 its commit records")
     return data
