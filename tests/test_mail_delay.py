@@ -153,3 +153,30 @@ def test_a_delta_that_is_not_finite_raises_and_is_not_sent(tmp_path, settings):
     assert not run.store.exists("rounds/0/a.safetensors")
   finally:
     _close_quietly((a, pa), (b, pb))
+
+
+@pytest.mark.timeout(120)
+def test_an_eager_learner_whose_joined_version_was_pruned_publishes(tmp_path):
+  # Its first round read its weight in the commit it joined at, pruned by then: step()
+  # raised FileNotFoundError.
+  config = gmjax.DiLoCo(sync_every=2, outer_delay=1, eager=True)
+  run = mail.create(str(tmp_path / "run"), ms.params0(), config, keep_versions=2)
+  a = run.join("a", poll_interval=ms.POLL, startup_timeout=2)
+  pa = a.pull(ms.params0())
+  for _ in range(6):
+    pa = a.step(ms.inner(pa, ms.target(0)))
+  b = run.join("b", poll_interval=ms.POLL, startup_timeout=2)
+  pb = b.pull(ms.params0())
+  joined = b.versions[0]
+  for _ in range(40):  # b is slow to its first step; each of a's rounds waits for it
+    pa = a.step(ms.inner(pa, ms.target(0)))
+    if min(states.committed_versions(run.store, 0)) > joined:
+      break
+  assert min(states.committed_versions(run.store, 0)) > joined  # pruned
+  for _ in range(4):
+    pb = b.step(ms.inner(pb, ms.target(1)))
+  assert b.versions[0] > joined
+  for name, value in pb.items():
+    assert np.all(np.isfinite(value)), name
+  a.close(pa)
+  b.close(pb)

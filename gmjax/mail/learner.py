@@ -109,6 +109,10 @@ class Learner(Resuming, Rounds):
                           startup_timeout=self.startup_timeout)
     self._tree_schema: Schema | None = None
     self._anchors: dict[int, dict[str, np.ndarray]] = {}
+    # The commit record of each version pull() gave: a delayed, eager learner reads its
+    # weight there when its first round is published, by which time a run that prunes
+    # may have deleted it.
+    self._pulled_records: dict[int, Any] = {}
     self._versions: dict[int, int] = {}
     self._outstanding: list[tuple[int, int, int | None]] = []  # (round, version, due step)
     self._futures: dict[tuple[int, int], concurrent.futures.Future] = {}

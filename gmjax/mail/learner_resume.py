@@ -71,6 +71,7 @@ class Resuming:
         flat[n] = placement.like(theta[n], flat[n])
       self._anchors[fragment] = theta
       self._versions[fragment] = commit.record.version
+      self._pulled_records[fragment] = commit.record
       if self._delay is not None:
         self._delay.begin(fragment, theta)
     # Loading the start is not idling in step() or close().

@@ -243,17 +243,23 @@ class Rounds:
       commit = self._wait(fragment, version, deadline or self._deadline())
       theta, record = commit.theta, commit.record
       version = record.version  # newer when the version asked for was pruned
-    else:  # held already: the version this learner joined at
-      theta, record = self._anchors[fragment], None
+    else:  # held already: the version this learner joined at (its record from pull())
+      theta, record = self._anchors[fragment], self._pulled_records.get(fragment)
     weight = 0.0
     if self._delay.eager:
       if version == 0:
         weight = delayed.first_weight(self.store, self.key, self._worker.liveness_timeout(),
                                       self.process_count)
       else:
-        if record is None:
-          record = states.read_commit(self.store, fragment, version, self.key)
-        weight = delayed.weight_of(record, self.name)
+        if record is None or record.version != version:
+          try:
+            record = states.read_commit(self.store, fragment, version, self.key)
+          except FileNotFoundError:  # pruned (gmjax.mail.retention): its weight is gone
+            log.warning("learner %r: the commit of fragment %d version %d is pruned; its"
+                        " eager correction takes this learner's weight there as 0",
+                        self.name, fragment, version)
+            record = None
+        weight = 0.0 if record is None else delayed.weight_of(record, self.name)
     start = self._delay.advance(fragment, theta, sent, weight)
     for n in self.manifest.plan[fragment]:
       flat[n] = placement.like(start[n].astype(theta[n].dtype), flat[n])
