@@ -280,7 +280,8 @@ def test_hostile_records_are_rejected_as_corrupt_not_raised():
   assert signing.record_signature_ok(key, {**record,
                                            "signature": signing.sign_record(key, record)})
   for bad in ({"signature": "é"}, {"step_seconds": 10**400}, {"idle_seconds": 1e300},
-              {"pid": 2**70}, {"pid": -1}, {"incarnation": []}, {"incarnation": "x" * 999}):
+              {"pid": 2**70}, {"pid": -1}, {"incarnation": []}, {"incarnation": "x" * 999},
+              {"beat_seconds": "1"}, {"beat_seconds": -1.0}, {"beat_seconds": 10**400}):
     data = json.dumps({**record, **bad}).encode()
     with pytest.raises(heartbeats.BadHeartbeat):
       heartbeats.parse("m", data, key if "signature" in bad else None)

@@ -32,6 +32,40 @@ def test_a_live_name_is_refused_and_a_closed_one_is_free(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_a_name_that_beats_slower_than_the_joiner_polls_is_still_taken(tmp_path):
+  # The holder polls every 0.5 s, so it beats every 2.5 s; the joiner, polling every
+  # 0.05 s, watched it for its own liveness timeout (2.5 s), saw too few beats, and
+  # took the name of a live learner.
+  url = _run(tmp_path)
+  first = mail.open(url).join("w0", poll_interval=0.5)
+  params = first.pull(ms.params0())
+  with pytest.raises(mail.NameTaken, match="w0"):
+    mail.open(url).join("w0", poll_interval=ms.POLL)
+  first.close(params)
+
+
+def test_a_learner_is_live_for_ten_of_its_own_beats(tmp_path):
+  # An observer that polls more often than a learner beats dropped it between beats:
+  # rounds closed without it.
+  from gmjax.mail import heartbeats  # pylint: disable=g-import-not-at-top
+
+  run = mail.open(_run(tmp_path))
+  for name, beat in (("slow", 1.0), ("old", None), ("hostile", 1e9)):
+    record = {"name": name, "status": "live", "seq": 1, "incarnation": name,
+              **({} if beat is None else {"beat_seconds": beat})}
+    run.store.put(layout.heartbeat(name), json.dumps(record).encode())
+  roster = heartbeats.Roster(run.store)
+  roster.refresh()
+  assert heartbeats.liveness(roster.records["slow"], 2.5) == 10.0
+  assert heartbeats.liveness(roster.records["old"], 2.5) == 2.5
+  assert heartbeats.liveness(roster.records["hostile"], 2.5) == 600.0  # a minute a beat
+  assert heartbeats.liveness(None, 2.5) == 2.5
+  roster._changed = {n: roster._changed[n] - 5.0 for n in roster._changed}  # pylint: disable=protected-access
+  assert roster.fresh("slow", 2.5) and not roster.fresh("old", 2.5)
+  assert roster.live_for(0, 2.5) == {"slow", "hostile"}
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("status", ["failed", "live"])
 def test_a_failed_or_dead_name_is_free(tmp_path, status):
   url = _run(tmp_path)

@@ -59,7 +59,8 @@ class HeartbeatWriter:
 
   Args:
     store: the run's store.
-    identity: the fields that never change (name, pid, host, joined_at, incarnation).
+    identity: the fields that never change (name, pid, host, joined_at, incarnation,
+      beat_seconds).
     beat: the first snapshot.
     interval: seconds between periodic beats.
   """
@@ -83,7 +84,8 @@ class HeartbeatWriter:
     """The writer of a learner that just joined: its first beat is written (durably)
     before this returns, then the thread starts."""
     identity = {"name": name, "pid": os.getpid(), "host": socket.gethostname(),
-                "joined_at": utc_now(), "incarnation": incarnation}
+                "joined_at": utc_now(), "incarnation": incarnation,
+                "beat_seconds": interval}
     writer = cls(store, identity, beat, interval, key)
     writer.write().result()
     writer.start()

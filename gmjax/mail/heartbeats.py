@@ -54,6 +54,10 @@ MAX_COUNT = 2**53
 """Rounds, steps and sequence numbers stay below this (exact as JSON numbers anywhere)."""
 MAX_TEXT = 256  # status, host, times: short strings
 MAX_SECONDS = 1e15  # a step time or idle time past any real one, well inside a float
+BEATS_TO_DEATH = 10
+"""A learner is presumed dead once its heartbeat has stayed unchanged for this many of
+its own beat periods (``beat_seconds``), and for the observer's liveness timeout."""
+MAX_BEAT_SECONDS = 60.0  # a beat period counted at most this long (a minute a poll / 5)
 # A learner whose background work failed: not live, like a closed one.
 FAILED = "failed"
 
@@ -114,7 +118,7 @@ def parse(name: str, data: bytes, key: bytes | None) -> dict[str, Any]:
   for field in ("seq", "first_round", "step", "trained"):
     if field in record:
       _count(record, field, name)
-  for field in ("step_seconds", "idle_seconds"):
+  for field in ("step_seconds", "idle_seconds", "beat_seconds"):
     value = record.get(field)
     # Bounded below float's range: a JSON integer of 400 digits is no float.
     if value is not None and (type(value) not in (int, float) or not 0 <= value < MAX_SECONDS):
@@ -143,7 +147,7 @@ def parse(name: str, data: bytes, key: bytes | None) -> dict[str, Any]:
 _ALWAYS = ("name", "pid", "host", "joined_at", "incarnation", "status", "seq", "step",
            "first_round", "final_rounds", "versions", "step_seconds", "trained",
            "idle_seconds", "last_seen")  # what every heartbeat of a learner holds
-_WHEN_SET = ("loss", "closed_at", "error")  # written only when there is one
+_WHEN_SET = ("loss", "closed_at", "error", "beat_seconds")  # not in every heartbeat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +178,8 @@ class Heartbeat:
     loss: the last loss it reported, or None.
     closed_at: when it closed (UTC ISO), or None.
     error: why its background work failed (``failed``), or None.
+    beat_seconds: seconds between its periodic beats (None in heartbeats written before
+      the field existed).
     extra: fields this version does not know, kept in their order.
   """
 
@@ -196,6 +202,7 @@ class Heartbeat:
   loss: float | None = None
   closed_at: str | None = None
   error: Any = None
+  beat_seconds: float | None = None
   extra: Mapping[str, Any] = dataclasses.field(
       default_factory=lambda: FrozenDict({}))
 
@@ -277,6 +284,17 @@ def read_all(store: Store, key: bytes | None = None) -> dict[str, dict[str, Any]
   return found.records
 
 
+def liveness(record: Mapping[str, Any] | None, timeout: float) -> float:
+  """How long ``record``'s learner may leave its heartbeat unchanged before an observer
+  whose own liveness timeout is ``timeout`` presumes it dead: ``BEATS_TO_DEATH`` of its
+  beat periods, if that is longer. A learner that polls (and so beats) less often than
+  the observer is not dropped between two of its beats."""
+  beat = None if record is None else record.get("beat_seconds")
+  if beat is None:
+    return timeout
+  return max(timeout, BEATS_TO_DEATH * min(float(beat), MAX_BEAT_SECONDS))
+
+
 def _age(record: Mapping[str, Any]) -> float:
   """Seconds since the heartbeat's ``last_seen`` by this machine's clock (0 if unknown)."""
   try:
@@ -338,8 +356,10 @@ class Roster:
     self.refreshed = now
 
   def fresh(self, name: str, timeout: float) -> bool:
+    """Whether ``name``'s heartbeat changed within ``liveness(its record, timeout)``."""
     seen = self._changed.get(name)
-    return seen is not None and time.monotonic() - seen <= timeout
+    return seen is not None and time.monotonic() - seen <= liveness(
+        self.records.get(name), timeout)
 
   def live_for(self, round_: int, timeout: float) -> set[str]:
     """Learners expected to contribute to ``round_``."""

@@ -108,7 +108,7 @@ def claim(store, name: str, *, incarnation: str, liveness_timeout: float,
   if state != "free":
     newest: dict[str | None, int] = {}  # the highest seq seen of each incarnation
     rises = 0
-    deadline = time.monotonic() + liveness_timeout
+    deadline = time.monotonic() + heartbeats.liveness(record, liveness_timeout)
     while True:
       if state == "alive?":
         seen = newest.get(record.get("incarnation"))
