@@ -97,3 +97,28 @@ def test_two_processes_joining_as_one_name(tmp_path):
   rounds = mail.open(url).rounds()
   assert [r.round for r in rounds] == [0, 1, 2]
   assert all([p.learner for p in r.participants] == ["w0"] for r in rounds)
+
+
+@pytest.mark.timeout(120)
+def test_a_paused_learner_whose_name_was_taken_stops_at_its_next_beat(tmp_path):
+  # Paused past the liveness timeout while another joined as its name, it resumed and
+  # both ran as one name, each overwriting the other's heartbeat and contributions.
+  from gmjax.mail import heartbeats  # pylint: disable=g-import-not-at-top
+
+  url = _run(tmp_path)
+  first = mail.open(url).join("w0", poll_interval=ms.POLL)
+  params = first.pull(ms.params0())
+  first._beats.stop()  # pylint: disable=protected-access  # paused: its heartbeat stops
+  second = mail.open(url).join("w0", poll_interval=ms.POLL)  # free once it looks dead
+  second_params = second.pull(ms.params0())
+  newer = heartbeats.read_one(second.store, "w0")["incarnation"]
+  with pytest.raises(mail.NameTaken, match=r"'w0' was taken by a newer join"):
+    first._beats.write().result()  # pylint: disable=protected-access  # its next beat
+  with pytest.raises(mail.NameTaken, match=r"taken by a newer join"):
+    first.step(params)
+  first.close(params)  # cleans up, and writes nothing under the name
+  record = heartbeats.read_one(second.store, "w0")
+  assert (record["incarnation"], record["status"]) == (newer, "live")
+  second_params = second.step(second_params)
+  second.close(second_params)
+  assert heartbeats.read_one(second.store, "w0")["status"] == "closed"

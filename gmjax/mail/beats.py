@@ -10,6 +10,11 @@ land in ``seq`` order.
 
 When the learner's background work fails, ``fail`` marks the heartbeat ``failed`` at
 once; others then treat the learner as not live, and every later beat says so.
+
+Before each write the writer reads the heartbeat there: if a newer incarnation of the
+name wrote it (``names.superseded``: this learner was silent past the liveness timeout
+and another joined as it), the writer writes nothing more and keeps the ``NameTaken``
+in ``superseded`` for the learner to raise.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any
 
 from gmjax.mail import heartbeats
 from gmjax.mail import layout
+from gmjax.mail import names
 from gmjax.mail.manifest import utc_now
 
 log = logging.getLogger(__name__)
@@ -73,6 +79,7 @@ class HeartbeatWriter:
     self._latest = beat
     self._failure: str | None = None
     self._interval = interval
+    self.superseded: BaseException | None = None
     self._seq = 0
     self._requests: queue.Queue = queue.Queue()
     self._thread = threading.Thread(target=self._run, daemon=True,
@@ -147,11 +154,19 @@ class HeartbeatWriter:
           request.set_result(None)
       except Exception as error:  # pylint: disable=broad-except
         # A missed beat only makes others suspect this learner sooner; keep beating.
-        log.warning("learner %r: heartbeat failed: %r", self._identity["name"], error)
+        if error is not self.superseded:  # logged once, where it was found
+          log.warning("learner %r: heartbeat failed: %r", self._identity["name"], error)
         if request:
           request.set_exception(error)
 
   def _put(self, *, durable: bool) -> None:
+    if self.superseded is None:
+      self.superseded = names.superseded(self._store, self._identity["name"],
+                                         self._identity["incarnation"], self._key)
+      if self.superseded is not None:
+        log.error("learner %r: %s", self._identity["name"], self.superseded)
+    if self.superseded is not None:
+      raise self.superseded
     self._seq += 1
     self._store.put(layout.heartbeat(self._identity["name"]), self.dumps(),
                     durable=durable)

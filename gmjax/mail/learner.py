@@ -193,6 +193,8 @@ class Learner(Resuming, Rounds):
   def _check_open(self, what: str) -> None:
     if self._closed:
       raise LearnerClosed(f"learner {self.name!r} is closed; {what} needs a new join().")
+    if self._beats is not None and self._beats.superseded is not None:
+      raise self._beats.superseded  # another learner runs under this name now
     self._worker.check()
 
   # The API.
@@ -307,7 +309,8 @@ class Learner(Resuming, Rounds):
     flat = None
     try:
       self._worker.check()
-      if self._pulled and params is not None:
+      superseded = self._beats is not None and self._beats.superseded is not None
+      if self._pulled and params is not None and not superseded:  # nothing under its name
         flat = self._tree_schema.check(params)
         self._finish(flat, flush=flush)
     finally:
@@ -317,6 +320,7 @@ class Learner(Resuming, Rounds):
       self._worker.stop(timeout=max(10.0, 3 * self._worker.timeout()))
       if self._beats is not None:
         self._beats.stop()
+      if self._beats is not None and self._beats.superseded is None:
         self._beat(status=heartbeats.CLOSED, step=self.step_count, closed_at=utc_now())
         try:
           self._beats.write().result()

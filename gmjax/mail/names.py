@@ -16,6 +16,12 @@ checks the newest claim's holder, through the name's heartbeat:
   A holder on this host whose process is gone is dead at once, without the wait;
 * no heartbeat of the newest claim yet: its holder is joining, and gets the same watch.
 
+A holder that was only paused (a stopped VM, a network cut longer than the liveness
+timeout) while another learner took its name finds, at its next beat, the newer
+incarnation's heartbeat and a newer claim (``superseded``): it stops writing and its
+next ``step`` raises ``NameTaken``, so that no two learners run as one name for longer
+than a beat.
+
 Observers never compare clocks across machines, only changes they see themselves.
 Entries of ``learners/<name>.claims/`` that are not claim numbers as joins write them
 (``1``, ``2``, ... below ``2**53``: ASCII digits, no leading zero) are ignored.
@@ -55,6 +61,22 @@ def _newest_claim(store, name: str) -> tuple[int, str | None]:
     return newest, store.read(f"{_claims(name)}/{newest}", MAX_CLAIM_BYTES).decode("ascii")
   except (FileNotFoundError, BadObject, UnicodeDecodeError):
     return newest, None  # gone, or planted: no incarnation holds it
+
+
+def superseded(store, name: str, incarnation: str, key: bytes | None) -> NameTaken | None:
+  """``NameTaken`` if a newer incarnation than ``incarnation`` holds ``name``: its valid
+  heartbeat is there and the newest claim is not ``incarnation``'s; else None."""
+  record = _heartbeat(store, name, key)
+  if record is None or record.get("incarnation") == incarnation:
+    return None
+  _, holder = _newest_claim(store, name)
+  if holder == incarnation:
+    return None  # the name is this incarnation's: the heartbeat there is a dead one's
+  return NameTaken(
+      f"learner name {name!r} was taken by a newer join (pid {record.get('pid')} on"
+      f" {record.get('host')!r}) while this learner was silent for longer than the run's"
+      " liveness timeout (paused, or cut off from storage); this learner stopped"
+      " publishing. Join again under another name (with its state_dir, if any).")
 
 
 def _heartbeat(store, name: str, key: bytes | None) -> dict | None:
