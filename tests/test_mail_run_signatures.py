@@ -13,6 +13,7 @@ from gmjax import mail
 from gmjax.mail import contributions
 from gmjax.mail import layout
 from gmjax.mail import signing
+from gmjax.mail import states
 
 import mail_support as ms
 
@@ -61,6 +62,20 @@ def test_a_manifest_copied_from_another_run_is_refused(other, tmp_path):
   with pytest.raises(mail.AuthenticationError, match="another run"):
     mail.open(url, key=KEY)
   assert mail.verify(url, key=KEY)[0].startswith(layout.MANIFEST)
+
+
+@pytest.mark.timeout(120)
+def test_a_manifest_copied_into_a_run_that_pruned_version_0_is_refused(other, tmp_path):
+  # Only version 0's records were checked: once retention pruned them, the copied
+  # manifest opened, and every join then failed with "every commit is damaged; create
+  # the run again".
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), CONFIG, key=KEY, keep_versions=2)
+  ms.train(run, "w", 0, 8)
+  assert 0 not in states.committed_versions(run.store, 0)
+  _copy(other, url, layout.MANIFEST)
+  with pytest.raises(mail.AuthenticationError, match=r"version [1-9] of fragment 0 is not signed.*another run"):
+    mail.open(url, key=KEY)
 
 
 def test_a_contribution_signed_for_another_run_is_rejected(tmp_path):

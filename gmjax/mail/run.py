@@ -356,15 +356,17 @@ def open(url: str, *, key: bytes | str | None = None,  # pylint: disable=redefin
 
 
 def _check_manifest_signs_records(store: Store, url: str, signer: bytes | None) -> None:
-  """Raises AuthenticationError if the run's first record is signed with the key but not
-  for this manifest's run: the manifest was copied from another run with the same key."""
+  """Raises AuthenticationError if the oldest record of fragment 0 the run keeps (version
+  0 unless retention pruned it) is signed with the key but not for this manifest's run:
+  the manifest was copied from another run with the same key."""
   if signer is None:
     return
-  slots = commit_slots(store, 0, 0, signer)
+  version = min(states.committed_versions(store, 0), default=0)
+  slots = commit_slots(store, 0, version, signer)
   problems = [problem for _, _, problem in slots]
   if slots and all(problem == NOT_SIGNED for problem in problems):
     raise AuthenticationError(
-        f"the manifest of run {url!r} does not sign the run's records (version 0 of"
-        " fragment 0 is not signed for it): manifest.json was replaced, e.g. copied from"
-        " another run with the same key; restore the run's own manifest.")
+        f"the manifest of run {url!r} does not sign the run's records (version {version}"
+        " of fragment 0 is not signed for it): manifest.json was replaced, e.g. copied"
+        " from another run with the same key; restore the run's own manifest.")
 
