@@ -448,3 +448,27 @@ def test_numpy_and_jax_positions_are_saved_as_the_numbers_they_hold(tmp_path):
   assert position == {"step": 2, "shards": [2, 3], "lr": 0.5}
   assert type(position["step"]) is int
   learner.close(params)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_goodput_after_a_restore_counts_the_steps_of_this_join(tmp_path, fragments):
+  # trained counted the restored local_step, committed only this join's rounds: a
+  # learner whose every step was committed showed 50% goodput after one restart.
+  url, state_dir = str(tmp_path / "run"), tmp_path / "state"
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=4, fragments=fragments))
+  for stop in (16, 32):
+    learner = mail.open(url).join("w", poll_interval=ms.POLL, state_dir=state_dir)
+    params = learner.pull(ms.params0())
+    state, position = _state(0), 0
+    restored = learner.restore(state)
+    if restored is not None:
+      state, position = restored.state, restored.position
+    while position < stop:
+      position += 1
+      params = learner.step(ms.inner(params, ms.target(0)), state=state, position=position)
+    learner.close(params)
+  pace = run.status()["learners"][0]
+  assert pace["trained"] == 16, pace  # this join's steps (its save carried none here)
+  if fragments == 1:  # every step of it reached a committed round
+    assert (pace["committed_steps"], pace["goodput"]) == (16, 1.0), pace

@@ -113,6 +113,9 @@ class Learner(Resuming, Rounds):
     # weight there when its first round is published, by which time a run that prunes
     # may have deleted it.
     self._pulled_records: dict[int, Any] = {}
+    # local_step where this join's steps start (heartbeat ``trained``): a restore sets it
+    # back by the steps it carries into this join's first rounds.
+    self._trained_from = 0
     self._versions: dict[int, int] = {}
     self._outstanding: list[tuple[int, int, int | None]] = []  # (round, version, due step)
     self._futures: dict[tuple[int, int], concurrent.futures.Future] = {}
@@ -187,7 +190,7 @@ class Learner(Resuming, Rounds):
   def _beat(self, **changes: Any) -> None:
     if self._beats is not None:
       self._beats.update(versions=tuple(sorted(self._versions.items())),
-                         step_seconds=self._step_seconds, trained=self.local_step,
+                         step_seconds=self._step_seconds, trained=self.local_step - self._trained_from,
                          idle_seconds=self.idle_seconds, **changes)
 
   def _check_open(self, what: str) -> None:

@@ -167,6 +167,10 @@ class Resuming:
       log.warning("learner %r: %d round(s) of it were in flight at its save: its saved"
                   " state is restored, and it goes on from the run's step",
                   self.name, counters.outstanding)
+    # The steps this join trains, for its heartbeat's ``trained``: those after the save,
+    # and those of the save that its first contributions carry (each fragment's).
+    carried = sum(self._steps_since) / max(1, len(self._steps_since))
+    self._trained_from = self.local_step - round(carried)
     return learner_state.Restored(state, position, exact)
 
   def _save(self, state: Any, position: Any) -> None:
