@@ -316,3 +316,35 @@ def test_one_slow_step_does_not_set_the_pace():
   learner.close(params)
   seconds = learner.run.learners()["m0"].step_seconds  # as the last heartbeat says
   assert seconds < 0.1, seconds  # a moving average seeded at 0.5 s was still ~0.27 s
+
+
+@pytest.mark.timeout(120)
+def test_a_learner_too_slow_for_fixed_steps_is_told_to_adapt(tmp_path, caplog):
+  # Five times slower with fixed steps, a learner missed every round after its first,
+  # silently (an info line each), while its heartbeat said it trained.
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=16))
+  done, together = threading.Event(), threading.Barrier(2)
+
+  def learn(name, sleep, steps):
+    learner = run.join(name, poll_interval=POLL, wait_timeout=60.0)
+    params = learner.pull(ms.params0())
+    together.wait()
+    count = 0
+    while (count < steps) if steps else not done.is_set():
+      time.sleep(sleep)
+      params = learner.step(ms.inner(params, ms.target(0)))
+      count += 1
+    done.set()
+    learner.close(params)
+
+  threads = ms.Threads()
+  threads.start(learn, "fast", 0.005, None)
+  threads.start(learn, "slow", 0.05, 96)
+  threads.join(100)
+  warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"
+            and "rounds in a row closed before it got to them" in r.getMessage()]
+  assert warned and all(m.startswith("learner 'slow'") for m in warned), warned
+  assert "adaptive_steps=True" in warned[0]
+  slow_rounds = [r.round for r in run.rounds() if "slow" in _steps(r)]
+  assert len(slow_rounds) <= 3, slow_rounds  # what it was late for counted nothing

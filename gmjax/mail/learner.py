@@ -116,6 +116,7 @@ class Learner(Resuming, Rounds):
     # local_step where this join's steps start (heartbeat ``trained``): a restore sets it
     # back by the steps it carries into this join's first rounds.
     self._trained_from = 0
+    self._late_rounds = 0  # rounds in a row closed before this learner got to them
     self._versions: dict[int, int] = {}
     self._outstanding: list[tuple[int, int, int | None]] = []  # (round, version, due step)
     self._futures: dict[tuple[int, int], concurrent.futures.Future] = {}

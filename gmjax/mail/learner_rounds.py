@@ -72,6 +72,7 @@ from gmjax.mail.errors import RoundTimeout
 from gmjax.mail.worker_jobs import Commit, Publish
 
 log = logging.getLogger("gmjax.mail.learner")  # one log for the learner, whichever part writes
+LATE_WARNING = 3  # rounds in a row a learner is late for before it is told why
 
 
 class Rounds:
@@ -209,7 +210,17 @@ class Rounds:
     if late:
       log.info("learner %r: round %d closed before it got there; merging it", self.name,
                round_)
-    elif self.primary or eager_:
+      self._late_rounds += 1
+      if self._late_rounds == LATE_WARNING and not self._pacer:
+        log.warning(
+            "learner %r: %d rounds in a row closed before it got to them (the last, %d):"
+            " with fixed steps a learner slower than the others by more than the run's"
+            " grace misses every round, and the steps it trains count for nothing; pass"
+            " adaptive_steps=True to gmjax.DiLoCo for learners of different speeds",
+            self.name, self._late_rounds, round_)
+    else:
+      self._late_rounds = 0
+    if not late and (self.primary or eager_):
       delta = placement.delta({n: reference[n] for n in names_}, snapshot)
       payload = {"delta": delta}
       if eager_ or self._residuals is not None:
