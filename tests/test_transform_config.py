@@ -242,3 +242,15 @@ def test_a_custom_outer_runs_as_the_config_would(shard_outer):
   np.testing.assert_array_equal(got["w"], expected["w"])
   assert state.stats.rounds.tolist() == [3, 3]
   assert gmjax.DiLoCo.from_json(custom.to_json()) == custom
+
+
+def test_a_state_built_for_another_inner_optimizer_names_the_inner_state():
+  # sgd's state has no leaves where adam's has three: the message named state.count,
+  # "shape (), where this optimizer's init builds shape ()".
+  params = {"w": jnp.ones((4, 3))}
+  config = gmjax.DiLoCo(sync_every=4)
+  state = gmjax.diloco(optax.sgd(0.1), config).init(params)
+  with pytest.raises(ValueError, match=r"state\.inner_state is \(EmptyState\(\), EmptyState"
+                                       r"\(\)\), where this optimizer's init builds"
+                                       r" \(ScaleByAdamState\(count=\(\), mu=\{'w': \(4, 3\)\}"):
+    gmjax.diloco(optax.adam(0.1), config).update(params, state, params)

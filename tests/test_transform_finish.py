@@ -152,7 +152,29 @@ def test_finish_says_how_to_pass_params_in_other_containers():
   optimizer = gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=2, overlap_steps=0))
   params = {"w": jnp.ones(3)}
   state = optimizer.init(params)
-  with pytest.raises(ValueError, match=r"in the containers the optimizer saw.*nnx.pure"):
+  with pytest.raises(ValueError, match=r"in the containers the optimizer saw.*nnx.as_pure"):
     gmjax.finish(state, [jnp.ones(3)])
   with pytest.raises(ValueError, match=r"the optimizer was updating\.$"):
     gmjax.finish(state, {"w": jnp.ones(3), "b": jnp.ones(2)})
+
+
+def test_finish_takes_an_nnx_optimizers_state_made_pure():
+  # The README's recipe for an nnx.Optimizer: its Θ is the pure-pytree step's, bit for bit.
+  nnx = pytest.importorskip("flax.nnx")
+  as_pure = getattr(nnx, "as_pure", None) or nnx.pure
+  tx = gmjax.diloco(optax.adamw(1e-2), gmjax.DiLoCo(sync_every=2, overlap_steps=0))
+  x = jnp.arange(12.0).reshape(4, 3) / 10
+  loss = lambda p: jnp.mean((x @ p["kernel"] + p["bias"] - 1.0) ** 2)
+  model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  params = jax.tree.map(jnp.asarray, as_pure(nnx.state(model, nnx.Param)))
+  state = tx.init(params)
+  for _ in range(5):
+    optimizer.update(model, nnx.grad(lambda m: loss({"kernel": m.kernel[...],
+                                                      "bias": m.bias[...]}))(model))
+    updates, state = tx.update(jax.grad(loss)(params), state, params)
+    params = optax.apply_updates(params, updates)
+  theta = gmjax.finish(as_pure(optimizer.opt_state), as_pure(nnx.state(model, nnx.Param)))
+  expected = gmjax.finish(state, params)
+  for name in ("kernel", "bias"):
+    np.testing.assert_array_equal(np.asarray(theta[name]), np.asarray(expected[name]))

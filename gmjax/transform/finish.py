@@ -89,7 +89,8 @@ def finish(state: DiLoCoState, params: Any, *, learner_axis: int | None = None) 
         f"gmjax.finish: params are structured as {found[2]}, but the state's anchor as"
         f" {found[3]}; pass the parameters the optimizer was updating"
         + (", in the containers the optimizer saw (their leaves match the anchor's: for"
-           " an nnx.Optimizer, pass nnx.pure(optimizer.opt_state) and nnx.pure(params))"
+           " an nnx.Optimizer, pass nnx.as_pure(optimizer.opt_state) and"
+           " nnx.as_pure(params))"
            if same_leaves else "") + ".")
   if found is not None:
     _, path, got, want = found

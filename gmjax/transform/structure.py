@@ -43,12 +43,35 @@ def mismatch(params: Any, anchor: Any) -> tuple[str, str, tuple, tuple] | None:
   return None
 
 
+def _at(tree: Any, path: tuple[Any, ...]) -> Any:
+  """The node of ``tree`` at key path ``path`` (None where there is none)."""
+  for key in path:
+    if isinstance(key, jax.tree_util.GetAttrKey):
+      tree = getattr(tree, key.name, None)
+    elif isinstance(key, jax.tree_util.SequenceKey):
+      tree = tree[key.idx] if isinstance(tree, (list, tuple)) and key.idx < len(tree) else None
+    elif isinstance(key, jax.tree_util.DictKey):
+      tree = tree.get(key.key) if hasattr(tree, "get") else None
+    else:
+      return None
+  return tree
+
+
+def _layout(tree: Any) -> str:
+  """``tree`` with each array as its shape, as the message shows it (at most 300 characters)."""
+  text = repr(jax.tree.map(lambda x: jnp.shape(x), tree,
+                           is_leaf=lambda x: isinstance(x, optax.MaskedNode)))
+  return text if len(text) <= 300 else text[:297] + "..."
+
+
 def state_mismatch(state: Any, expected: Any) -> tuple[str, str, str] | None:
   """Where ``state`` differs from ``expected`` (what ``init`` builds for the parameters
   now), or None if it does not.
 
-  Returns ``(path, got, want)`` for the first leaf in flattening order whose path,
-  kind (``optax.MaskedNode`` for a part the configuration leaves out) or shape differs,
+  Returns ``(path, got, want)`` for the first leaf in flattening order whose kind
+  (``optax.MaskedNode`` for a part the configuration leaves out) or shape differs, or,
+  where the two trees' leaves lie at different paths, for the part that holds them
+  (the node below the paths' common prefix, each side with its arrays as shapes);
   ``path`` as ``jax.tree_util.keystr`` writes it, for the callers' messages.
   """
   is_masked = lambda x: isinstance(x, optax.MaskedNode)
@@ -57,8 +80,14 @@ def state_mismatch(state: Any, expected: Any) -> tuple[str, str, str] | None:
   want = jax.tree_util.tree_flatten_with_path(expected, is_leaf=is_masked)[0]
   for (got_path, g), (want_path, w) in zip(got, want):
     if got_path != want_path:
-      return (jax.tree_util.keystr(got_path), describe(g),
-              f"{describe(w)} at state{jax.tree_util.keystr(want_path)}")
+      # The part whose layout differs: the node below the paths' common prefix.
+      common = 0
+      while common < min(len(got_path), len(want_path)) and (
+          got_path[common] == want_path[common]):
+        common += 1
+      node = want_path[:common + 1]
+      return (jax.tree_util.keystr(node), _layout(_at(state, node)),
+              _layout(_at(expected, node)))
     if is_masked(g) != is_masked(w) or (not is_masked(g) and jnp.shape(g) != jnp.shape(w)):
       return jax.tree_util.keystr(got_path), describe(g), describe(w)
   if len(got) != len(want):
