@@ -212,3 +212,21 @@ def test_robust_aggregation_is_the_same_by_mail_and_in_mesh(aggregation, poisone
     for name in ms.params0():
       np.testing.assert_allclose(mailed[m][name], mesh[m][name], rtol=2e-5, atol=atol,
                                  err_msg=f"learner {m}, leaf {name}")
+
+
+@pytest.mark.timeout(180)
+def test_an_eager_correction_that_overflows_is_dropped_alike(tmp_path):
+  # With an outer step of 1e37 Θ overflows from the second round on (those rounds are
+  # skipped), and so did each learner's own correction: its start, then its parameters, went to inf and NaN for
+  # good in both runtimes. Now the correction is dropped and the learner starts at Θ.
+  config = gmjax.DiLoCo(sync_every=4, fragments=1, outer_delay=1, eager=True,
+                        outer_learning_rate=1e37, outer_momentum=0.0, flush_on_close=False)
+  mesh, stats = in_mesh(config)
+  mailed, rounds = by_mail(config, tmp_path)
+  assert int(stats.skipped) > 0
+  assert [r.outer_step for r in rounds][-int(stats.skipped):] == [False] * int(stats.skipped)
+  for m in range(LEARNERS):
+    for name in ms.params0():
+      assert np.all(np.isfinite(mesh[m][name])), (m, name)
+      np.testing.assert_array_equal(mailed[m][name], mesh[m][name],
+                                    err_msg=f"learner {m}, leaf {name}")

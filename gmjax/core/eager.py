@@ -106,6 +106,28 @@ def correct(tx: optax.GradientTransformation, d: Mapping[str, Any], state: Any,
   return {n: correction[n] + u for n, u in zip(names, updates)}, state
 
 
+def start_finite(theta: Mapping[str, Any], correction: Mapping[str, Any]) -> jax.Array:
+  """Whether the start ``Θ + p`` is finite at each parameter's dtype (a bool scalar).
+
+  Θ is committed only when finite, but a learner's own outer step can overflow (a large
+  outer learning rate, a huge delta): a correction that would make its start, and so its
+  parameters, non-finite is dropped (``restart``), and the learner starts at Θ.
+  """
+  dtype = lambda x: jnp.asarray(x).dtype
+  return finite({n: (jnp.asarray(theta[n], jnp.float32) + c).astype(dtype(theta[n]))
+                 for n, c in correction.items()})
+
+
+def restart(tx: optax.GradientTransformation, keep: Any, correction: Mapping[str, Any],
+            state: Any, names: tuple[str, ...], where: Any = jnp.where) -> tuple[dict, Any]:
+  """``(correction, state)`` where ``keep``, else zeros and ``tx``'s state of zeros (as
+  a learner that joins starts): ``where(keep, kept, dropped)`` chooses, leaf by leaf."""
+  zeros = {n: jnp.zeros_like(correction[n]) for n in names}
+  fresh = initial_state(tx, zeros, names)
+  return ({n: where(keep, correction[n], zeros[n]) for n in names},
+          jax.tree.map(lambda a, b: where(keep, a, b), state, fresh))
+
+
 def initial_state(tx: optax.GradientTransformation, zeros: Mapping[str, Any],
                   names: tuple[str, ...]) -> Any:
   """``tx``'s state over the fragment's leaves, from F32 zeros like them."""

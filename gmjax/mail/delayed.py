@@ -11,6 +11,7 @@ that joins again starts from ``p = 0`` at the newest Θ.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,6 +23,9 @@ from gmjax.mail import heartbeats
 from gmjax.mail.records import RoundRecord
 
 _proxy = jax.jit(eager.proxy)
+_start_finite = jax.jit(eager.start_finite)
+_restart = eager.restart
+log = logging.getLogger(__name__)
 
 
 class Delay:
@@ -65,6 +69,12 @@ class Delay:
       d = _proxy(mine, previous, np.float32(weight))
       correction, state = self._correct(d, self._states[fragment],
                                         self._correction[fragment], names)
+      if not bool(_start_finite({n: theta[n] for n in names}, correction)):
+        # An outer step of its own that overflowed: it starts at Θ (gmjax.core.eager).
+        log.warning("eager: the correction of fragment %d is not finite at the"
+                    " parameters' dtypes; it is dropped, and the learner starts at Θ",
+                    fragment)
+        correction, state = _restart(self._tx, False, correction, state, names)
       self._correction[fragment] = {n: np.asarray(v) for n, v in
                                     jax.device_get(correction).items()}
       self._states[fragment] = state

@@ -311,6 +311,11 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
         d = eager.proxy(mine, previous, old_weight)
         new_correction, new_own = eager.correct(tx, d, own_states[fragment], correction,
                                                 names)
+        # A correction that would make the start non-finite is dropped (gmjax.core.eager).
+        new_correction, new_own = eager.restart(
+            tx, eager.start_finite({n: anchor[n] for n in names}, new_correction),
+            new_correction, new_own, names,
+            where=lambda keep, kept, dropped: explicit.where(~keep, dropped, kept))
         for n in names:
           correction[n] = explicit.like(new_correction[n], correction[n])
           previous[n] = mine[n]
