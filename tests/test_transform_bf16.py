@@ -78,3 +78,32 @@ def test_partially_manual_shard_map_starts_every_learner_at_learner_0s_bits(dtyp
           np.testing.assert_array_equal(bits[m], want)
   assert int(state.stats.rounds[0]) == 1
   assert params["w"].dtype == dtype and bool(jnp.all(jnp.isfinite(params["w"])))
+
+
+def test_a_bf16_delta_is_taken_from_the_parameters_the_learner_holds():
+  # XLA kept θ = params + updates in F32 where the delta read it (excess precision on
+  # CPU): Θ differed by a bf16 ulp in 6 of 64 values from the one the learner's own bf16
+  # parameters make. With one step of overlap they are the sync step's output.
+  bf16, outer_lr = jnp.bfloat16, 0.5
+  optimizer = gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(
+      sync_every=2, overlap_steps=1, outer_learning_rate=outer_lr, outer_momentum=0.0))
+  rng = np.random.default_rng(0)
+  start = rng.normal(size=64).astype(ml_dtypes.bfloat16)
+  goal = (rng.normal(size=64) * 3).astype(np.float32)
+
+  @jax.jit
+  def step(params, state):
+    grads = {"w": (params["w"].astype(jnp.float32) - goal).astype(bf16)}
+    updates, state = optimizer.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  params = {"w": jnp.asarray(start)}
+  state = optimizer.init(params)
+  for _ in range(2):
+    params, state = step(params, state)
+  theta = np.asarray(params["w"]).astype(np.float32)  # what the learner holds at the sync
+  anchor = start.astype(np.float32)
+  delta = (anchor - theta).astype(ml_dtypes.bfloat16).astype(np.float32)
+  expected = (anchor - np.float32(outer_lr) * delta).astype(ml_dtypes.bfloat16)
+  assert int(state.stats.rounds) == 1
+  np.testing.assert_array_equal(np.asarray(state.anchor["w"]), expected)

@@ -36,6 +36,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from gmjax.core import round as round_ops
 from gmjax.transform import explicit
@@ -68,9 +69,23 @@ def marked(updates: Any, grads: Any) -> Any:
   return jax.tree.map(mark, updates, grads)
 
 
+def applied(p: jax.Array, u: jax.Array) -> jax.Array:
+  """``p + u`` at ``p``'s dtype, rounded to it as ``optax.apply_updates`` stores it.
+
+  XLA may keep a 16-bit float sum in F32 where an F32 operation reads it (excess
+  precision, on CPU): ``reduce_precision`` rounds it to the dtype's bits there too, so
+  that a delta or a finiteness check reads the parameters the learner holds.
+  """
+  result = (p + u).astype(p.dtype)
+  if jnp.issubdtype(result.dtype, jnp.floating) and jnp.finfo(result.dtype).bits < 32:
+    info = jnp.finfo(result.dtype)
+    result = lax.reduce_precision(result, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+  return result
+
+
 def non_finite(params: Any, updates: Any) -> jax.Array:
   """Whether ``params + updates`` (each leaf at its parameter's dtype) holds a NaN or
   Inf anywhere in the tree: a bool scalar."""
-  results = [(p + u).astype(p.dtype)
+  results = [applied(p, u)
              for p, u in zip(jax.tree.leaves(params), jax.tree.leaves(updates))]
   return round_ops.count_non_finite(results, explicit.total) > 0

@@ -19,6 +19,7 @@ from gmjax.core import eager, feedback, outer
 from gmjax.core import round as round_ops
 from gmjax.core.schema import ParameterSpec
 from gmjax.transform import control, exchange, explicit, replicated, shards
+from gmjax.transform import finite as finite_steps
 from gmjax.transform import tokens as token_counts
 from gmjax.transform.structure import Layout
 from gmjax.transform.state import MERGE, NOTHING, RESET, DelayState, RoundState
@@ -272,8 +273,8 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
   def piece_theta(n, updates=flat_updates):
     """``θ`` of piece ``n``, at the parameter dtype, as ``optax.apply_updates`` forms it."""
     piece = layout.pieces[n]
-    p = piece.take(flat_params[piece.leaf])
-    return (p + piece.take(updates[piece.leaf])).astype(p.dtype)
+    return finite_steps.applied(piece.take(flat_params[piece.leaf]),
+                                piece.take(updates[piece.leaf]))
 
   def sync_of(fragment, names):
     def sync(flat, rest, updates):
