@@ -90,6 +90,21 @@ def test_bad_layer_axis_is_refused_with_its_value(layer_axis, match):
     gmjax.diloco(optax.sgd(0.1), config).init(params)
 
 
+@pytest.mark.parametrize("tree,match", [
+    # Zero layers: a ZeroDivisionError in cutting the blocks.
+    ({"emb": (4, 3), "layers": {"w": (0, 2, 3), "b": (0, 2)}}, r"no layers.*'layers/b'"),
+    # A leaf named like a block: blamed on '/' in keys, without naming layer_axis.
+    ({"layers[0:1]": (2,), "layers": (2, 3)}, r"cuts leaf 'layers' into blocks named like"
+                                              r" 'layers\[0:1\]', which is also a leaf"),
+], ids=["zero-layers", "block-name-taken"])
+def test_a_tree_layer_axis_cannot_cut_is_refused_naming_it(tree, match):
+  params = jax.tree.map(lambda s: np.zeros(s, np.float32), tree,
+                        is_leaf=lambda x: isinstance(x, tuple))
+  config = gmjax.DiLoCo(sync_every=4, fragments=2, layer_axis={"layers": 0})
+  with pytest.raises(ValueError, match=match):
+    gmjax.diloco(optax.sgd(0.1), config).init(params)
+
+
 def test_layer_axis_survives_json():
   config = gmjax.DiLoCo(sync_every=4, fragments=2, layer_axis={"decoder/layers": 1})
   again = gmjax.DiLoCo.from_json(config.to_json())

@@ -93,6 +93,10 @@ def stacked_leaves(names: Mapping[str, tuple[int, ...]],
     raise ValueError(
         f"DiLoCo layer_axis stacks leaves with different numbers of layers {sizes}: every"
         " leaf it names must hold the same layers; narrow its prefixes.")
+  if counts == {0}:
+    raise ValueError(
+        f"DiLoCo layer_axis stacks leaves with no layers ({sorted(axes)} have 0 along"
+        " their layer axis): there are no blocks to cut; leave them out of layer_axis.")
   return axes
 
 

@@ -186,8 +186,14 @@ class Schema:
   def cut(self, pieces: Mapping[str, tuple[Piece, ...]]) -> Schema:
     """This tree's schema with each leaf replaced by its ``pieces`` (``gmjax.core.layers``)."""
     specs = []
+    taken = {spec.name for spec in self.parameters}
     for spec in self.parameters:
       for piece in pieces[spec.name]:
+        if piece.name != spec.name and piece.name in taken:
+          raise ValueError(
+              f"DiLoCo layer_axis cuts leaf {spec.name!r} into blocks named like"
+              f" {piece.name!r}, which is also a leaf of the tree; rename that leaf, or"
+              f" leave {spec.name!r} out of layer_axis.")
         shape = list(spec.shape)
         if piece.axis is not None:
           shape[piece.axis] = piece.stop - piece.start
