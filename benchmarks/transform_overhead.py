@@ -11,7 +11,8 @@ holds every fragment's sync once), after a warm-up window (compilation), over
 window count measures steps without any sync. Each ``gmjax.diloco`` variant also runs
 as ``..., between``: the host counts the updates and passes ``between_rounds=True`` on
 those that do no round work (``RoundSchedule.due``), so that they run the program
-without the round; its scratch is that program's. Two clocks: the wall clock, and the
+without the round; its scratch is that program's. ``..., unchecked`` is the same with
+``drop_non_finite=False`` (no finiteness check, as plain optax). Two clocks: the wall clock, and the
 process's CPU time (all its threads), to which other jobs on the machine add little;
 for each, "ratio" is the median of the windows' ratios to the reference and "least"
 the ratio of the least windows (other work only ever adds time). ``temp`` is the compiled step's scratch memory, which XLA on CPU
@@ -196,6 +197,9 @@ def variants(sync_every, learners, multisteps=1):
       make = lambda kw=kwargs, c=config: gmjax.diloco(inner(), c, **axis, **kw)
       found[f"diloco {name}{suffix}"] = (make, {})
       found[f"diloco {name}{suffix}, between"] = (make, {"rounds": config})
+      unchecked = lambda kw=kwargs, c=config: gmjax.diloco(inner(), c, **axis, **kw,
+                                                           drop_non_finite=False)
+      found[f"diloco {name}{suffix}, between, unchecked"] = (unchecked, {"rounds": config})
   return found
 
 

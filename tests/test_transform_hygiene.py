@@ -333,3 +333,64 @@ def test_parameters_already_non_finite_are_dropped_until_given_the_anchor():
   assert _finite(params)
   assert np.asarray(state.stats.dropped).tolist() == [0, 0, SYNC]
   assert np.asarray(state.stats.rejected).tolist() == [0] * learners
+
+
+def _bytes_accessed(optimizer, **options):
+  params = {"w": jnp.ones((256, 256)), "b": jnp.ones((256,))}
+
+  def step(params, state):
+    grads = jax.grad(lambda p: jnp.sum(jnp.tanh(p["w"] @ p["b"])))(params)
+    updates, state = optimizer.update(grads, state, params, **options)
+    return optax.apply_updates(params, updates), state
+
+  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+      params, optimizer.init(params)).compile()
+  analysis = compiled.cost_analysis()
+  return (analysis[0] if isinstance(analysis, list) else analysis)["bytes accessed"]
+
+
+def test_without_the_check_a_step_between_rounds_moves_plain_optaxs_bytes():
+  # The check reads params + updates before apply_updates writes them, so XLA writes
+  # the updates out and reads the gradients again: about four parameter-sized passes
+  # more than plain optax a step. drop_non_finite=False leaves it out.
+  inner, config = optax.adamw(1e-3), gmjax.DiLoCo(sync_every=100)
+  plain = _bytes_accessed(inner)
+  checked = _bytes_accessed(gmjax.diloco(inner, config), between_rounds=True)
+  unchecked = _bytes_accessed(gmjax.diloco(inner, config, drop_non_finite=False),
+                              between_rounds=True)
+  parameter_bytes = (256 * 256 + 256) * 4
+  # Plain optax's passes, and a few scalars of bookkeeping (counts, tokens, statistics).
+  assert 0 <= unchecked - plain < 1024, (plain, unchecked, checked)
+  assert checked - plain > 2 * parameter_bytes, (plain, unchecked, checked)
+
+
+def test_without_the_check_a_faulty_learner_stays_faulty_and_is_rejected():
+  optimizer = gmjax.diloco(optax.adam(0.05), gmjax.DiLoCo(sync_every=SYNC),
+                           axis_name="learner", drop_non_finite=False)
+  step = jax.jit(jax.vmap(_learner_step(optimizer, jnp.float32), axis_name="learner"))
+  params = _start(3, jnp.float32)
+  state = jax.vmap(optimizer.init, axis_name="learner")(params)
+  for t in range(1, STEPS + 1):
+    fault = jnp.asarray([0.0, jnp.nan if t == FAULT_STEP else 0.0, 0.0])
+    params, state = jax.block_until_ready(step(params, state, fault))
+  assert not _finite({n: v[1] for n, v in params.items()})  # no guard: it stays NaN
+  assert _finite({n: v[0] for n, v in params.items()}) and _finite(state.anchor)
+  # The last round (step 12) left it out, as the one at step 8 did; nothing was dropped.
+  assert int(state.stats.rejected[0]) == 1 and int(state.stats.dropped[0]) == 0
+  with pytest.raises(TypeError, match=r"drop_non_finite='yes' must be a bool"):
+    gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=SYNC), drop_non_finite="yes")
+
+
+def test_without_the_check_finite_steps_are_the_same_bit_for_bit():
+  runs = []
+  for drop in (True, False):
+    tx = gmjax.diloco(optax.adam(0.05), gmjax.DiLoCo(sync_every=SYNC, fragments=2),
+                      axis_name="learner", drop_non_finite=drop)
+    step = jax.jit(jax.vmap(_learner_step(tx, jnp.float32), axis_name="learner"))
+    params = _start(2, jnp.float32)
+    state = jax.vmap(tx.init, axis_name="learner")(params)
+    for _ in range(STEPS):
+      params, state = jax.block_until_ready(step(params, state, jnp.zeros(2)))
+    runs.append((params, state.anchor))
+  for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
