@@ -106,3 +106,98 @@ def test_startup_timeout_is_checked(tmp_path):
   run = mail.create(str(tmp_path / "run"), ms.params0(), gmjax.DiLoCo(sync_every=2))
   with pytest.raises(ValueError, match="startup_timeout"):
     run.join("w0", startup_timeout=0)
+
+
+@pytest.mark.timeout(120)
+def test_an_error_in_a_with_block_leaves_at_once_with_that_error(tmp_path):
+  # The block waited for the round in flight, up to wait_timeout, and then replaced the
+  # user's error with RoundTimeout.
+  import time  # pylint: disable=g-import-not-at-top
+
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, overlap_steps=None))
+  slow = run.join("slow", poll_interval=ms.POLL)  # live, never steps: round 0 waits
+  slow.pull(ms.params0())
+  with pytest.raises(ValueError, match="bad batch") as raised:
+    with run.join("fast", poll_interval=ms.POLL, wait_timeout=30) as learner:
+      params = learner.pull(ms.params0())
+      for _ in range(2):  # publishes round 0, which waits for "slow"
+        params = learner.step(ms.inner(params, ms.target(0)))
+      started = time.monotonic()
+      raise ValueError("bad batch")
+  assert time.monotonic() - started < 10 and raised.value.__context__ is None
+  assert run.learners()["fast"].status == "closed" and _threads_of("fast") == []
+  slow.close(None)
+
+
+@pytest.mark.timeout(120)
+def test_close_leaves_rounds_that_do_not_commit_and_returns(tmp_path, caplog):
+  # It raised RoundTimeout after wait_timeout, losing the params merged so far.
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, overlap_steps=None,
+                                                    flush_on_close=False))
+  slow = run.join("slow", poll_interval=ms.POLL)
+  slow.pull(ms.params0())
+  learner = run.join("fast", poll_interval=ms.POLL, wait_timeout=1.0)
+  params = learner.pull(ms.params0())
+  for _ in range(2):
+    params = learner.step(ms.inner(params, ms.target(0)))
+  closed = learner.close(params)
+  for name, value in params.items():
+    np.testing.assert_array_equal(np.asarray(closed[name]), np.asarray(value))
+  assert "leaving without the rounds still in flight" in caplog.text
+  assert run.learners()["fast"].status == "closed" and _threads_of("fast") == []
+  slow.close(None)
+
+
+@pytest.mark.timeout(120)
+def test_an_interrupted_close_stops_the_threads_and_a_second_one_finishes(tmp_path):
+  # Ctrl-C in close()'s cleanup left its threads running and its heartbeat "closing"
+  # for good (the name taken until the process ended); a second close did nothing.
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  learner = run.join("w0", poll_interval=ms.POLL)
+  params = learner.pull(ms.params0())
+  stop = learner._worker.stop  # pylint: disable=protected-access
+
+  def interrupted(timeout):
+    learner._worker.stop = stop  # pylint: disable=protected-access
+    raise KeyboardInterrupt
+
+  learner._worker.stop = interrupted  # pylint: disable=protected-access
+  with pytest.raises(KeyboardInterrupt):
+    learner.close(params)
+  assert run.learners()["w0"].status == "closed"  # the heartbeat part still ran
+  learner.close(params)  # finishes what the interrupt stopped
+  assert _threads_of("w0") == []
+  again = run.join("w0", poll_interval=ms.POLL)
+  again.close(again.pull(ms.params0()))
+
+
+@pytest.mark.timeout(120)
+def test_a_script_that_ends_without_close_exits_cleanly_and_publishes(tmp_path):
+  # Its threads were still in XLA or a storage write at the interpreter's finalization:
+  # the process aborted ("terminate called ...", exit -6) and the contribution was lost.
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  url = str(tmp_path / "run")
+  mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, overlap_steps=None))
+  child = (
+      "import sys\n"
+      "import gmjax\n"
+      "import mail_support as ms\n"
+      "learner = gmjax.mail.open(sys.argv[1]).join('w0', poll_interval=0.02)\n"
+      "params = learner.pull(ms.params0())\n"
+      "for _ in range(2):\n"
+      "  params = learner.step(ms.inner(params, ms.target(0)))\n"
+      "raise RuntimeError('training crashed')\n")
+  result = subprocess.run([sys.executable, "-c", child, url], capture_output=True,
+                          text=True, timeout=100, check=False,
+                          env={**__import__("os").environ,
+                               "PYTHONPATH": __import__("os").path.dirname(__file__)})
+  assert result.returncode == 1, result.stderr[-2000:]
+  assert "training crashed" in result.stderr and "terminate called" not in result.stderr
+  run = mail.open(url)
+  assert [p.learner for p in run.rounds()[0].participants] == ["w0"]
+  assert run.learners()["w0"].status == "closed"

@@ -19,11 +19,14 @@ process calls ``step`` in lockstep) only on the steps that publish or merge it.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import logging
+import threading
 import time
 import uuid
+import weakref
 from typing import Any
 
 import jax
@@ -39,13 +42,32 @@ from gmjax.mail import names
 from gmjax.mail import pace
 from gmjax.mail.beats import Beat, HeartbeatWriter
 from gmjax.mail.closer import HEARTBEAT_POLLS
-from gmjax.mail.errors import LearnerClosed
+from gmjax.mail.errors import LearnerClosed, RoundTimeout
 from gmjax.mail.learner_resume import Resuming
 from gmjax.mail.learner_rounds import Rounds
 from gmjax.mail.manifest import utc_now
 from gmjax.mail.worker import Worker
 
 log = logging.getLogger(__name__)
+
+# Learners not closed yet. A script that ends without close() (a forgotten one, an
+# uncaught exception outside a with block) would leave their threads inside XLA or a
+# storage write while the interpreter finalizes, which aborts the process and loses the
+# contribution being written: at exit they are closed without waiting for any round,
+# before concurrent.futures refuses new work (its hook, like this one, runs when the
+# main thread ends, the later registered first), else at the interpreter's exit.
+_OPEN: weakref.WeakSet = weakref.WeakSet()
+
+
+def _close_at_exit() -> None:
+  for learner in list(_OPEN):
+    try:
+      learner._leave(None, flush=False)  # pylint: disable=protected-access
+    except Exception as error:  # pylint: disable=broad-except
+      log.warning("learner %r: closing at exit: %r", learner.name, error)
+
+
+getattr(threading, "_register_atexit", atexit.register)(_close_at_exit)
 
 PACE_STEPS = 16
 """A learner's pace (``step_seconds``) is the lower median of its last this many steps."""
@@ -152,6 +174,7 @@ class Learner(Resuming, Rounds):
     self._restore_checked = self._state_dir is None or not self._state_dir.saved
     self.local_step = 0
     self._pulled = self._closed = False
+    self._cleaned: set[str] = set()  # the parts of leaving done: "worker", "heartbeat"
     self.step_count = self._newest_step()
     self.first_round = self.schedule.first_round_after(self.step_count)
     self._beats: HeartbeatWriter | None = None
@@ -170,6 +193,7 @@ class Learner(Resuming, Rounds):
           Beat(heartbeats.LIVE, self.step_count, self.first_round),
           self.poll_interval * HEARTBEAT_POLLS, key=self.key)
     self._worker.start(warm=self.primary)
+    _OPEN.add(self)
 
   # Plumbing.
 
@@ -296,8 +320,10 @@ class Learner(Resuming, Rounds):
 
   def close(self, params: Any) -> Any:
     """Leaves the run: merges rounds in flight, publishes final contributions
-    (``flush_on_close``), waits for them up to the run's timeout, marks the heartbeat
-    closed. Its threads are stopped and its last heartbeat written even when it fails.
+    (``flush_on_close``), waits for them as ``step`` waits (``wait_timeout``), marks the
+    heartbeat closed. Its threads are stopped and its last heartbeat written even when
+    it fails, or is interrupted (a later ``close`` finishes the cleanup). A round that
+    does not commit in that time is left unmerged, with a warning.
 
     Returns:
       ``params`` merged with the newest commits this learner waited for.
@@ -309,6 +335,7 @@ class Learner(Resuming, Rounds):
 
   def _leave(self, params: Any, *, flush: bool) -> Any:
     if self._closed:
+      self._clean_up()  # once more, if an interrupt stopped the first
       return params
     flat = None
     try:
@@ -316,22 +343,37 @@ class Learner(Resuming, Rounds):
       superseded = self._beats is not None and self._beats.superseded is not None
       if self._pulled and params is not None and not superseded:  # nothing under its name
         flat = self._tree_schema.check(params)
-        self._finish(flat, flush=flush)
+        try:
+          self._finish(flat, flush=flush)
+        except RoundTimeout as error:
+          log.warning("learner %r: leaving without the rounds still in flight: %s",
+                      self.name, error)
     finally:
       self._closed = True
-      if self._state_dir is not None:
-        self._state_dir.close()
-      self._worker.stop(timeout=max(10.0, 3 * self._worker.timeout()))
-      if self._beats is not None:
-        self._beats.stop()
-      if self._beats is not None and self._beats.superseded is None:
-        self._beat(status=heartbeats.CLOSED, step=self.step_count, closed_at=utc_now())
-        try:
-          self._beats.write().result()
-        except Exception as error:  # pylint: disable=broad-except
-          log.warning("learner %r: closing heartbeat not written: %r", self.name, error)
+      self._clean_up()
     self._worker.check()
     return params if flat is None else self._tree_schema.unflatten(flat)
+
+  def _clean_up(self) -> None:
+    """Stops the threads and writes the closing heartbeat; each part runs even when one
+    before it is interrupted, and a part done is not done again."""
+    try:
+      if "worker" not in self._cleaned:
+        if self._state_dir is not None:
+          self._state_dir.close()
+        self._worker.stop(timeout=max(10.0, 3 * self._worker.timeout()))
+        self._cleaned.add("worker")
+        _OPEN.discard(self)
+    finally:
+      if self._beats is not None and "heartbeat" not in self._cleaned:
+        self._beats.stop()
+        if self._beats.superseded is None:
+          self._beat(status=heartbeats.CLOSED, step=self.step_count, closed_at=utc_now())
+          try:
+            self._beats.write().result()
+          except Exception as error:  # pylint: disable=broad-except
+            log.warning("learner %r: closing heartbeat not written: %r", self.name, error)
+        self._cleaned.add("heartbeat")
 
   def __enter__(self) -> Learner:
     return self
@@ -340,11 +382,13 @@ class Learner(Resuming, Rounds):
     """Leaves the run. On a normal exit it flushes the parameters last passed to (or
     returned by) ``step`` when ``flush_on_close``; on an exception it only cleans up."""
     if self._closed:
+      self._clean_up()
       return
     params = None
-    if self._last_flat is not None:
+    if self._last_flat is not None and kind is None:
       params = self._tree_schema.unflatten(self._last_flat)
     try:
+      # On an exception nothing is waited for: the block ends as soon as it is cleaned up.
       self._leave(params, flush=kind is None and self.config.flush_on_close)
     except LearnerClosed:
       if kind is None:
