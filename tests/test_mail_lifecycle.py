@@ -201,3 +201,18 @@ def test_a_script_that_ends_without_close_exits_cleanly_and_publishes(tmp_path):
   run = mail.open(url)
   assert [p.learner for p in run.rounds()[0].participants] == ["w0"]
   assert run.learners()["w0"].status == "closed"
+
+
+@pytest.mark.timeout(120)
+def test_a_round_record_lists_who_was_live_when_it_closed(tmp_path, monkeypatch):
+  # "live" was read after the checkpoint's save: a save longer than the liveness timeout
+  # (2 s here) left it empty while the learner trained on.
+  import time  # pylint: disable=g-import-not-at-top
+  from gmjax.mail import states  # pylint: disable=g-import-not-at-top
+
+  save = states.save_state
+  monkeypatch.setattr(states, "save_state",
+                      lambda *a, **k: (time.sleep(2.5), save(*a, **k))[1])
+  run = mail.create(str(tmp_path / "run"), ms.params0(), gmjax.DiLoCo(sync_every=2))
+  ms.train(run, "w0", 0, 4)
+  assert [r.live for r in run.rounds()] == [("w0",), ("w0",)]

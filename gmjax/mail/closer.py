@@ -278,6 +278,9 @@ class Closer:
     Only validated contributions are aggregated: scan with ``validate=True`` first.
     """
     started = time.monotonic()
+    # Who was live when the round closed: after the save, which can take longer than
+    # the liveness timeout while the roster waits, nobody might look live.
+    live = tuple(sorted(roster.live_for(watch.round, self.liveness_timeout())))
     state = self.base_state(watch.fragment, watch.version - 1)
     if state is None:
       return None
@@ -334,7 +337,7 @@ class Closer:
         outer_step=bool(valid) and skipped is None,
         cosine=result.cosine,
         estimates=estimates,
-        live=tuple(sorted(roster.live_for(watch.round, self.liveness_timeout()))),
+        live=live,
         closer=self.name,
         state=files.state,
         update=files.update,
