@@ -215,7 +215,8 @@ class Learner(Resuming, Rounds):
   def _beat(self, **changes: Any) -> None:
     if self._beats is not None:
       self._beats.update(versions=tuple(sorted(self._versions.items())),
-                         step_seconds=self._step_seconds, trained=self.local_step - self._trained_from,
+                         step_seconds=self._step_seconds,
+                         trained=self.local_step - self._trained_from,
                          idle_seconds=self.idle_seconds, **changes)
 
   def _check_open(self, what: str) -> None:

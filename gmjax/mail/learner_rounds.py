@@ -82,7 +82,8 @@ class Rounds:
   ``key``, ``primary`` and ``process_count``, and reads and updates its ``_anchors``,
   ``_versions``, ``_outstanding`` (``(round, version, due step)``), ``_unadopted``,
   ``_futures``, ``_steps_since``, ``_tokens_since``, ``_residuals``, ``_delay``,
-  ``_applied`` and its wait accounting (``idle_seconds``, ``_resumed``).
+  ``_applied``, ``_late_rounds``, ``_pulled_records`` and its wait accounting
+  (``idle_seconds``, ``_resumed``).
   """
 
   def _deadline(self) -> float:
