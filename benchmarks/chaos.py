@@ -672,7 +672,8 @@ def check(report: Report) -> list[str]:
   if newest.step != report.end_step:
     problems.append(f"the newest round of fragment {last} is at step {newest.step},"
                     f" not at the end step {report.end_step}")
-  committed = states.load_theta(run.store, newest)
+  committed = states.load_theta(
+      run.store, newest, states.max_file_bytes(run.manifest.schema, run.manifest.config))
   for name in report.survivors:
     with open(os.path.join(report.out, f"{name}.json")) as f:
       step = json.load(f)["step"]

@@ -355,7 +355,8 @@ def run_scenario(args, scenario: Scenario, adaptive: bool) -> dict[str, Any]:
     for p in record.participants:
       per_learner[p.learner]["committed"] += p.steps
       committed_tokens += p.tokens
-    theta = states.load_theta(run.store, run.commit(record.fragment, record.version))
+    theta = states.load_theta(run.store, run.commit(record.fragment, record.version),
+                              states.max_file_bytes(run.manifest.schema, run.manifest.config))
     curve.append({"seconds": _utc(record.committed_at) - wall0,
                   "loss": loss(theta, x, y), "tokens": committed_tokens,
                   "round": record.round})

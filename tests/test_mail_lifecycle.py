@@ -201,6 +201,29 @@ def test_a_script_that_ends_without_close_exits_cleanly_and_publishes(tmp_path):
   run = mail.open(url)
   assert [p.learner for p in run.rounds()[0].participants] == ["w0"]
   assert run.learners()["w0"].status == "closed"
+  # A learner trained by a thread Python waits for at exit is closed after it, not
+  # under it when the main thread ends.
+  threaded = (
+      "import sys, threading, time\n"
+      "import gmjax\n"
+      "import mail_support as ms\n"
+      "pulled = threading.Event()\n"
+      "def train():\n"
+      "  learner = gmjax.mail.open(sys.argv[1]).join('w1', poll_interval=0.02)\n"
+      "  params = learner.pull(ms.params0())\n"
+      "  pulled.set()\n"
+      "  time.sleep(1.0)  # the main thread has ended by now\n"
+      "  for _ in range(2):\n"
+      "    params = learner.step(ms.inner(params, ms.target(1)))\n"
+      "  print('trained', flush=True)\n"
+      "threading.Thread(target=train).start()\n"
+      "pulled.wait()\n")
+  result = subprocess.run([sys.executable, "-c", threaded, url], capture_output=True,
+                          text=True, timeout=100, check=False,
+                          env={**__import__("os").environ,
+                               "PYTHONPATH": __import__("os").path.dirname(__file__)})
+  assert result.returncode == 0 and "trained" in result.stdout, result.stderr[-2000:]
+  assert mail.open(url).learners()["w1"].status == "closed"
 
 
 @pytest.mark.timeout(120)

@@ -103,6 +103,7 @@ def test_two_processes_joining_as_one_name(tmp_path):
 def test_a_paused_learner_whose_name_was_taken_stops_at_its_next_beat(tmp_path):
   # Paused past the liveness timeout while another joined as its name, it resumed and
   # both ran as one name, each overwriting the other's heartbeat and contributions.
+  import time  # pylint: disable=g-import-not-at-top
   from gmjax.mail import heartbeats  # pylint: disable=g-import-not-at-top
 
   url = _run(tmp_path)
@@ -113,7 +114,9 @@ def test_a_paused_learner_whose_name_was_taken_stops_at_its_next_beat(tmp_path):
   second_params = second.pull(ms.params0())
   newer = heartbeats.read_one(second.store, "w0")["incarnation"]
   with pytest.raises(mail.NameTaken, match=r"'w0' was taken by a newer join"):
-    first._beats.write().result()  # pylint: disable=protected-access  # its next beat
+    for _ in range(40):  # its beats after the silence, until it has seen the newer rise
+      first._beats.write().result()  # pylint: disable=protected-access
+      time.sleep(0.3)
   with pytest.raises(mail.NameTaken, match=r"taken by a newer join"):
     first.step(params)
   first.close(params)  # cleans up, and writes nothing under the name
@@ -122,3 +125,27 @@ def test_a_paused_learner_whose_name_was_taken_stops_at_its_next_beat(tmp_path):
   second_params = second.step(second_params)
   second.close(second_params)
   assert heartbeats.read_one(second.store, "w0")["status"] == "closed"
+
+
+@pytest.mark.timeout(120)
+def test_an_old_heartbeat_written_back_with_a_planted_claim_stops_no_learner(tmp_path):
+  # A heartbeat of an earlier incarnation, signed, written back with a claim planted
+  # for it (claims are not signed): one replay never rises, so the live learner goes on.
+  url = str(tmp_path / "run")
+  mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2), key="k")
+  run = mail.open(url, key="k")
+  earlier = run.join("w0", poll_interval=ms.POLL)
+  earlier.pull(ms.params0())
+  recorded = run.store.get(layout.heartbeat("w0"))  # live, signed
+  old = json.loads(recorded)["incarnation"]
+  earlier.close(None)
+  learner = run.join("w0", poll_interval=ms.POLL)
+  params = learner.pull(ms.params0())
+  learner._beats._written = (0.0, 0.0)  # pylint: disable=protected-access  # a silence
+  for _ in range(3):
+    run.store.put(layout.heartbeat("w0"), recorded)
+    run.store.put("learners/w0.claims/9999", old.encode())
+    learner._beats.write().result()  # pylint: disable=protected-access
+  params = learner.step(params)
+  learner.close(params)
+  assert run.learners()["w0"].status == "closed"

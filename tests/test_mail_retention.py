@@ -314,3 +314,22 @@ def test_files_planted_under_strangers_names_are_counted_not_listed(tmp_path):
   assert all("never joined" in r.reason for r in record.rejected), record.rejected
   assert record.extra["unlisted_rejections"] == 30 - retention.MAX_LISTED_STRANGERS
   assert sorted(p.learner for p in record.participants) == ["a0", "a1"]
+
+
+def test_a_learner_that_beats_slowly_is_not_compacted_between_its_beats(tmp_path):
+  # Live for ten of its own beats (beat_seconds 10: 100 s), it was judged by the
+  # observers' dead_after (20 s) by the storage's clock: deleted between two beats.
+  store = store_lib.open_store(str(tmp_path / "run"))
+  now = time.time()
+  for name, age in (("slow", 60), ("gone", 200)):
+    seen = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=age)
+    record = {"name": name, "status": "live", "seq": 3, "incarnation": name * 8,
+              "last_seen": seen.isoformat(), "beat_seconds": 10.0}
+    store.put(layout.heartbeat(name), json.dumps(record).encode())
+    os.utime(tmp_path / "run" / "learners" / f"{name}.json", (now - age, now - age))
+  roster = heartbeats.Roster(store)
+  roster.refresh()
+  removed = retention.Compactor(store).compact(roster, 20.0, interval=0.0,
+                                               storage_clock=time.time)
+  assert removed == ["learners/gone.json"]
+  assert store.list("learners") == ["slow.json"]

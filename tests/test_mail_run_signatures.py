@@ -73,6 +73,13 @@ def test_a_manifest_copied_into_a_run_that_pruned_version_0_is_refused(other, tm
   run = mail.create(url, ms.params0(), CONFIG, key=KEY, keep_versions=2)
   ms.train(run, "w", 0, 8)
   assert 0 not in states.committed_versions(run.store, 0)
+  oldest = min(states.committed_versions(run.store, 0))
+  # A record forged below the oldest kept version does not make the run refuse its own
+  # manifest: the next version is signed for it.
+  forged = json.loads(run.store.get(layout.commit_slot(0, oldest, 0)))
+  run.store.put(layout.commit_slot(0, oldest - 1, 0),
+                json.dumps({**forged, "version": oldest - 1, "signature": "0" * 64}).encode())
+  assert mail.open(url, key=KEY).manifest.config == CONFIG
   _copy(other, url, layout.MANIFEST)
   with pytest.raises(mail.AuthenticationError, match=r"version [1-9] of fragment 0 is not signed.*another run"):
     mail.open(url, key=KEY)

@@ -101,14 +101,19 @@ def test_bf16_parameters_with_their_own_precision():
   for leaf in jax.tree.leaves(state.residual):
     assert leaf.dtype == jnp.float32
   expected = reference.run(setup, STEPS)
+  largest = []
   for m in range(3):
     harness.assert_tree_close(_learner(params, m), expected["theta"][m], rtol=3e-2,
                               atol=3e-2, what=f"learner {m}")
     # bf16 training follows the loop only roughly, and a residual is a rounding error
-    # of its deltas: it is compared by size, leaf by leaf.
+    # of its deltas: at most half a bf16 ulp of what was encoded, which is below twice
+    # the largest parameter (a delta of bf16 parameters, taken from the bf16 values the
+    # learner holds, is often exact in bf16: a residual may be 0).
     for name, value in _learner(state.residual, m).items():
-      bound = np.abs(expected["residual"][m][name]).max()
-      assert 0 < np.abs(value).max() <= 2 * bound, (m, name)
+      scale = 2 * max(np.abs(np.asarray(expected["theta"][m][name], np.float32)).max(), 1.0)
+      assert np.abs(value).max() <= 2.0**-8 * scale, (m, name, np.abs(value).max())
+      largest.append(np.abs(value).max())
+  assert max(largest) > 0  # the deltas were lossy, and their rounding kept
 
 
 def test_off_adds_nothing_to_the_state():

@@ -11,10 +11,12 @@ land in ``seq`` order.
 When the learner's background work fails, ``fail`` marks the heartbeat ``failed`` at
 once; others then treat the learner as not live, and every later beat says so.
 
-Before each write the writer reads the heartbeat there: if a newer incarnation of the
-name wrote it (``names.superseded``: this learner was silent past the liveness timeout
-and another joined as it), the writer writes nothing more and keeps the ``NameTaken``
-in ``superseded`` for the learner to raise.
+After a silence (a beat more than two intervals after the last one written: the
+process was paused, or storage cut off), and until it is settled, the writer reads the
+heartbeat there before it writes: if a newer incarnation of the name writes it
+(``names.superseded``: another joined as this learner while it was silent), the writer
+writes nothing more and keeps the ``NameTaken`` message in ``superseded`` for the
+learner to raise.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ import os
 import queue
 import socket
 import threading
+import time
 from typing import Any
 
 from gmjax.mail import heartbeats
 from gmjax.mail import layout
 from gmjax.mail import names
+from gmjax.mail.errors import NameTaken
 from gmjax.mail.manifest import utc_now
 
 log = logging.getLogger(__name__)
@@ -79,7 +83,9 @@ class HeartbeatWriter:
     self._latest = beat
     self._failure: str | None = None
     self._interval = interval
-    self.superseded: BaseException | None = None
+    self.superseded: str | None = None  # why a newer join holds the name, once one does
+    self._foreign: dict[str, tuple[int, int]] = {}  # other incarnations seen after a silence
+    self._written: tuple[float, float] | None = None  # monotonic, wall time of the last write
     self._seq = 0
     self._requests: queue.Queue = queue.Queue()
     self._thread = threading.Thread(target=self._run, daemon=True,
@@ -154,22 +160,34 @@ class HeartbeatWriter:
           request.set_result(None)
       except Exception as error:  # pylint: disable=broad-except
         # A missed beat only makes others suspect this learner sooner; keep beating.
-        if error is not self.superseded:  # logged once, where it was found
+        if not isinstance(error, NameTaken):  # logged once, where it was found
           log.warning("learner %r: heartbeat failed: %r", self._identity["name"], error)
         if request:
           request.set_exception(error)
 
+  def _silent(self) -> bool:
+    """Whether this writer was silent for long enough that another join may have taken
+    the name (or one was seen since): only then is the heartbeat there read first."""
+    if self._foreign:
+      return True
+    if self._written is None:
+      return False
+    gap = max(time.monotonic() - self._written[0], time.time() - self._written[1])
+    return gap > 2 * self._interval
+
   def _put(self, *, durable: bool) -> None:
-    if self.superseded is None:
-      self.superseded = names.superseded(self._store, self._identity["name"],
-                                         self._identity["incarnation"], self._key)
-      if self.superseded is not None:
-        log.error("learner %r: %s", self._identity["name"], self.superseded)
+    if self.superseded is None and self._silent():
+      taken = names.superseded(self._store, self._identity["name"],
+                               self._identity["incarnation"], self._key, self._foreign)
+      if taken is not None:
+        self.superseded = str(taken)
+        log.error("learner %r: %s", self._identity["name"], taken)
     if self.superseded is not None:
-      raise self.superseded
+      raise NameTaken(self.superseded)
     self._seq += 1
     self._store.put(layout.heartbeat(self._identity["name"]), self.dumps(),
                     durable=durable)
+    self._written = (time.monotonic(), time.time())
 
   def dumps(self) -> bytes:
     beat = self._latest

@@ -23,8 +23,6 @@ from gmjax.mail import heartbeats
 from gmjax.mail.records import RoundRecord
 
 _proxy = jax.jit(eager.proxy)
-_start_finite = jax.jit(eager.start_finite)
-_restart = eager.restart
 log = logging.getLogger(__name__)
 
 
@@ -69,14 +67,19 @@ class Delay:
       d = _proxy(mine, previous, np.float32(weight))
       correction, state = self._correct(d, self._states[fragment],
                                         self._correction[fragment], names)
-      if not bool(_start_finite({n: theta[n] for n in names}, correction)):
+      correction = {n: np.asarray(v) for n, v in jax.device_get(correction).items()}
+      # eager.start_finite on the host, where Θ lies (no copy of it to the device).
+      with np.errstate(over="ignore", invalid="ignore"):
+        finite = all(np.all(np.isfinite((start[n] + correction[n]).astype(
+            np.asarray(theta[n]).dtype))) for n in names)
+      if not finite:
         # An outer step of its own that overflowed: it starts at Θ (gmjax.core.eager).
         log.warning("eager: the correction of fragment %d is not finite at the"
                     " parameters' dtypes; it is dropped, and the learner starts at Θ",
                     fragment)
-        correction, state = _restart(self._tx, False, correction, state, names)
-      self._correction[fragment] = {n: np.asarray(v) for n, v in
-                                    jax.device_get(correction).items()}
+        correction, state = eager.restart(self._tx, False, correction, state, names)
+        correction = {n: np.asarray(v) for n, v in jax.device_get(correction).items()}
+      self._correction[fragment] = correction
       self._states[fragment] = state
       self._previous[fragment] = mine
       start = {n: start[n] + self._correction[fragment][n] for n in names}

@@ -3,7 +3,8 @@
 A learner rewrites its heartbeat every few poll intervals from a background thread, with
 an increasing ``seq``. An observer never compares wall clocks across machines: it
 notes, on its own monotonic clock, when it last saw each learner's ``seq`` rise, and
-holds a learner dead once that is older than the run's timeout.
+holds a learner dead once that is older than its liveness timeout, or ten of the
+learner's own beat periods if longer (``liveness``).
 
 Only a rise counts. Each join of a name is an incarnation (``incarnation``, with ``seq``
 from 1), and an observer remembers the highest ``seq`` it has seen of each: a heartbeat

@@ -19,14 +19,12 @@ process calls ``step`` in lockstep) only on the steps that publish or merge it.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import concurrent.futures
 import logging
 import threading
 import time
 import uuid
-import weakref
 from typing import Any
 
 import jax
@@ -37,12 +35,13 @@ from gmjax.mail import delayed
 from gmjax.mail import heartbeats
 from gmjax.mail import layout
 from gmjax.mail import learner_args
+from gmjax.mail import learner_exit
 from gmjax.mail import learner_state
 from gmjax.mail import names
 from gmjax.mail import pace
 from gmjax.mail.beats import Beat, HeartbeatWriter
 from gmjax.mail.closer import HEARTBEAT_POLLS
-from gmjax.mail.errors import LearnerClosed, RoundTimeout
+from gmjax.mail.errors import LearnerClosed, NameTaken, RoundTimeout
 from gmjax.mail.learner_resume import Resuming
 from gmjax.mail.learner_rounds import Rounds
 from gmjax.mail.manifest import utc_now
@@ -50,24 +49,6 @@ from gmjax.mail.worker import Worker
 
 log = logging.getLogger(__name__)
 
-# Learners not closed yet. A script that ends without close() (a forgotten one, an
-# uncaught exception outside a with block) would leave their threads inside XLA or a
-# storage write while the interpreter finalizes, which aborts the process and loses the
-# contribution being written: at exit they are closed without waiting for any round,
-# before concurrent.futures refuses new work (its hook, like this one, runs when the
-# main thread ends, the later registered first), else at the interpreter's exit.
-_OPEN: weakref.WeakSet = weakref.WeakSet()
-
-
-def _close_at_exit() -> None:
-  for learner in list(_OPEN):
-    try:
-      learner._leave(None, flush=False)  # pylint: disable=protected-access
-    except Exception as error:  # pylint: disable=broad-except
-      log.warning("learner %r: closing at exit: %r", learner.name, error)
-
-
-getattr(threading, "_register_atexit", atexit.register)(_close_at_exit)
 
 PACE_STEPS = 16
 """A learner's pace (``step_seconds``) is the lower median of its last this many steps."""
@@ -175,6 +156,7 @@ class Learner(Resuming, Rounds):
     self.local_step = 0
     self._pulled = self._closed = False
     self._cleaned: set[str] = set()  # the parts of leaving done: "worker", "heartbeat"
+    self._user: threading.Thread | None = None  # the thread that last called it
     self.step_count = self._newest_step()
     self.first_round = self.schedule.first_round_after(self.step_count)
     self._beats: HeartbeatWriter | None = None
@@ -193,7 +175,7 @@ class Learner(Resuming, Rounds):
           Beat(heartbeats.LIVE, self.step_count, self.first_round),
           self.poll_interval * HEARTBEAT_POLLS, key=self.key)
     self._worker.start(warm=self.primary)
-    _OPEN.add(self)
+    learner_exit.OPEN.add(self)
 
   # Plumbing.
 
@@ -220,10 +202,11 @@ class Learner(Resuming, Rounds):
                          idle_seconds=self.idle_seconds, **changes)
 
   def _check_open(self, what: str) -> None:
+    self._user = threading.current_thread()
     if self._closed:
       raise LearnerClosed(f"learner {self.name!r} is closed; {what} needs a new join().")
     if self._beats is not None and self._beats.superseded is not None:
-      raise self._beats.superseded  # another learner runs under this name now
+      raise NameTaken(self._beats.superseded)  # another learner runs under this name now
     self._worker.check()
 
   # The API.
@@ -364,7 +347,7 @@ class Learner(Resuming, Rounds):
           self._state_dir.close()
         self._worker.stop(timeout=max(10.0, 3 * self._worker.timeout()))
         self._cleaned.add("worker")
-        _OPEN.discard(self)
+        learner_exit.OPEN.discard(self)
     finally:
       if self._beats is not None and "heartbeat" not in self._cleaned:
         self._beats.stop()

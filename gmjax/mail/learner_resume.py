@@ -157,7 +157,6 @@ class Resuming:
         self._tokens_since = list(counters.tokens_since)
       if residuals is not None:
         self._residuals = residuals
-      self._beat(step=self.step_count, first_round=self.first_round)
     elif counters.versions != self._versions:
       log.warning(
           "learner %r: the run moved on while it was away (it held versions %s at its"
@@ -171,6 +170,8 @@ class Resuming:
     # and those of the save that its first contributions carry (each fragment's).
     carried = sum(self._steps_since) / max(1, len(self._steps_since))
     self._trained_from = self.local_step - round(carried)
+    if exact:
+      self._beat(step=self.step_count, first_round=self.first_round)
     return learner_state.Restored(state, position, exact)
 
   def _save(self, state: Any, position: Any) -> None:

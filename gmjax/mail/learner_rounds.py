@@ -287,7 +287,7 @@ class Rounds:
 
   def _finish(self, flat: dict[str, Any], *, flush: bool) -> None:
     """Leaving: publishes the final rounds when ``flush`` and merges every round in
-    flight (waiting for each up to the run's timeout)."""
+    flight (waiting for each as ``step`` waits: ``wait_timeout``)."""
     if self._delay is not None and flush:
       # Delayed: the final deltas are taken from the phases' starts, before any merge.
       self._flush(flat)

@@ -17,10 +17,10 @@ checks the newest claim's holder, through the name's heartbeat:
 * no heartbeat of the newest claim yet: its holder is joining, and gets the same watch.
 
 A holder that was only paused (a stopped VM, a network cut longer than the liveness
-timeout) while another learner took its name finds, at its next beat, the newer
-incarnation's heartbeat and a newer claim (``superseded``): it stops writing and its
-next ``step`` raises ``NameTaken``, so that no two learners run as one name for longer
-than a beat.
+timeout) while another learner took its name finds, at its beats after a silence, the
+newer incarnation's heartbeat rising under the newest claim (``superseded``): it stops
+writing its heartbeat and its next ``step`` raises ``NameTaken``, so that two learners
+run as one name for a few beats at most.
 
 Observers never compare clocks across machines, only changes they see themselves.
 Entries of ``learners/<name>.claims/`` that are not claim numbers as joins write them
@@ -63,15 +63,29 @@ def _newest_claim(store, name: str) -> tuple[int, str | None]:
     return newest, None  # gone, or planted: no incarnation holds it
 
 
-def superseded(store, name: str, incarnation: str, key: bytes | None) -> NameTaken | None:
-  """``NameTaken`` if a newer incarnation than ``incarnation`` holds ``name``: its valid
-  heartbeat is there and the newest claim is not ``incarnation``'s; else None."""
+def superseded(store, name: str, incarnation: str, key: bytes | None,
+               seen: dict[str, tuple[int, int]]) -> NameTaken | None:
+  """``NameTaken`` once a newer incarnation than ``incarnation`` holds ``name``, else None.
+
+  Newer: the newest claim is its, and its valid heartbeat has risen ``ALIVE_BEATS - 1``
+  times across the calls (``seen``: its highest ``seq`` and rises so far, kept by the
+  caller), as a joiner watches a holder. One old heartbeat written back, and a claim
+  planted for it, never rise: a replay cannot stop a live learner.
+  """
   record = _heartbeat(store, name, key)
-  if record is None or record.get("incarnation") == incarnation:
+  other = None if record is None else record.get("incarnation")
+  if other is None or other == incarnation:
     return None
   _, holder = _newest_claim(store, name)
-  if holder == incarnation:
-    return None  # the name is this incarnation's: the heartbeat there is a dead one's
+  if holder != other or record.get("status") not in (heartbeats.LIVE, heartbeats.CLOSING):
+    seen.pop(other, None)
+    return None
+  last, rises = seen.get(other, (None, 0))
+  if last is not None and record["seq"] > last:
+    rises += 1
+  seen[other] = (record["seq"] if last is None else max(last, record["seq"]), rises)
+  if rises < ALIVE_BEATS - 1:
+    return None
   return NameTaken(
       f"learner name {name!r} was taken by a newer join (pid {record.get('pid')} on"
       f" {record.get('host')!r}) while this learner was silent for longer than the run's"

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from gmjax.mail import commits
+from gmjax.mail import heartbeats
 from gmjax.mail import layout
 from gmjax.mail.records import RoundRecord
 from gmjax.mail.store import Store
@@ -262,8 +263,8 @@ class Compactor:
     self._last = now
     storage_now = None if storage_clock is None else storage_clock()
     dated = self._store.list_dated("learners")
-    old = lambda date: (storage_now is not None and date is not None
-                        and storage_now - date > dead_after)
+    old = lambda date, after=dead_after: (storage_now is not None and date is not None
+                                          and storage_now - date > after)
     beats = {e[: -len(".json")] for e in dated if e.endswith(".json")}
     dead, removed = set(), []
     for entry, date in dated.items():
@@ -271,7 +272,10 @@ class Compactor:
         name = entry[: -len(".json")]
         record = roster.records.get(name)
         if record is not None:
-          if not roster.fresh(name, dead_after) or old(date):
+          # A learner that beats less often than the observers poll is live for ten of
+          # its own beats (heartbeats.liveness), by the storage's clock as by sight.
+          if not roster.fresh(name, dead_after) or old(date, heartbeats.liveness(
+              record, dead_after)):
             dead.add(name)
           continue
         reason = roster.bad.get(name)
@@ -310,8 +314,6 @@ class Compactor:
     """Deletes a dead name's heartbeat (if it is still the one judged), then its claims."""
     path = f"learners/{name}.json"
     if record is not None:
-      from gmjax.mail import heartbeats  # pylint: disable=g-import-not-at-top
-
       again = heartbeats.read_one(self._store, name, None)
       # A learner that joined under the name since is not dead: leave it.
       if again is None or (again.get("seq"), again.get("incarnation")) != (

@@ -355,18 +355,27 @@ def open(url: str, *, key: bytes | str | None = None,  # pylint: disable=redefin
   return Run(url, store, manifest, key)
 
 
+MANIFEST_CHECK_VERSIONS = 64
+
+
 def _check_manifest_signs_records(store: Store, url: str, signer: bytes | None) -> None:
-  """Raises AuthenticationError if the oldest record of fragment 0 the run keeps (version
-  0 unless retention pruned it) is signed with the key but not for this manifest's run:
-  the manifest was copied from another run with the same key."""
+  """Raises AuthenticationError if the records of fragment 0 are signed with the key but
+  none for this manifest's run: the manifest was copied from another run with the same
+  key. The versions are read oldest first (version 0 unless retention pruned it) up to
+  the first signed for the run, at most ``MANIFEST_CHECK_VERSIONS``: a forged record
+  planted below the oldest kept one cannot make a run refuse its own manifest."""
   if signer is None:
     return
-  version = min(states.committed_versions(store, 0), default=0)
-  slots = commit_slots(store, 0, version, signer)
-  problems = [problem for _, _, problem in slots]
-  if slots and all(problem == NOT_SIGNED for problem in problems):
+  foreign = None
+  for version in (states.committed_versions(store, 0) or [0])[:MANIFEST_CHECK_VERSIONS]:
+    problems = [problem for _, _, problem in commit_slots(store, 0, version, signer)]
+    if problems and all(problem == NOT_SIGNED for problem in problems):
+      foreign = version if foreign is None else foreign
+    elif problems:
+      return
+  if foreign is not None:
     raise AuthenticationError(
-        f"the manifest of run {url!r} does not sign the run's records (version {version}"
+        f"the manifest of run {url!r} does not sign the run's records (version {foreign}"
         " of fragment 0 is not signed for it): manifest.json was replaced, e.g. copied"
         " from another run with the same key; restore the run's own manifest.")
 

@@ -77,7 +77,7 @@ def applied(p: jax.Array, u: jax.Array) -> jax.Array:
   that a delta or a finiteness check reads the parameters the learner holds.
   """
   result = (p + u).astype(p.dtype)
-  if jnp.issubdtype(result.dtype, jnp.floating) and jnp.finfo(result.dtype).bits < 32:
+  if jnp.issubdtype(result.dtype, jnp.floating) and jnp.finfo(result.dtype).bits == 16:
     info = jnp.finfo(result.dtype)
     result = lax.reduce_precision(result, exponent_bits=info.nexp, mantissa_bits=info.nmant)
   return result

@@ -74,6 +74,7 @@ _CHUNK = 4 << 20  # read and hash in 4 MiB pieces: each is hashed while still in
 # publishes a large delta; a hung one is found within that).
 MIN_ATTEMPT_SECONDS = 2.0
 MIN_BYTES_PER_SECOND = 1 << 20
+_SMALL_BOUND = 64 << 20  # a read bound up to this times its attempts; above, the size
 # The deadline of the attempt running on this thread, for backends that can enforce it.
 _ATTEMPT = threading.local()
 
@@ -306,7 +307,11 @@ class Store(abc.ABC):
       FileNotFoundError: nothing is at ``path``.
       BadObject: ``path`` is not a regular file, or holds more than ``max_bytes``.
     """
-    return self._retry("read", path, lambda: self._read(path, int(max_bytes)), int(max_bytes))
+    max_bytes = int(max_bytes)
+    # An attempt's deadline follows the bytes it moves: the bound where it is small (a
+    # contribution, a heartbeat), the object's size where the bound is far above it.
+    moved = max_bytes if max_bytes <= _SMALL_BOUND else self._size_for_deadline(path)
+    return self._retry("read", path, lambda: self._read(path, max_bytes), moved)
 
   def size(self, path: str) -> int:
     """The size in bytes of the object at ``path``; FileNotFoundError if there is none."""
