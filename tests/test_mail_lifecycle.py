@@ -1,5 +1,8 @@
 """A learner's life: start-up through a storage outage, failure, leaving, timings."""
 
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -11,6 +14,13 @@ from gmjax.mail import layout
 
 import mail_faulty
 import mail_support as ms
+
+
+def _python(script, *args):
+  """Runs ``script`` in a Python process of its own, with these tests' helpers."""
+  env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
+  return subprocess.run([sys.executable, "-c", script, *args], capture_output=True,
+                        text=True, timeout=100, check=False, env=env)
 
 
 def _threads_of(name):
@@ -178,9 +188,6 @@ def test_an_interrupted_close_stops_the_threads_and_a_second_one_finishes(tmp_pa
 def test_a_script_that_ends_without_close_exits_cleanly_and_publishes(tmp_path):
   # Its threads were still in XLA or a storage write at the interpreter's finalization:
   # the process aborted ("terminate called ...", exit -6) and the contribution was lost.
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
-
   url = str(tmp_path / "run")
   mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, overlap_steps=None))
   child = (
@@ -192,10 +199,7 @@ def test_a_script_that_ends_without_close_exits_cleanly_and_publishes(tmp_path):
       "for _ in range(2):\n"
       "  params = learner.step(ms.inner(params, ms.target(0)))\n"
       "raise RuntimeError('training crashed')\n")
-  result = subprocess.run([sys.executable, "-c", child, url], capture_output=True,
-                          text=True, timeout=100, check=False,
-                          env={**__import__("os").environ,
-                               "PYTHONPATH": __import__("os").path.dirname(__file__)})
+  result = _python(child, url)
   assert result.returncode == 1, result.stderr[-2000:]
   assert "training crashed" in result.stderr and "terminate called" not in result.stderr
   run = mail.open(url)
@@ -218,10 +222,7 @@ def test_a_script_that_ends_without_close_exits_cleanly_and_publishes(tmp_path):
       "  print('trained', flush=True)\n"
       "threading.Thread(target=train).start()\n"
       "pulled.wait()\n")
-  result = subprocess.run([sys.executable, "-c", threaded, url], capture_output=True,
-                          text=True, timeout=100, check=False,
-                          env={**__import__("os").environ,
-                               "PYTHONPATH": __import__("os").path.dirname(__file__)})
+  result = _python(threaded, url)
   assert result.returncode == 0 and "trained" in result.stdout, result.stderr[-2000:]
   assert mail.open(url).learners()["w1"].status == "closed"
 

@@ -25,8 +25,9 @@ signature (``signing.sign_record``). A heartbeat that fails is ignored (its lear
 neither known nor live) and reported: logged once per reason, and listed by
 ``Roster.bad`` and ``run.status()["bad_heartbeats"]``.
 
-``Known`` is what a learner's worker hands the closer's scan to check contributions'
-names against: a roster lookup that refreshes the roster at most once a scan.
+``watch.Known`` is what a learner's worker hands the closer's scan to check
+contributions' names against: a roster lookup that refreshes the roster at most once a
+scan.
 """
 
 from __future__ import annotations
@@ -390,23 +391,3 @@ class Roster:
   def known(self) -> set[str]:
     return set(self.records)
 
-
-class Known:
-  """Learner names with a heartbeat; a miss refreshes the roster, at most once a scan.
-
-  A learner writes its heartbeat before any contribution, so a roster read after a
-  scan's listing (``since``, set before the scan lists) knows every learner whose file
-  the listing holds: files planted under a thousand names cost one refresh, not one each.
-  """
-
-  def __init__(self, roster: Roster):
-    self._roster = roster
-    self.since = float("-inf")
-
-  def __contains__(self, name: object) -> bool:
-    if name in self._roster.records:
-      return True
-    if self._roster.refreshed >= self.since:
-      return False
-    self._roster.refresh()
-    return name in self._roster.records

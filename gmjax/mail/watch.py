@@ -22,6 +22,7 @@ import numpy as np
 from gmjax.core import guards
 from gmjax.core.records import Contribution
 from gmjax.mail import contributions
+from gmjax.mail import heartbeats
 from gmjax.mail.errors import ContributionRejected
 
 log = logging.getLogger("gmjax.mail.closer")  # one log for closing rounds, whichever part writes
@@ -149,3 +150,24 @@ def round_waits(watch: Watch, decided: float) -> dict[str, float | None]:
   return {"wait_seconds": between(watch.opened, decided),
           "grace_seconds": between(watch.quorum_seen, watch.closable_since),
           "takeover_seconds": between(watch.closable_since, decided)}
+
+
+class Known:
+  """Learner names with a heartbeat; a miss refreshes the roster, at most once a scan.
+
+  A learner writes its heartbeat before any contribution, so a roster read after a
+  scan's listing (``since``, set before the scan lists) knows every learner whose file
+  the listing holds: files planted under a thousand names cost one refresh, not one each.
+  """
+
+  def __init__(self, roster: heartbeats.Roster):
+    self._roster = roster
+    self.since = float("-inf")
+
+  def __contains__(self, name: object) -> bool:
+    if name in self._roster.records:
+      return True
+    if self._roster.refreshed >= self.since:
+      return False
+    self._roster.refresh()
+    return name in self._roster.records

@@ -46,9 +46,9 @@ from gmjax.mail import retention
 from gmjax.mail import states
 from gmjax.mail.closer import Closer
 from gmjax.mail.errors import CorruptRecord, LearnerClosed, RoundTimeout
-from gmjax.mail.heartbeats import Known, Roster
+from gmjax.mail.heartbeats import Roster
 from gmjax.mail.records import RoundRecord
-from gmjax.mail.watch import Watch
+from gmjax.mail.watch import Known, Watch
 from gmjax.mail.worker_jobs import Commit as Commit
 from gmjax.mail.worker_jobs import Key as Key
 from gmjax.mail.worker_jobs import Publish as Publish
