@@ -48,7 +48,6 @@ import copy
 import errno
 import hashlib
 import logging
-import os
 import random
 import threading
 import time
