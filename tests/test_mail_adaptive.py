@@ -245,6 +245,11 @@ def test_fastest_ignores_missing_and_incredible_paces():
   assert pace.fastest([None, 0.0, float("nan"), float("inf"), -1.0]) is None
   assert pace.fastest([0.08, 0.02, 0.04]) == 0.02
   assert pace.fastest([1e-6, 0.04, 0.05, 0.06]) == 0.04  # >10x faster than the median
+  # Of two learners, one reporting a pace 1000x too fast set every round to one step:
+  # the lower median of all reports was its own. Each report is judged by the others'.
+  assert pace.fastest([2e-5, 0.02]) == 0.02
+  assert pace.fastest([0.02, 0.03]) == 0.02 and pace.fastest([0.3]) == 0.3
+  assert pace.fastest([1e-6, 1e-6, 0.04]) == 1e-6  # two agree: the lower median vouches
 
 
 def test_round_clock_keeps_its_deadlines_without_drift():

@@ -390,3 +390,34 @@ def test_a_damaged_update_file_sends_the_learner_to_the_checkpoint(tmp_path, cap
   learner.close(None)
   assert "update file of fragment 0 version 1 is damaged" in caplog.text, caplog.text
   assert f"more than {_max_file_bytes(run)} bytes" in caplog.text, caplog.text
+
+
+def _precious(folder, *names):
+  folder.mkdir()
+  for name in names:
+    (folder / name).write_bytes(b"precious")
+    os.utime(folder / name, (1e9, 1e9))  # a day old and more: retention's age
+
+
+@pytest.mark.timeout(120)
+def test_folders_of_the_run_replaced_by_links_keep_the_run_inside(tmp_path):
+  # <run>/rounds replaced by a link to a user's folder: pruning deleted the folder's
+  # "1" (a round's name) and contributions were written there. A planted
+  # learners/<name>.claims link: compaction deleted the files it pointed to.
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2), keep_versions=2)
+  rounds_outside, claims_outside = tmp_path / "data", tmp_path / "other"
+  _precious(rounds_outside, "1", "2")
+  _precious(claims_outside, "1", "2", "3")
+  os.symlink(rounds_outside, os.path.join(url, "rounds"))
+  os.makedirs(os.path.join(url, "learners"), exist_ok=True)
+  os.symlink(claims_outside, os.path.join(url, "learners", "ghost.claims"))
+  out = _train_pair(url, steps=10)
+  assert sorted(out) == ["a0", "a1"]
+  assert sorted(os.listdir(rounds_outside)) == ["1", "2"]
+  assert sorted(os.listdir(claims_outside)) == ["1", "2", "3"]
+  assert not os.path.islink(os.path.join(url, "rounds"))
+  assert max(r.round for r in run.rounds()) >= 3
+  problems = mail.verify(url)  # the planted link is damage, reported
+  assert len(problems) == 1 and problems[0].startswith(
+      "learners/ghost.claims: is not a regular file"), problems

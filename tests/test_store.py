@@ -235,3 +235,35 @@ def test_a_path_under_a_file_holds_nothing(tmp_path):
   assert not store.exists("manifest.json") and store.list("") == []
   with pytest.raises(mail.RunNotFound, match="no run at"):
     mail.open(str(afile))
+
+
+def test_links_among_the_folders_lead_nowhere_outside_the_run(tmp_path):
+  # The store makes no links. A folder of the run replaced by a link to one outside it
+  # took listings, reads, writes and retention's deletes there: a user's files were
+  # deleted by pruning.
+  outside = tmp_path / "outside"
+  (outside / "1").mkdir(parents=True)
+  (outside / "1" / "photo.jpg").write_bytes(b"precious")
+  (outside / "2.bin").write_bytes(b"precious")
+  local = store_lib.open_store(str(tmp_path / "run"))
+  local.put("keep/a.bin", b"1")
+  os.symlink(outside, tmp_path / "run" / "rounds")
+  os.symlink(outside, tmp_path / "run" / "keep" / "claims")
+  for prefix in ("rounds", "rounds/1", "keep/claims"):
+    assert local.list(prefix) == [] and local.list_dated(prefix) == {}
+  for path in ("rounds/2.bin", "rounds/1/photo.jpg"):
+    for read in (lambda: local.get(path), lambda: local.read(path, 64),
+                 lambda: local.size(path),
+                 lambda: local.get_verified(path, hashlib.sha256(b"precious").hexdigest())):
+      with pytest.raises(store_lib.BadObject, match="symbolic link"):
+        read()
+  local.delete("rounds/1")
+  local.delete("rounds/2.bin")
+  local.delete("keep/claims")  # the link itself goes, not what it points to
+  assert not os.path.lexists(tmp_path / "run" / "keep" / "claims")
+  assert (outside / "1" / "photo.jpg").read_bytes() == b"precious"
+  assert sorted(os.listdir(outside)) == ["1", "2.bin"]
+  local.put("rounds/3/x.bin", b"3")  # a write replaces the link by the run's folder
+  assert not os.path.islink(tmp_path / "run" / "rounds")
+  assert local.get("rounds/3/x.bin") == b"3" and local.list("rounds") == ["3"]
+  assert sorted(os.listdir(outside)) == ["1", "2.bin"]

@@ -211,8 +211,7 @@ def save_state(store: Store, fragment: int, state: FragmentState, nonce: str
   rel = layout.state_dir(fragment, state.version, nonce)
   tree, names = _tree(state)
   if store.local_root is not None:
-    target = os.path.join(store.local_root, *rel.split("/"))
-    os.makedirs(os.path.dirname(target), exist_ok=True)
+    target = os.path.join(store.folder(rel.rsplit("/", 1)[0]), rel.rsplit("/", 1)[1])
     with _ORBAX_LOCK:
       _saver().save(target, tree)
     _fsync_tree(target)

@@ -66,6 +66,9 @@ def _heartbeats(run) -> list[str]:
       record = json.loads(run.store.get(path))
     except FileNotFoundError:
       continue  # gone since the listing
+    except BadObject as error:  # a link, a FIFO: planted
+      problems.append(f"{path}: {error.reason}")
+      continue
     except (ValueError, RecursionError) as error:
       problems.append(f"{path}: not JSON ({type(error).__name__})")
       continue

@@ -4,7 +4,10 @@ Exclusive create writes a temporary file beside the target, ``fsync``s it and
 ``os.link``s it to the final name, which fails if the name exists (see
 ``gmjax.mail.store``). A file where a write needs a folder, and a folder where ``put``
 writes its file, were planted (the run's layout never puts one there): the write removes
-them and logs a warning.
+them and logs a warning. So is a symbolic link anywhere under the root (the store makes
+none): a write removes the link itself and makes the folder, a read refuses what lies
+under one (``BadObject``), a listing finds nothing there, and a delete removes the link,
+never what it points to.
 """
 
 from __future__ import annotations
@@ -38,27 +41,56 @@ class LocalStore(Store):
   def _path(self, path: str) -> str:
     return os.path.join(self.root, *path.strip("/").split("/"))
 
+  def _link_at(self, target: str, last: bool = False) -> str | None:
+    """The first symbolic link among ``target``'s folders under the root (and ``target``
+    itself with ``last``), or None.
+
+    The store makes no links, so one there was planted; followed, it would take reads,
+    writes and deletes (retention's among them) outside the run. The root itself may be
+    a link: the user chose it.
+    """
+    relative = os.path.relpath(target, self.root)
+    parts = relative.split(os.sep)
+    if parts[0] in (os.curdir, os.pardir):
+      return None
+    current = self.root
+    for part in parts if last else parts[:-1]:
+      current = os.path.join(current, part)
+      if os.path.islink(current):
+        return current
+    return None
+
   def _folder(self, folder: str) -> None:
-    """Makes ``folder``, removing files planted where it or a folder above it (under the
-    root) belongs; a link to a folder is a folder."""
-    try:
+    """Makes ``folder``, removing files and links planted where it or a folder above it
+    (under the root) belongs."""
+    if self._link_at(folder, last=True) is None:
+      try:
+        os.makedirs(folder, exist_ok=True)
+        return
+      except (FileExistsError, NotADirectoryError):
+        pass
+    relative = os.path.relpath(folder, self.root)
+    if relative.split(os.sep)[0] in (os.curdir, os.pardir):
       os.makedirs(folder, exist_ok=True)
       return
-    except (FileExistsError, NotADirectoryError):
-      relative = os.path.relpath(folder, self.root)
-      if relative.split(os.sep)[0] in (os.curdir, os.pardir):
-        raise
     current = self.root
     for part in relative.split(os.sep):
       current = os.path.join(current, part)
-      if os.path.lexists(current) and not os.path.isdir(current):
-        log.warning("removing a file planted at %s, where the run's layout keeps a folder",
-                    current)
+      if os.path.islink(current) or (os.path.lexists(current)
+                                     and not os.path.isdir(current)):
+        log.warning("removing a %s planted at %s, where the run's layout keeps a folder",
+                    "link" if os.path.islink(current) else "file", current)
         try:
           os.unlink(current)
         except (FileNotFoundError, IsADirectoryError, PermissionError):
           pass  # another writer removed it, and may have made the folder: keep that
     os.makedirs(folder, exist_ok=True)
+
+  def folder(self, path: str) -> str:
+    """Makes the run's folder ``path`` (as a write would) and returns its local path."""
+    target = self._path(path)
+    self._folder(target)
+    return target
 
   def _temporary(self, target: str, data: bytes, durable: bool = True) -> str:
     self._folder(os.path.dirname(target))
@@ -99,14 +131,14 @@ class LocalStore(Store):
 
   def _get(self, path: str) -> bytes:
     target = self._path(path)
-    if os.path.isdir(target):
+    if os.path.isdir(target) and self._link_at(target, last=True) is None:
       raise FileNotFoundError(target)
     with os.fdopen(self._open_regular(target, path), "rb") as f:
       return f.read()
 
   def _get_hashed(self, path: str, digest: Any) -> bytes:
     target = self._path(path)
-    if os.path.isdir(target):
+    if os.path.isdir(target) and self._link_at(target, last=True) is None:
       raise FileNotFoundError(target)
     chunks = []
     with os.fdopen(self._open_regular(target, path), "rb") as f:
@@ -120,8 +152,11 @@ class LocalStore(Store):
 
     O_NONBLOCK: opening a FIFO must not wait for a writer; O_NOFOLLOW: the store writes
     no links, so a link here (to /dev/zero, say) was planted. Every read goes through
-    it: a FIFO planted where a checkpoint file or Θ lies would block its reader.
+    it: a FIFO planted where a checkpoint file or Θ lies would block its reader. A link
+    among its folders is refused too.
     """
+    if (link := self._link_at(target)) is not None:
+      raise BadObject(path, f"lies under a symbolic link, {link}")
     try:
       with _absent_under_a_file(target):
         fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
@@ -159,19 +194,34 @@ class LocalStore(Store):
 
   def _size(self, path: str) -> int:
     target = self._path(path)
+    if (link := self._link_at(target)) is not None:
+      raise BadObject(path, f"lies under a symbolic link, {link}")
     with _absent_under_a_file(target):
       return os.stat(target).st_size
 
+  def _listed(self, prefix: str) -> str | None:
+    """The local folder of ``prefix``; None (nothing is listed) where a link leads to it."""
+    folder = self._path(prefix.strip("/"))
+    if (link := self._link_at(folder, last=True)) is not None:
+      log.warning("not listing %s: %s is a symbolic link, which the store never makes",
+                  prefix, link)
+      return None
+    return folder
+
   def _list(self, prefix: str) -> list[str]:
+    if (folder := self._listed(prefix)) is None:
+      return []
     try:
-      names = os.listdir(self._path(prefix))
+      names = os.listdir(folder)
     except (FileNotFoundError, NotADirectoryError):
       return []
     return [n for n in names if not n.endswith(".tmp")]
 
   def temporaries(self, prefix: str) -> list[str]:
+    if (folder := self._listed(prefix)) is None:
+      return []
     try:
-      names = os.listdir(self._path(prefix.strip("/")))
+      names = os.listdir(folder)
     except (FileNotFoundError, NotADirectoryError):
       return []
     return sorted(n for n in names if n.endswith(".tmp"))
@@ -179,8 +229,10 @@ class LocalStore(Store):
   def _stats(self, prefix: str) -> dict[str, os.stat_result]:
     """Each entry directly under ``prefix`` (temporary files left out), with its stat."""
     stats = {}
+    if (folder := self._listed(prefix)) is None:
+      return stats
     try:
-      with os.scandir(self._path(prefix)) as entries:
+      with os.scandir(folder) as entries:
         for entry in entries:
           if entry.name.endswith(".tmp"):
             continue
@@ -203,7 +255,11 @@ class LocalStore(Store):
 
   def _delete(self, path: str) -> None:
     target = self._path(path)
-    if os.path.isdir(target):
+    if self._link_at(target) is not None:
+      return  # nothing of the run lies under a link
+    if os.path.islink(target):
+      _unlink_quietly(target)  # the link, not what it points to
+    elif os.path.isdir(target):
       shutil.rmtree(target, ignore_errors=True)
     else:
       _unlink_quietly(target)
