@@ -221,3 +221,17 @@ def test_a_table_that_is_not_a_table_is_named(tmp_path, text, table):
     raise AssertionError("accepted")
   if table is not None:
     assert f"{table} must be a table; write it as [" in message, message
+
+
+def test_outlier_screening_turns_off_with_false(tmp_path):
+  # TOML has no null: outlier_factor = false is None, the screening of norms off.
+  from gmjax.app import cli  # pylint: disable=g-import-not-at-top
+  text = BASE.replace("sync_every = 2", "sync_every = 2\noutlier_factor = false")
+  cfg = config_lib.load(_write(tmp_path, text))
+  assert cfg.diloco.outlier_factor is None and "no outlier screening" in cli.settings_line(cfg)
+  text = BASE.replace("sync_every = 2", "sync_every = 2\noutlier_factor = 4")
+  cfg = config_lib.load(_write(tmp_path, text))
+  assert cfg.diloco.outlier_factor == 4 and "outliers past 4x" in cli.settings_line(cfg)
+  with pytest.raises(ValueError, match=r"outlier_factor must be a number above 1 or None, got 0\.5"):
+    config_lib.load(_write(tmp_path, BASE.replace("sync_every = 2",
+                                                  "sync_every = 2\noutlier_factor = 0.5")))

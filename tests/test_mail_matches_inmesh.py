@@ -180,6 +180,26 @@ def test_both_modes_reject_and_clamp_alike(shard_outer, delay, tmp_path):
 
 
 @pytest.mark.timeout(180)
+def test_without_outlier_screening_both_modes_keep_every_finite_delta(tmp_path):
+  # outlier_factor=None: the far-off delta and the large token count are aggregated as
+  # they are, by mail as in-mesh.
+  config = gmjax.DiLoCo(sync_every=4, fragments=2, delta_precision="F8_E4M3",
+                        flush_on_close=False, outlier_factor=None)
+  mesh, stats = in_mesh(config, poisoned=True)
+  mailed, rounds = by_mail(config, tmp_path, poisoned=True)
+  assert int(stats.rejected) == 0 and int(stats.clamped) == 0
+  for record in rounds:
+    assert [p.learner for p in record.participants] == [f"learner-{m}" for m in range(3)]
+    assert not record.rejected and not record.extra.get("clamped")
+    tokens = {p.learner: p.tokens for p in record.participants}
+    assert tokens["learner-2"] == 2000 * tokens["learner-0"]  # claimed, not clamped
+  for m in range(LEARNERS):
+    for name in ms.params0():
+      np.testing.assert_allclose(mailed[m][name], mesh[m][name], rtol=2e-5, atol=2e-6,
+                                 err_msg=f"learner {m}, leaf {name}")
+
+
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("aggregation,poisoned,shard_outer", [
     ("clipped_mean", True, True), ("trimmed_mean", False, False)],
     ids=["clipped-rejected-sharded", "trimmed-median-replicated"])

@@ -28,6 +28,10 @@ def test_config_and_inner_types_are_checked():
     gmjax.diloco(optax.sgd(0.1), {"sync_every": 4})
   with pytest.raises(TypeError, match="GradientTransformation"):
     gmjax.diloco("adam", gmjax.DiLoCo(sync_every=4))
+  for value in (1, 0, "yes"):  # 1 and 0 compare equal to True and False
+    with pytest.raises(ValueError, match=f"shard_outer must be None or a bool, got {value!r}"):
+      gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=4), axis_name="l",
+                   shard_outer=value)
 
 
 def test_update_needs_params_and_scalar_tokens():

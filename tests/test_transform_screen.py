@@ -100,3 +100,44 @@ def test_kept_deltas_without_tokens_weigh_equally_among_themselves(shard_outer, 
   np.testing.assert_array_equal(np.asarray(state.anchor["w"]), 0.0)
   assert state.stats.rejected.tolist() == [1] * 4
   np.testing.assert_allclose(np.asarray(state.stats.delta_norm), 2.0)
+
+
+@pytest.mark.parametrize("kind,learners,precision,shard_outer", [
+    ("outlier", 4, None, True), ("outlier", 3, "BF16", False), ("tokens", 3, None, True)])
+def test_without_outlier_screening_every_finite_delta_counts(kind, learners, precision,
+                                                              shard_outer):
+  # outlier_factor=None: DiLoCo exactly, only non-finite deltas rejected.
+  setup, _ = _poisoned(kind, learners, precision)
+  setup.outlier_factor = None
+  expected = reference.run(setup, STEPS)
+  assert {(e["rejected"], e["clamped"]) for e in expected["log"]} == {(0, 0)}
+  params, state, _ = harness.run_vmap(setup, STEPS, shard_outer=shard_outer)
+  for m in range(learners):
+    harness.assert_tree_close({n: v[m] for n, v in params.items()}, expected["theta"][m],
+                              what=f"learner {m} θ")
+  harness.assert_tree_close({n: v[0] for n, v in state.anchor.items()}, expected["anchor"],
+                            what="anchor")
+  assert state.stats.rejected.tolist() == [0] * learners
+  assert state.stats.clamped.tolist() == [0] * learners
+
+
+@pytest.mark.parametrize("outlier_factor,rejected", [(10.0, 1), (None, 0)])
+def test_two_honest_learners_ten_times_apart(outlier_factor, rejected):
+  # Of two learners, the larger of two honest deltas 10x apart was always rejected: Θ
+  # followed the other learner alone. outlier_factor=None keeps both, as DiLoCo does.
+  config = gmjax.DiLoCo(sync_every=4, outlier_factor=outlier_factor)
+  optimizer = gmjax.diloco(optax.sgd(0.1), config, axis_name="l")
+
+  def step(params, state, target):
+    grads = jax.grad(lambda p: jnp.sum((p["w"] - target) ** 2))(params)
+    updates, state = optimizer.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  step = jax.jit(jax.vmap(step, axis_name="l"))
+  params = {"w": jnp.zeros(2)}
+  state = jax.vmap(optimizer.init, axis_name="l")(params)
+  for _ in range(40):
+    params, state = step(params, state, jnp.array([0.05, 1.0]))
+  theta = float(gmjax.finish(state, params, learner_axis=0)["w"])
+  assert state.stats.rejected.tolist() == [rejected] * 2
+  assert (0.04 < theta < 0.06) if rejected else (0.45 < theta < 0.55), theta

@@ -53,6 +53,7 @@ def config_of(setup) -> gmjax.DiLoCo:
       error_feedback=setup.error_feedback,
       outer_delay=setup.outer_delay,
       eager=setup.eager,
+      outlier_factor=setup.outlier_factor,
   )
 
 

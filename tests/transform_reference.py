@@ -104,6 +104,7 @@ class Setup:
   error_feedback: object = None     # None, or β in (0, 1]
   outer_delay: int = 0
   eager: bool = False
+  outlier_factor: object = 10.0     # None: only non-finite deltas are rejected
 
 
 def outer_update(setup: Setup, g: dict, master: dict, momentum: dict, second: dict,
@@ -195,7 +196,7 @@ def run(setup: Setup, steps: int) -> dict:
           if not all(np.all(np.isfinite(v)) for v in left.values()):
             left = {n: np.zeros_like(v) for n, v in left.items()}
           residual[m].update(left)
-      kept, used, clamped = screen(deltas, counted[:, f], names)
+      kept, used, clamped = screen(deltas, counted[:, f], names, setup.outlier_factor)
       total = used.sum()
       weights = used / total if total > 0 else np.full(learners, 1.0 / learners)
       g = {n: np.zeros(anchor[n].shape, F32) for n in names}
@@ -264,13 +265,13 @@ def _lower_median_of_others(values, i):
   return others[(len(others) - 1) // 2] if others else None
 
 
-def screen(deltas, tokens, names):
+def screen(deltas, tokens, names, factor=OUTLIER_FACTOR):
   """The learners whose deltas are aggregated, their token counts, and how many clamped.
 
-  A delta with a NaN/Inf value is rejected; so is one whose norm exceeds
-  ``OUTLIER_FACTOR`` times the lower median of the other finite deltas' norms. A kept
-  learner's tokens above the factor times the other kept learners' lower median are
-  clamped to ``floor`` of that bound. Rejected learners count zero tokens.
+  A delta with a NaN/Inf value is rejected; so is one whose norm exceeds ``factor``
+  times the lower median of the other finite deltas' norms. A kept learner's tokens
+  above the factor times the other kept learners' lower median are clamped to ``floor``
+  of that bound. Rejected learners count zero tokens. ``factor=None``: neither.
   """
   learners = len(deltas)
   finite = [all(np.all(np.isfinite(d[n])) for n in names) for d in deltas]
@@ -279,7 +280,7 @@ def screen(deltas, tokens, names):
   kept = []
   for m in range(learners):
     reference = _lower_median_of_others(norms, m)
-    if finite[m] and (reference is None or norms[m] <= OUTLIER_FACTOR * reference):
+    if finite[m] and (reference is None or factor is None or norms[m] <= factor * reference):
       kept.append(m)
   used = np.zeros(learners, np.float64)
   kept_tokens = [float(tokens[m]) if m in kept else None for m in range(learners)]
@@ -287,8 +288,8 @@ def screen(deltas, tokens, names):
   for m in kept:
     reference = _lower_median_of_others(kept_tokens, m)
     used[m] = tokens[m]
-    if reference is not None and tokens[m] > np.floor(OUTLIER_FACTOR * reference):
-      used[m] = np.floor(OUTLIER_FACTOR * reference)
+    if factor is not None and reference is not None and tokens[m] > np.floor(factor * reference):
+      used[m] = np.floor(factor * reference)
       clamped += 1
   return kept, used, clamped
 

@@ -66,6 +66,10 @@ def settings_line(cfg) -> str:
     parts.append("eager" if d.eager else "delayed")
   if d.adaptive_steps:
     parts.append("adaptive steps")
+  from gmjax.core import guards  # pylint: disable=g-import-not-at-top (loaded with cfg)
+  if d.outlier_factor != guards.OUTLIER_FACTOR:
+    parts.append("no outlier screening" if d.outlier_factor is None
+                 else f"outliers past {d.outlier_factor:g}x")
   return "settings: " + ", ".join(parts)
 
 

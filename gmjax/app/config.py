@@ -317,6 +317,8 @@ def load(path: str | Path) -> TrainConfig:
         f"config [diloco] outer = {CUSTOM!r} means an outer optimizer given in code, but"
         " gmjax train's learners build it from the config; name an optax optimizer, e.g."
         " outer = 'sgd'")
+  if diloco_raw.get("outlier_factor") is False:  # TOML has no null: false turns it off
+    diloco_raw["outlier_factor"] = None
   try:
     diloco = DiLoCo.from_json(diloco_raw)
   except (TypeError, ValueError) as error:

@@ -19,7 +19,7 @@ from typing import Any, Self
 
 import optax
 
-from gmjax.core import diloco_checks, feedback, layers, outer, robust
+from gmjax.core import diloco_checks, feedback, guards, layers, outer, robust
 from gmjax.core.frozen import json_hash
 from gmjax.core.records import Precision
 from gmjax.core.schedule import RoundSchedule
@@ -28,6 +28,10 @@ from gmjax.core.wire import Wire
 
 
 CUSTOM = "custom"
+_LEFT_OUT = {"error_feedback": None, "layer_axis": None, "outer_delay": 0, "eager": False,
+             "adaptive_steps": False, "aggregation": robust.MEAN, "trim": 1,
+             "outlier_factor": guards.OUTLIER_FACTOR}
+"""Fields a configuration's record leaves out at these values (``DiLoCo.to_json``)."""
 """``DiLoCo.outer`` when the outer optimizer is given in code: ``gmjax.diloco(...,
 outer=tx)``."""
 
@@ -117,6 +121,11 @@ class DiLoCo:
       mean.
     trim: values ``"trimmed_mean"`` drops from each side of every coordinate: at least
       the number of colluding attackers it must withstand.
+    outlier_factor: the screening before any rule: a delta whose norm is more than this
+      many times the lower median of the other learners' is rejected, and a token count
+      above it clamped (``gmjax.core.guards``). None rejects only non-finite deltas:
+      DiLoCo exactly, for a trusted pool whose honest deltas may differ that much (of
+      two learners, the larger of two deltas 10x apart is rejected).
     adaptive_steps: (mail only) learners train for the same wall time per round instead
       of the same number of steps. A round's deadline follows the fastest live learner's
       pace (``sync_every / fragments`` of its steps, ``gmjax.mail.pace``); every learner
@@ -168,6 +177,7 @@ class DiLoCo:
   aggregation: str = robust.MEAN
   trim: int = 1
   adaptive_steps: bool = False
+  outlier_factor: float | None = guards.OUTLIER_FACTOR
 
   def __post_init__(self):
     """Checks every field as the configuration is made (``gmjax.core.diloco_checks``)."""
@@ -210,8 +220,9 @@ class DiLoCo:
 
   @property
   def rule(self) -> robust.Rule:
-    """How a round combines its kept deltas: ``aggregation`` with ``trim``."""
-    return robust.Rule(self.aggregation, self.trim)
+    """How a round screens and combines deltas: ``aggregation``, ``trim``,
+    ``outlier_factor``."""
+    return robust.Rule(self.aggregation, self.trim, self.outlier_factor)
 
   @property
   def commit_wire(self) -> Wire:
@@ -366,21 +377,13 @@ class DiLoCo:
     record = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
     if record["outer_options"] is not None:
       record["outer_options"] = json.loads(json.dumps(dict(record["outer_options"])))
-    if record["error_feedback"] is None:
-      # Left out when off: the record of a configuration without it reads as before,
-      # and from_json takes a record without it as None.
-      del record["error_feedback"]
-    if record["layer_axis"] is None:
-      del record["layer_axis"]
-    else:
+    if record["layer_axis"] is not None:
       record["layer_axis"] = dict(record["layer_axis"])
-    for name in ("outer_delay", "eager", "adaptive_steps"):
-      if not record[name]:
-        del record[name]  # likewise
-    if record["aggregation"] == robust.MEAN:
-      del record["aggregation"]  # likewise
-    if record["trim"] == 1:
-      del record["trim"]
+    for name, default in _LEFT_OUT.items():
+      # Left out at their defaults: the record of a configuration without them reads as
+      # before, and from_json takes a record without them as the defaults.
+      if record[name] == default:
+        del record[name]
     return {"name": "DiLoCo", **record}
 
   @classmethod

@@ -143,7 +143,7 @@ def check_exchange(config: Any) -> None:
       errors, or ``eager`` with a robust aggregation.
   """
   eager_updates.check(config)
-  robust.check(config.aggregation, config.trim)
+  robust.check(config.aggregation, config.trim, config.outlier_factor)
   if config.eager and config.aggregation != robust.MEAN:
     raise ValueError(
         f"DiLoCo eager=True needs aggregation='mean', got"

@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from gmjax.core import guards
 from gmjax.core import round as round_ops
 
 MEAN = "mean"
@@ -66,9 +67,9 @@ class Applied(NamedTuple):
   trimmed: jax.Array
 
 
-def check(aggregation: Any, trim: Any) -> None:
-  """Raises ValueError naming the argument unless ``aggregation`` and ``trim`` make a
-  rule."""
+def check(aggregation: Any, trim: Any, outlier_factor: Any = guards.OUTLIER_FACTOR) -> None:
+  """Raises ValueError naming the argument unless ``aggregation``, ``trim`` and
+  ``outlier_factor`` make a rule."""
   if aggregation not in RULES:
     raise ValueError(
         f"DiLoCo aggregation must be one of {', '.join(map(repr, RULES))}, got"
@@ -79,6 +80,14 @@ def check(aggregation: Any, trim: Any) -> None:
         f"DiLoCo trim must be a positive int (values dropped from each side of every"
         f" coordinate by aggregation='trimmed_mean'), got {trim!r}: use trim=1 to"
         " withstand one attacker, trim=f for f colluding ones.")
+  if outlier_factor is not None and (
+      isinstance(outlier_factor, bool) or not isinstance(outlier_factor, (int, float))
+      or not 1 < outlier_factor < float("inf")):
+    raise ValueError(
+        f"DiLoCo outlier_factor must be a number above 1 or None, got {outlier_factor!r}:"
+        " a delta whose norm is more than that many times the lower median of the other"
+        " learners' is rejected (and token counts above it clamped); None screens out"
+        " only non-finite deltas, as DiLoCo itself does.")
 
 
 def median(values: jax.Array, keep: jax.Array) -> jax.Array:
@@ -156,7 +165,8 @@ def clipped_weights(weights: jax.Array, keep: jax.Array, squared: jax.Array) -> 
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-  """A round's aggregation rule (``DiLoCo.aggregation``, ``DiLoCo.trim``).
+  """A round's aggregation rule (``DiLoCo.aggregation``, ``DiLoCo.trim``), and the
+  screening before it (``DiLoCo.outlier_factor``: ``gmjax.core.guards.outliers``).
 
   Example:
     >>> import jax.numpy as jnp
@@ -171,9 +181,10 @@ class Rule:
 
   name: str = MEAN
   trim: int = 1
+  outlier_factor: float | None = guards.OUTLIER_FACTOR
 
   def __post_init__(self):
-    check(self.name, self.trim)
+    check(self.name, self.trim, self.outlier_factor)
 
   @property
   def is_mean(self) -> bool:

@@ -42,9 +42,10 @@ closable: waiting past the quorum for the rest) and ``takeover_seconds`` (from c
 to the close: a follower waiting on the designated closer).
 
 Closing first screens the round's valid contributions (``screen``): a delta whose norm
-per step is an outlier (``gmjax.core.guards.outliers``: more than ``OUTLIER_FACTOR``
-times the lower median of the others') is rejected, and tokens per step above that
-factor times the others' lower median are clamped (and recorded). It then runs the core
+per step is an outlier (``gmjax.core.guards.outliers``: more than the run's
+``outlier_factor`` times the lower median of the others') is rejected, and tokens per
+step above that factor times the others' lower median are clamped (and recorded); with
+``outlier_factor=None``, neither. It then runs the core
 aggregator (weighted mean, outer step, publish); an outer step whose result is not finite
 is skipped (recorded as ``skipped``: the version commits with Θ and the outer state
 unchanged). It saves the new state with Orbax and the update file, and only then creates
@@ -211,7 +212,7 @@ class Closer:
   def screen(self, watch: Watch) -> tuple[list[Contribution], list[ContributionRejected],
                                           list[dict[str, Any]]]:
     """The round's contributions as they are aggregated (``gmjax.mail.watch.screen``)."""
-    return screen(watch)
+    return screen(watch, self.manifest.config.outlier_factor)
 
   def designated(self, watch: Watch, roster: Roster) -> bool:
     """Whether this observer is the designated closer of ``watch`` for the live set now."""

@@ -75,9 +75,10 @@ class Watch:
     return entries
 
 
-def screen(watch: Watch) -> tuple[list[Contribution], list[ContributionRejected],
-                                list[dict[str, Any]]]:
-  """The round's contributions as they are aggregated: outliers rejected, tokens clamped.
+def screen(watch: Watch, factor: float | None = guards.OUTLIER_FACTOR
+           ) -> tuple[list[Contribution], list[ContributionRejected], list[dict[str, Any]]]:
+  """The round's contributions as they are aggregated: outliers rejected, tokens clamped,
+  by ``factor`` (``DiLoCo.outlier_factor``; None: neither).
 
   Returns:
     ``(valid, rejected, clamped)``: the contributions to aggregate (sorted by learner,
@@ -88,22 +89,24 @@ def screen(watch: Watch) -> tuple[list[Contribution], list[ContributionRejected]
   rejected = list(watch.rejected)
   clamped = [c for c in watch.clamped if c["learner"] in {v.learner for v in valid}]
   norms = np.asarray([watch.norms[c.learner] for c in valid], np.float64)
+  if factor is None:
+    return valid, rejected, clamped
   references = guards.reference(norms)
   kept = []
   for contribution, norm, reference, outlier in zip(
-      valid, norms, references, guards.outliers(norms, guards.OUTLIER_FACTOR)):
+      valid, norms, references, guards.outliers(norms, factor)):
     if outlier:
       rejected.append(ContributionRejected(
           contribution.learner,
           f"delta norm per step {norm:.3g} is an outlier: more than"
-          f" {guards.OUTLIER_FACTOR:g}x {reference:.3g}, the lower median of the others'"))
+          f" {factor:g}x {reference:.3g}, the lower median of the others'"))
       log.warning("round %d: %s", watch.round, rejected[-1])
     else:
       kept.append(contribution)
   per_step = np.asarray([c.tokens / c.steps for c in kept], np.float64)
   valid = []
   for contribution, reference in zip(kept, guards.reference(per_step)):
-    cap = guards.OUTLIER_FACTOR * reference * contribution.steps
+    cap = factor * reference * contribution.steps
     if not math.isnan(reference) and contribution.tokens > cap:
       clamped.append({"learner": contribution.learner, "field": "tokens",
                       "reported": contribution.tokens, "used": int(cap)})

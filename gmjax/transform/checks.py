@@ -49,8 +49,9 @@ def arguments(inner: Any, config: Any, axis_name: Any, outer: Any, shard_outer: 
         f"gmjax.diloco: axis_name must be None, an axis name or a tuple of them, got"
         f" {axis_name!r}."
     )
-  if shard_outer not in (None, True, False):
-    raise ValueError(f"gmjax.diloco: shard_outer must be None or a bool, got {shard_outer!r}.")
+  if shard_outer is not None and not isinstance(shard_outer, bool):  # 1 == True
+    raise ValueError(f"gmjax.diloco: shard_outer must be None or a bool, got {shard_outer!r}"
+                     " (None shards the outer state whenever axis_name is set).")
   if outer is not None and config.eager:
     raise ValueError(
         "gmjax.diloco: config.eager=True runs each learner's own copy of the outer step,"

@@ -161,7 +161,7 @@ def judge_and_sum(deltas: Sequence[jax.Array], counts: jax.Array, axis_name: Any
   size = learners * learners
   matrix = summed[:size].reshape(learners, learners)
   squares = _diagonal(matrix)
-  verdict = screen.ruled(screen.judge(squares, summed[size:], every), rule, squares)
+  verdict = screen.verdict(squares, summed[size:], every, rule)
   gradient = [rule.combine(d, verdict.applied, verdict.keep, LEARNER_DIM) for d in deltas]
   return gradient, verdict, matrix
 

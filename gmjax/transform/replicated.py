@@ -127,8 +127,7 @@ def aggregate(
   sent = [d[:, :, None] for d in decoded]
   if axis_name is None:
     squared, bad = screen.squares_and_non_finite(decoded)
-    verdict = screen.ruled(screen.judge(squared[None], bad[None], tokens[None]), rule,
-                           squared[None])
+    verdict = screen.verdict(squared[None], bad[None], tokens[None], rule)
     # Unmasked (any rule's aggregate of one delta is the delta): a lone learner's delta is rejected only when it is not finite, and then
     # so is ``g``, and the round is skipped (``round.outer_round``); masking would copy
     # the delta.
@@ -138,8 +137,7 @@ def aggregate(
     every = explicit.pin(every, (None,) * every.ndim)
     all_tokens = lax.all_gather(tokens, axis_name)
     all_tokens = explicit.pin(all_tokens, (None,) * all_tokens.ndim)
-    verdict = screen.ruled(screen.judge(every[:, 0], every[:, 1], all_tokens), rule,
-                           every[:, 0])
+    verdict = screen.verdict(every[:, 0], every[:, 1], all_tokens, rule)
     me = lax.axis_index(axis_name)
     kept = screen.masked(decoded, verdict.keep[me])
     unit, nonzero = _unit(kept)
@@ -154,7 +152,7 @@ def aggregate(
   others = (0, 1, 3)
   squares = explicit.total(jnp.sum(jnp.square(d), axis=others) for d in deltas)
   bad = explicit.total(round_ops.non_finite_flag(d, others) for d in deltas)
-  verdict = screen.ruled(screen.judge(squares, bad, all_tokens), rule, squares)
+  verdict = screen.verdict(squares, bad, all_tokens, rule)
   norms = jnp.sqrt(jnp.where(verdict.keep, squares, 0.0))
   nonzero = norms > 0
   scales = jnp.where(nonzero, 1.0 / jnp.where(nonzero, norms, 1.0), 0.0)
@@ -194,8 +192,7 @@ def aggregate_sparse(
   decoded = decode_values(entries)
   if axis_name is None:
     squared, bad = screen.squares_and_non_finite(decoded)
-    verdict = screen.ruled(screen.judge(squared[None], bad[None], tokens[None]), rule,
-                           squared[None])
+    verdict = screen.verdict(squared[None], bad[None], tokens[None], rule)
     return decoded, jnp.float32(jnp.nan), verdict, decoded
   # Flat entries gather along a new last dimension: an FSDP split of their only
   # dimension stays where it lies (gathered in front, JAX's type would move it to the
@@ -213,7 +210,7 @@ def aggregate_sparse(
   deltas = jax.vmap(decode_values, in_axes=-1)(gathered)
   squares = explicit.total(jnp.sum(jnp.square(d), axis=1) for d in deltas.values())
   bad = explicit.total(round_ops.non_finite_flag(d, 1) for d in deltas.values())
-  verdict = screen.ruled(screen.judge(squares, bad, all_tokens), rule, squares)
+  verdict = screen.verdict(squares, bad, all_tokens, rule)
   norms = jnp.sqrt(jnp.where(verdict.keep, squares, 0.0))
   nonzero = norms > 0
   scales = jnp.where(nonzero, 1.0 / jnp.where(nonzero, norms, 1.0), 0.0)

@@ -8,9 +8,10 @@ values, both summed over the shards first when the outer step is sharded):
   dropped a step since its last delta, which would have made it non-finite:
   ``gmjax.transform.finite``; its token count is marked ``WITHHELD``);
 * a delta whose norm is an outlier (``gmjax.core.guards.outliers``: more than
-  ``OUTLIER_FACTOR`` times the lower median of the *other* learners' norms) is rejected;
+  ``DiLoCo.outlier_factor``, 10 by default, times the lower median of the *other*
+  learners' norms) is rejected;
 * a kept learner's token count above that factor times the lower median of the other
-  kept learners' counts is clamped to it.
+  kept learners' counts is clamped to it (with ``outlier_factor=None``, neither).
 
 In-mesh every learner trains the same steps between syncs, so comparing norms and
 tokens equals the mail closer's comparison per step. A rejected learner's weight is zero
@@ -50,7 +51,8 @@ class Verdict(NamedTuple):
   applied: robust.Applied | None = None
 
 
-def judge(squared: jax.Array, non_finite: jax.Array, counts: jax.Array) -> Verdict:
+def judge(squared: jax.Array, non_finite: jax.Array, counts: jax.Array,
+          factor: float | None = guards.OUTLIER_FACTOR) -> Verdict:
   """The verdict on ``M`` deltas from their squared norms and non-finite counts.
 
   Args:
@@ -58,20 +60,31 @@ def judge(squared: jax.Array, non_finite: jax.Array, counts: jax.Array) -> Verdi
     non_finite: ``(M,)``, how many of each learner's decoded values are NaN or Inf.
     counts: int32 ``(M, 2)``, each learner's token count (``gmjax.transform.tokens``),
       marked where the learner withholds its delta.
+    factor: ``DiLoCo.outlier_factor``; None judges no norm and clamps no count.
   """
   finite = (non_finite == 0) & ~token_counts.withheld(counts)
-  norms = jnp.sqrt(jnp.where(finite, squared, jnp.nan))
-  keep = finite & ~guards.outliers(norms, guards.OUTLIER_FACTOR, xp=jnp)
   values = token_counts.as_float(counts)
-  reference = guards.reference(jnp.where(keep, values, jnp.nan), xp=jnp)
-  cap = jnp.floor(jnp.float32(guards.OUTLIER_FACTOR) * reference)
-  clamp = keep & ~jnp.isnan(reference) & (values > cap)
+  if factor is None:
+    keep, clamp = finite, jnp.zeros_like(finite)
+    cap = jnp.zeros(values.shape, jnp.float32)
+  else:
+    norms = jnp.sqrt(jnp.where(finite, squared, jnp.nan))
+    keep = finite & ~guards.outliers(norms, factor, xp=jnp)
+    reference = guards.reference(jnp.where(keep, values, jnp.nan), xp=jnp)
+    cap = jnp.floor(jnp.float32(factor) * reference)
+    clamp = keep & ~jnp.isnan(reference) & (values > cap)
   capped = jnp.where(clamp[:, None], _pair(jnp.where(clamp, cap, 0)), counts)
   used = jnp.where(keep[:, None], capped, 0)
   # Equal weights over the kept deltas when none counted tokens, as the mail closer's.
   weights = jnp.where(keep, token_counts.weights(used, keep), 0.0)
   return Verdict(keep, weights, jnp.sum(~keep).astype(jnp.int32),
                  jnp.sum(clamp).astype(jnp.int32))
+
+
+def verdict(squared: jax.Array, non_finite: jax.Array, counts: jax.Array,
+            rule: robust.Rule) -> Verdict:
+  """``judge`` by ``rule.outlier_factor``, then ``ruled`` by ``rule``."""
+  return ruled(judge(squared, non_finite, counts, rule.outlier_factor), rule, squared)
 
 
 def ruled(verdict: Verdict, rule: robust.Rule, squared: jax.Array) -> Verdict:
