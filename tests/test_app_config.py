@@ -119,6 +119,12 @@ def test_missing_file():
     ("steps = 4", "steps = 4\nout = 'gs://bucket/x'", r"\[train\] out = 'gs://bucket/x' must"
      r" be a local folder"),
     ("[train]", "train = 1\n[other]", r"unknown tables \['other'\]"),
+    # A thousand learner processes on one machine; a fix that named seq_len <= 0.
+    ("learners = 2", "learners = 1000", r"\[train\] learners = 1000 must be at most 64:"),
+    ("batch_size = 2", "batch_size = 1000000000", r"\[train\] batch_size = 1000000000 is too"
+     r" large for the demo model.*at any seq_len; lower batch_size"),
+    ("learners = 2", 'learners = 2\nlearner_speeds = [1, "a"]', r'learner_speeds = \[1, "a"\]:'
+     r' "a" is not a finite number'),
 ])
 def test_every_value_is_checked_with_a_fix(tmp_path, old, new, message):
   with pytest.raises(ValueError, match=message) as error:
@@ -168,8 +174,8 @@ def test_train_refuses_before_starting_anything(tmp_path):
     ("[1, 0]", r"learner_speeds = \[1, 0\]: 0 is not a finite number > 0"),
     ("[1, -0.5]", r"-0.5 is not a finite number > 0"),
     ("[1, nan]", r"nan is not a finite number > 0"),
-    ("[1, true]", r"True is not a finite number > 0"),
-    ("[1, '0.5']", r"'0.5' is not a finite number > 0"),
+    ("[1, true]", r"\[1, true\]: true is not a finite number > 0"),  # spelled as in TOML
+    ("[1, '0.5']", r'"0.5" is not a finite number > 0'),
     ("0.5", r"\[train\] learner_speeds = 0.5 must be a list"),
 ])
 def test_learner_speeds_are_checked_with_a_fix(tmp_path, speeds, message):

@@ -1,5 +1,6 @@
 """``gmjax train`` end to end: learner processes over a local run, metrics, plots, status."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -342,6 +343,21 @@ def test_status_of_unreachable_storage_says_so_in_one_line(capsys, monkeypatch):
   assert "--retry-seconds 0: must be a positive number" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("url,package,extra", [("gs://b/run", "gcsfs", "gcs"),
+                                               ("s3://b/run", "s3fs", "s3")])
+def test_status_without_the_storage_package_names_the_extra(url, package, extra):
+  # The README's [app] install has no gcsfs or s3fs: a raw ImportError traceback, exit 1.
+  script = (f"import sys; sys.modules[{package!r}] = None\n"  # not importable, as if absent
+            "from gmjax.app import cli\n"
+            f"sys.exit(cli.main(['status', {url!r}]))\n")
+  done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        timeout=120, check=False)
+  assert done.returncode == 2, done.stderr
+  assert done.stderr.strip().endswith(f"needs {package}, which is not installed;"
+                                      f" pip install 'gmjax[{extra}]'"), done.stderr
+  assert "Traceback" not in done.stderr
+
+
 def _train_cli(*args, timeout=280):
   return subprocess.run([sys.executable, "-m", "gmjax.app.cli", "train", *map(str, args)],
                         capture_output=True, text=True, timeout=timeout, check=False)
@@ -357,6 +373,13 @@ def test_resume_needs_a_run_and_refuses_force(tmp_path):
   result = _train_cli(config, "--out", out, "--resume", "--force")
   assert result.returncode == 2 and "pass one of them" in result.stderr
   assert not out.exists()
+  # An earlier job's outputs without a run: dropping --resume would be refused too.
+  out.mkdir()
+  (out / "metrics-learner-0.jsonl").write_text("")
+  result = _train_cli(config, "--out", out, "--resume")
+  assert result.returncode == 2
+  assert "earlier job's outputs (metrics-learner-0.jsonl); pass --force instead of" \
+         " --resume" in result.stderr, result.stderr
 
 
 def _newest_step(run_dir):
@@ -478,3 +501,142 @@ def test_status_of_s3_without_credentials_says_so_in_one_line(capsys, monkeypatc
   err = capsys.readouterr().err
   assert "no usable credentials for the storage (NoCredentialsError" in err, err
   assert "Traceback" not in err and err.count("\n") == 1, err
+
+
+def test_a_job_holds_its_output_folder_and_its_learners_hold_it_too(tmp_path, capsys):
+  # --force deleted the run of a job still at work: before its learners' first
+  # heartbeats, and while it trained its baseline after they closed. The job now holds
+  # <out> (flock) for as long as it, or a learner it started, runs.
+  from gmjax.app import cli, outdir  # pylint: disable=g-import-not-at-top
+
+  config = tmp_path / "tiny.toml"
+  config.write_text(TINY)
+  out = tmp_path / "out"
+  (out / "run").mkdir(parents=True)
+  (out / "run" / "keep.txt").write_text("the other job's")
+  held = outdir.lock(out)
+  # A learner process inherits the hold (as the job's workers do) and outlives the job.
+  learner = subprocess.Popen(["sleep", "60"], pass_fds=(held,))  # pylint: disable=consider-using-with
+  os.close(held)
+  try:
+    for flags in (["--force"], ["--resume"], []):
+      assert cli.main(["train", str(config), "--out", str(out), *flags]) == 2
+      err = capsys.readouterr().err
+      assert f"another gmjax train job is running in {out}" in err, (flags, err)
+    assert (out / "run" / "keep.txt").read_text() == "the other job's"
+  finally:
+    learner.kill()
+    learner.wait()
+  os.close(outdir.lock(out))  # free again once every holder is gone
+  assert outdir.lock(tmp_path / "missing") is None
+
+
+def test_force_deletes_a_run_whose_manifest_is_damaged(tmp_path, capsys):
+  # The manifest was opened to look for live learners, and its damage stopped --force:
+  # the run could only be deleted by hand.
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  import gmjax  # pylint: disable=g-import-not-at-top
+  from gmjax.app import outdir  # pylint: disable=g-import-not-at-top
+
+  out = tmp_path / "out"
+  gmjax.mail.create(str(out / "run"), {"w": jnp.ones(4)}, gmjax.DiLoCo(sync_every=2))
+  manifest = out / "run" / "manifest.json"
+  manifest.write_bytes(manifest.read_bytes()[:40])
+  with pytest.raises(FileExistsError, match="holds a run already"):
+    outdir.check_new_run(out, out / "run", force=False)
+  outdir.check_new_run(out, out / "run", force=True)
+  assert not (out / "run").exists()
+  assert "cannot be opened" in capsys.readouterr().out
+
+
+def test_a_learner_that_died_early_has_no_final_loss():
+  # A learner killed at step 0 was shown at its start's loss as its held-out loss.
+  from gmjax.app.train import final_losses  # pylint: disable=g-import-not-at-top
+
+  metrics = [{"learner": "a", "event": "start", "step": 0, "val_loss": 6.0},
+             {"learner": "b", "event": "start", "step": 0, "val_loss": 6.0},
+             {"learner": "a", "event": "step", "step": 8, "val_loss": 2.5},
+             {"learner": "a", "event": "closed", "step": 8, "val_loss": 2.4},
+             {"learner": "baseline", "event": "step", "step": 8, "val_loss": 2.3}]
+  assert final_losses(metrics, ["a", "b", "baseline"], 8) == {"a": 2.4, "b": None,
+                                                              "baseline": 2.3}
+
+
+def test_resume_without_the_recorded_config_is_refused(tmp_path, capsys):
+  # Without config.json, --resume compared [diloco] and the shapes only, and trained on
+  # with other [train] settings under the earlier baseline.
+  import gmjax  # pylint: disable=g-import-not-at-top
+  from gmjax.app import cli, config as config_lib, model  # pylint: disable=g-import-not-at-top
+
+  config = tmp_path / "tiny.toml"
+  config.write_text(TINY)
+  cfg = config_lib.load(config)
+  out = tmp_path / "out"
+  _, params = model.build(cfg.model, seed=cfg.seed)
+  gmjax.mail.create(str(out / "run"), params, cfg.diloco, keep_versions=None)
+  assert cli.main(["train", str(config), "--out", str(out), "--resume"]) == 2
+  err = capsys.readouterr().err
+  assert f"{out / 'config.json'}, the config the run in {out / 'run'} was started with, is" \
+         " missing" in err, err
+
+
+def test_learners_train_with_the_config_the_job_checked(tmp_path):
+  # The learners re-read the TOML file when they started: one edited (or removed) after
+  # the job's checks trained with other settings than the job recorded.
+  import gmjax  # pylint: disable=g-import-not-at-top
+  from gmjax.app import config as config_lib, train  # pylint: disable=g-import-not-at-top
+
+  config = tmp_path / "tiny.toml"
+  config.write_text(TINY.replace("steps = 8", "steps = 4").replace(
+      "[model]", "baseline = false\n\n[model]"))
+  out = tmp_path / "out"
+  cfg = config_lib.load(config)
+  config.unlink()
+  summary = train.train(dataclasses.replace(cfg, out=str(out)), show_progress=False)
+  assert set(summary["final_val_loss"]) == {"learner-0", "learner-1"}
+  assert all(v is not None for v in summary["final_val_loss"].values())
+  assert gmjax.mail.open(str(out / "run")).rounds()[-1].step >= 4
+
+
+def test_sigterm_stops_the_job_and_its_learners(tmp_path):
+  # `kill <job>` left its learners running without it, and the next --resume or
+  # --force was refused for learners of a job that no longer existed.
+  import gmjax  # pylint: disable=g-import-not-at-top
+
+  config = tmp_path / "tiny.toml"
+  config.write_text(TINY.replace("steps = 8", "steps = 400").replace(
+      "poll_interval = 0.02", "poll_interval = 0.02\nstep_ms = 50"))
+  out = tmp_path / "out"
+  job = subprocess.Popen(  # pylint: disable=consider-using-with
+      [sys.executable, "-m", "gmjax.app.cli", "train", str(config), "--out", str(out),
+       "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+      start_new_session=True)
+  try:
+    deadline = time.monotonic() + 240
+    pids = []
+    while len(pids) < 2:
+      assert job.poll() is None and time.monotonic() < deadline, "no learners joined"
+      try:
+        learners = gmjax.mail.open(str(out / "run")).learners()
+        pids = [r.pid for r in learners.values() if isinstance(r.pid, int)]
+      except (FileNotFoundError, ValueError):
+        pass  # the run is being created
+      time.sleep(0.1)
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=60)
+  finally:
+    if job.poll() is None:
+      os.killpg(job.pid, signal.SIGKILL)
+      job.wait()
+  assert job.returncode == 130, err
+  assert "stopped (SIGTERM)" in err and "--resume" in err and "Traceback" not in err, err
+  deadline = time.monotonic() + 10
+  while any(_alive(pid) for pid in pids):
+    assert time.monotonic() < deadline, f"learners {pids} outlived the job"
+    time.sleep(0.1)
+
+
+def _alive(pid):
+  from gmjax.app import outdir  # pylint: disable=g-import-not-at-top
+  return outdir._alive(pid)  # pylint: disable=protected-access

@@ -97,3 +97,29 @@ def test_status_of_a_new_run():
   run = mail.create("memory://status-new", ms.params0(), gmjax.DiLoCo(sync_every=2))
   text = mail.format_status(run)
   assert "no rounds committed yet" in text and "no learners have joined" in text
+
+
+def test_a_killed_learner_shows_as_silent(tmp_path):
+  # A learner killed with SIGKILL stayed "live" in `gmjax status` for good: its
+  # heartbeat's own word. Past the time learners wait before presuming it dead, it is
+  # shown as silent.
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+
+  url = str(tmp_path / "run")
+  mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  script = (f"import time, gmjax\nlearner = gmjax.mail.open({url!r}).join('gone',"
+            " poll_interval=0.02)\nprint('joined', flush=True)\ntime.sleep(600)\n")
+  with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                        text=True) as process:
+    assert process.stdout.readline().strip() == "joined"
+    [learner] = mail.open(url).status()["learners"]
+    assert learner["status"] == "live" and not learner["silent"]
+    process.kill()
+  deadline = time.monotonic() + 30
+  while not mail.open(url).status()["learners"][0]["silent"]:
+    assert time.monotonic() < deadline, "never shown as silent"
+    time.sleep(0.2)
+  row = mail.format_status(mail.open(url)).splitlines()[-1].split()
+  assert row[:3] == ["gone", "live,", "silent"], row

@@ -75,6 +75,7 @@ def settings_line(cfg) -> str:
 
 def _train(args: argparse.Namespace) -> int:
   config_lib, train = _import_app()
+  from gmjax.app.train import LearnersFailed  # pylint: disable=g-import-not-at-top
 
   cfg = config_lib.load(args.config)
   if args.out is not None and (not args.out.strip() or "://" in args.out):
@@ -84,7 +85,16 @@ def _train(args: argparse.Namespace) -> int:
     import dataclasses  # pylint: disable=g-import-not-at-top
 
     cfg = dataclasses.replace(cfg, out=args.out)
-  summary = train(cfg, show_progress=not args.quiet, force=args.force, resume=args.resume)
+  try:
+    summary = train(cfg, show_progress=not args.quiet, force=args.force, resume=args.resume)
+  except (KeyboardInterrupt, LearnersFailed) as stop:
+    stopped = isinstance(stop, KeyboardInterrupt)
+    print(f"\ngmjax train: {'stopped (' + (str(stop) or 'Ctrl-C') + ')' if stopped else stop}",
+          file=sys.stderr)
+    if os.path.isfile(os.path.join(cfg.out, "run", "manifest.json")):
+      print(f"gmjax train: the learners are stopped; continue the run with: gmjax train"
+            f" {args.config} --out {cfg.out} --resume", file=sys.stderr)
+    return 130 if stopped else 1
   losses = summary["final_val_loss"]
   print(f"\nrun: {summary['run']}  rounds committed: {summary['rounds']}"
         f"  mean cosine: {summary['mean_cosine'] if summary['mean_cosine'] is None else round(summary['mean_cosine'], 3)}")
@@ -180,6 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args)
   except (FileNotFoundError, FileExistsError, ValueError, PermissionError,
           MissingExtra, _Unavailable) as error:
+    print(f"gmjax {args.command}: {error}", file=sys.stderr)
+    return 2
+  except ImportError as error:
+    from gmjax.mail.errors import StorageNotInstalled  # pylint: disable=g-import-not-at-top
+    if not isinstance(error, StorageNotInstalled):
+      raise
     print(f"gmjax {args.command}: {error}", file=sys.stderr)
     return 2
   except BrokenPipeError:

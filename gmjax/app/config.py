@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import tomllib
 from pathlib import Path
@@ -50,6 +51,16 @@ class TrainConfig:
       del record["step_ms"]  # as configs without it were recorded
     return record
 
+  @classmethod
+  def from_json(cls, record: dict[str, Any]) -> "TrainConfig":
+    """The config ``to_json`` recorded (already checked: a job's ``config.json``)."""
+    record = dict(record)
+    record["model"] = ModelConfig(**record["model"])
+    record["diloco"] = DiLoCo.from_json(record["diloco"])
+    if record.get("learner_speeds") is not None:
+      record["learner_speeds"] = tuple(record["learner_speeds"])
+    return cls(**record)
+
   def slowdown(self, index: int) -> float:
     """How many times longer learner ``index``'s steps take than the fastest learner's:
     ``max(learner_speeds) / learner_speeds[index]`` (1 without ``learner_speeds``)."""
@@ -65,6 +76,9 @@ class TrainConfig:
       return None
     return self.step_ms / 1000 * self.slowdown(index)
 
+
+MAX_LEARNERS = 64
+"""The most learner processes ``gmjax train`` starts on one machine."""
 
 _RUN_KEYS = {
     "name": str, "out": str, "learners": int, "steps": int, "seed": int,
@@ -146,6 +160,11 @@ def _check_train(train: dict[str, Any]) -> None:
     if train[key] < 0:
       raise ValueError(f"config [train] {key} = {train[key]!r} must be >= 0; set it to 0 or"
                        " more")
+  if train["learners"] > MAX_LEARNERS:
+    raise ValueError(
+        f"config [train] learners = {train['learners']} must be at most {MAX_LEARNERS}:"
+        " gmjax train starts each learner as a JAX process on this machine; for more, run"
+        " learners on their own machines with gmjax.mail")
   # Learner i is seeded with seed + 1 + i, which JAX takes as a 32-bit integer.
   if train["seed"] + train["learners"] >= 2**31:
     raise ValueError(f"config [train] seed = {train['seed']} must be below 2**31 - learners"
@@ -171,13 +190,13 @@ def _check_train(train: dict[str, Any]) -> None:
   speeds = train["learner_speeds"]
   if speeds is not None:
     if len(speeds) != train["learners"]:
-      raise ValueError(f"config [train] learner_speeds = {speeds!r} has {len(speeds)}"
+      raise ValueError(f"config [train] learner_speeds = {_toml(speeds)} has {len(speeds)}"
                        f" values for learners = {train['learners']}; give one speed per"
                        " learner, e.g. learner_speeds = [1, 1, 0.5, 0.25] for 4 learners")
     for speed in speeds:
       if (isinstance(speed, bool) or not isinstance(speed, (int, float))
           or not math.isfinite(speed) or speed <= 0):
-        raise ValueError(f"config [train] learner_speeds = {speeds!r}: {speed!r} is not a"
+        raise ValueError(f"config [train] learner_speeds = {_toml(speeds)}: {_toml(speed)} is not a"
                          " finite number > 0; a learner at speed s takes 1/s of the"
                          " fastest's step time (e.g. 0.5 is twice as slow)")
     train["learner_speeds"] = tuple(float(s) for s in speeds)
@@ -220,6 +239,12 @@ def _check_context(model: ModelConfig, train: dict[str, Any]) -> None:
   if needed > ATTENTION_BYTES:
     longest = math.isqrt(ATTENTION_BYTES // per_token_pair)
     why = " (the baseline's, learners·batch_size)" if train["baseline"] else ""
+    if longest < 2:  # no seq_len would do: the batch is what is too large
+      raise ValueError(
+          f"config [train] batch_size = {train['batch_size']} is too large for the demo"
+          f" model: its dense attention would keep {needed / 2**30:,.1f} GiB of scores at"
+          f" batch {batch}{why}, over the {ATTENTION_BYTES // 2**30} GiB allowed, at any"
+          " seq_len; lower batch_size (or learners, or set baseline = false)")
     raise ValueError(
         f"config [model] seq_len = {model.seq_len} is too long for the demo model: its"
         f" dense attention would keep {needed / 2**30:,.1f} GiB of scores at batch"
@@ -252,6 +277,12 @@ def check_data(cfg: TrainConfig) -> None:
         f"config [model] seq_len = {cfg.model.seq_len}: with {read}, the validation part"
         f" holds {valid_tokens.size} tokens, and a window needs seq_len + 2 = {need};"
         f" {fix} seq_len")
+
+
+def load_record(path: str | Path) -> TrainConfig:
+  """The config a ``gmjax train`` job checked and recorded at ``path`` (its
+  ``config.json``), which its learner processes train with."""
+  return TrainConfig.from_json(json.loads(Path(path).read_text(encoding="utf-8")))
 
 
 def load(path: str | Path) -> TrainConfig:

@@ -7,6 +7,7 @@ the run started with the same config.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -68,6 +69,30 @@ def running(run) -> list[str]:
           and _alive(record.pid)]
 
 
+def lock(out: Path) -> int | None:
+  """Takes ``out`` for this job: an exclusive ``flock`` on the folder, or ValueError if
+  another job (or a learner it started) holds it. Returns the descriptor holding it (its
+  learners inherit it, so a job killed while they run keeps the folder taken), or None
+  where ``out`` does not exist yet (take it once it is made).
+
+  Heartbeats say only which learners have joined: a job between creating its run and
+  its learners' first beats, or training its baseline after they closed, has none.
+  """
+  try:
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+  except FileNotFoundError:
+    return None
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    os.close(fd)
+    raise ValueError(
+        f"another gmjax train job is running in {out} (it, or learners it started);"
+        " wait for it to end or stop it first, or pass --out DIR to train elsewhere"
+    ) from None
+  return fd
+
+
 def check_out(out: Path) -> None:
   """Raises FileExistsError if ``out``, or a folder it would be made in, is a file."""
   for place in (out, *out.parents):
@@ -98,16 +123,23 @@ def resume_point(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
   """
   if not (run_dir / layout.MANIFEST).is_file():
     raise FileNotFoundError(
+        f"--resume: there is no run to continue in {run_dir}, but {out} holds an earlier"
+        f" job's outputs ({', '.join(earlier_outputs(out))}); pass --force instead of"
+        " --resume to delete them and train anew, or --out DIR to train elsewhere"
+        if not run_dir.exists() and earlier_outputs(out) else
         f"--resume: there is no run to continue in {run_dir}; drop --resume to start one"
         " there" if not run_dir.exists() else
         f"--resume: {run_dir} holds no run to continue (no {layout.MANIFEST}: its creation"
         " was stopped, or it is another folder); pass --force instead of --resume to"
         " delete it and train anew, or --out DIR to train elsewhere")
-  run = gmjax.mail.open(str(run_dir))
   saved = out / CONFIG
-  differences = []
-  if saved.is_file():
-    differences = _differences(json.loads(saved.read_text(encoding="utf-8")), cfg.to_json())
+  if not saved.is_file():
+    raise ValueError(
+        f"--resume: {saved}, the config the run in {run_dir} was started with, is"
+        " missing, so its [train] settings cannot be checked against this config's; put"
+        " it back, or pass --force instead of --resume to delete the run and train anew")
+  run = gmjax.mail.open(str(run_dir))
+  differences = _differences(json.loads(saved.read_text(encoding="utf-8")), cfg.to_json())
   if run.config != cfg.diloco:
     differences += [d for d in _differences({"diloco": run.config.to_json()},
                                             {"diloco": cfg.diloco.to_json()})
@@ -115,10 +147,9 @@ def resume_point(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
   if run.schema != schema:
     differences.append("[model]: the parameters' shapes differ from the run's")
   if differences:
-    where = saved if saved.is_file() else run_dir / layout.MANIFEST
     raise ValueError(
         f"--resume: {cfg.source or 'the config'} differs from the config the run in"
-        f" {run_dir} was started with ({where}): {'; '.join(differences)}; resume with"
+        f" {run_dir} was started with ({saved}): {'; '.join(differences)}; resume with"
         " that config, or train anew with --out DIR (or --force to delete the run)")
   live = running(run)
   if live:
@@ -150,9 +181,14 @@ def check_new_run(out: Path, run_dir: Path, force: bool) -> None:
           " or --out DIR to train elsewhere")
     # Deleted under live learners, the run would be recreated around them: they
     # would write into the new run and the new learners could not join under their
-    # names.
-    live = running(gmjax.mail.open(str(run_dir))) if (
-        run_dir / layout.MANIFEST).is_file() else []
+    # names. Those of a gmjax train job hold ``out`` (``lock``); others say so in their
+    # heartbeats, if the manifest can be read at all (a damaged one is deleted too).
+    try:
+      live = running(gmjax.mail.open(str(run_dir))) if (
+          run_dir / layout.MANIFEST).is_file() else []
+    except (ValueError, PermissionError, FileNotFoundError) as error:
+      print(f"gmjax train: --force: the run in {run_dir} cannot be opened ({error})")
+      live = []
     if live:
       raise ValueError(
           f"--force: learners of the run in {run_dir} are still running:"

@@ -11,12 +11,15 @@ under their names at the step of its newest committed round, metrics appended to
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -97,14 +100,53 @@ def _latest(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
   return list(latest.values())
 
 
+class LearnersFailed(RuntimeError):
+  """A learner process of the job exited with an error (each one's log tail quoted)."""
+
+
+@contextlib.contextmanager
+def _stopped_by_signals():
+  """SIGTERM and SIGHUP stop the job as Ctrl-C does (``KeyboardInterrupt``), so that it
+  stops its learners rather than leave them running without it."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def interrupt(signum, frame):  # pylint: disable=unused-argument
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+  previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+  try:
+    yield
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+
+
+def final_losses(metrics: list[dict[str, Any]], names: list[str], steps: int
+                 ) -> dict[str, float | None]:
+  """Each name's held-out loss at step ``steps`` (its last such evaluation), or None: a
+  learner that died before the end has none there, and its loss at an earlier step is
+  not the trained model's."""
+  def final(name):
+    values = [r["val_loss"] for r in metrics if r.get("learner") == name
+              and "val_loss" in r and r.get("step") == steps]
+    return values[-1] if values else None
+  return {name: final(name) for name in names}
+
+
 def _train_learners(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
-                    names: list[str], start: int, resume: bool, show_progress: bool) -> None:
+                    names: list[str], start: int, resume: bool, show_progress: bool,
+                    held: int) -> None:
   """Starts one worker process per learner, shows their progress, waits for them all.
 
   With ``resume`` the learners' logs and metrics are appended to, from step ``start``.
+  Each worker reads the config the job checked (``<out>/config.json``), not the file it
+  came from, which may have changed since, and inherits ``held``, the job's hold on
+  ``out`` (``outdir.lock``).
 
   Raises:
-    RuntimeError: a learner failed (its log's tail quoted).
+    LearnersFailed: a learner failed (its log's tail quoted).
   """
   # The workers wait for learners that joined after this moment, not for heartbeats a
   # stopped attempt left behind.
@@ -120,11 +162,12 @@ def _train_learners(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
                encoding="utf-8")
     logs.append(log)
     processes.append(subprocess.Popen(  # pylint: disable=consider-using-with
-        [sys.executable, "-m", "gmjax.app.worker", "--config", cfg.source, "--run",
+        [sys.executable, "-m", "gmjax.app.worker", "--config", str(out / outdir.CONFIG),
+         "--run",
          str(run_dir), "--name", name, "--index", str(index), "--metrics", str(metrics),
          "--since", since, "--state-dir", str(out / outdir.STATE / name),
          *(["--resume"] if resume else [])],
-        stdout=log, stderr=subprocess.STDOUT, env=env))
+        stdout=log, stderr=subprocess.STDOUT, env=env, pass_fds=(held,)))
   bars = [tqdm(total=cfg.steps, initial=start, desc=name, position=i,
                disable=not show_progress, leave=True, dynamic_ncols=True)
           for i, name in enumerate(names)]
@@ -153,7 +196,7 @@ def _train_learners(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
     tails = "\n".join(
         f"--- {n} (exit {code}) ---\n" + (out / f"{n}.log").read_text()[-3000:] for n, code in failed
     )
-    raise RuntimeError(f"learners failed: {failed}\n{tails}")
+    raise LearnersFailed(f"learners failed: {failed}\n{tails}")
 
 
 def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
@@ -181,26 +224,44 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
       ``<out>``, or a folder it would be made in, is a file.
     FileNotFoundError: ``resume`` without a run in ``<out>/run``; the corpus is missing.
     ValueError: ``force`` with ``resume``; ``resume`` with a config other than the
-      run's (the differing settings named); ``resume`` or ``force`` while the run's
-      learners still run on this host; a config
-      the corpus or the model cannot train with.
+      run's (the differing settings named), or without the ``config.json`` it was
+      started with; another job running in ``<out>``, or ``resume`` or ``force`` while
+      the run's learners still run on this host; a config the corpus or the model
+      cannot train with.
+    KeyboardInterrupt: Ctrl-C, SIGTERM or SIGHUP: the learners are stopped first.
   """
   if force and resume:
     raise ValueError("--force deletes the run and trains anew, --resume continues it;"
                      " pass one of them")
   out = Path(cfg.out)
-  run_dir = out / "run"
   outdir.check_out(out)
   config_lib.check_data(cfg)
   _, params = model.build(cfg.model, seed=cfg.seed)
   schema = cfg.diloco.cut(gmjax.Schema.from_tree(params))
   cfg.diloco.check_parameters(schema)
+  held = [outdir.lock(out)]  # None until ``out`` is made
+  try:
+    with _stopped_by_signals():
+      return _job(cfg, out, params, schema, held, show_progress, force, resume)
+  finally:
+    for fd in held:
+      if fd is not None:
+        os.close(fd)
+
+
+def _job(cfg: config_lib.TrainConfig, out: Path, params: Any, schema: gmjax.Schema,
+         held: list[int | None], show_progress: bool, force: bool, resume: bool
+         ) -> dict[str, Any]:
+  """``train`` once the config is checked and ``out`` taken (where it exists)."""
+  run_dir = out / "run"
   if resume:
     start = outdir.resume_point(cfg, out, run_dir, schema)
   else:
     start = 0
     outdir.check_new_run(out, run_dir, force)
     out.mkdir(parents=True, exist_ok=True)
+    if held[0] is None:
+      held[0] = outdir.lock(out)
     for old in out.glob("metrics*.jsonl"):
       old.unlink()
     if (out / outdir.STATE).exists():  # the learners' states of a run that is gone
@@ -215,7 +276,7 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
     if resume:
       print(f"gmjax train: --resume: the learners rejoin {run_dir} at step {start} of"
             f" {cfg.steps}")
-    _train_learners(cfg, out, run_dir, names, start, resume, show_progress)
+    _train_learners(cfg, out, run_dir, names, start, resume, show_progress, held[0])
   else:
     print(f"gmjax train: --resume: the newest round of {run_dir} is at step {start}: its"
           f" learners have trained all {cfg.steps} steps")
@@ -247,16 +308,13 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
                                   len(cfg.diloco.plan(schema)))
   figures.append(plots.plot_goodput(learner_goodput, str(out), cfg.learner_speeds))
 
-  def final(name):
-    values = [r["val_loss"] for r in metrics if r["learner"] == name and "val_loss" in r]
-    return values[-1] if values else None
-
   cosines = [r.cosine for r in rounds if r.cosine is not None]
   summary = {
       "run": str(run_dir),
       "rounds": len(rounds),
       "resumed_at_step": start if resume else None,
-      "final_val_loss": {n: final(n) for n in [*names, *(["baseline"] if cfg.baseline else [])]},
+      "final_val_loss": final_losses(metrics, [*names, *(["baseline"] if cfg.baseline else [])],
+                                    cfg.steps),
       "bytes_sent": bytes_by_learner(cfg, params, rounds, names),
       "mean_cosine": sum(cosines) / len(cosines) if cosines else None,
       "goodput": learner_goodput,

@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
                       " Adam state and data position across restarts")
   args = parser.parse_args(argv)
 
-  cfg = config_lib.load(args.config)
+  cfg = config_lib.load_record(args.config)  # what the job checked, not the TOML file
   train_tokens, valid_tokens = data.load_corpus(cfg.corpus_bytes)
   batches = data.Batches(train_tokens, seq_len=cfg.model.seq_len, batch_size=cfg.batch_size,
                          shard=args.index, shards=cfg.learners, seed=cfg.seed)

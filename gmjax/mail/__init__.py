@@ -15,6 +15,7 @@ from gmjax.mail.errors import RoundTimeout as RoundTimeout
 from gmjax.mail.errors import RunExists as RunExists
 from gmjax.mail.errors import RunNotFound as RunNotFound
 from gmjax.mail.errors import StateDirMismatch as StateDirMismatch
+from gmjax.mail.errors import StorageNotInstalled as StorageNotInstalled
 from gmjax.mail.errors import StorageUnavailable as StorageUnavailable
 from gmjax.mail.errors import UnsupportedStorage as UnsupportedStorage
 from gmjax.mail.heartbeats import Heartbeat as Heartbeat
@@ -44,6 +45,7 @@ __all__ = (
     "RunExists",
     "RunNotFound",
     "StateDirMismatch",
+    "StorageNotInstalled",
     "StorageUnavailable",
     "Store",
     "UnsupportedStorage",

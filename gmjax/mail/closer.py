@@ -69,7 +69,7 @@ from gmjax.mail import recovery
 from gmjax.mail import retention
 from gmjax.mail import states
 from gmjax.mail.errors import ContributionRejected, CorruptRecord
-from gmjax.mail.heartbeats import Roster
+from gmjax.mail.heartbeats import MIN_LIVENESS_SECONDS, Roster
 from gmjax.mail.manifest import Manifest, utc_now
 from gmjax.mail.records import Rejection, RoundRecord
 from gmjax.mail.store import BadObject, Store
@@ -78,7 +78,6 @@ from gmjax.mail.watch import Watch, arrival_spread, round_waits, screen
 log = logging.getLogger(__name__)
 
 HEARTBEAT_POLLS = 5  # a learner rewrites its heartbeat every 5 poll intervals
-MIN_LIVENESS_SECONDS = 2.0
 
 
 class Closer:

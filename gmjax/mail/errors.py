@@ -52,6 +52,11 @@ class UnsupportedStorage(ValueError):
   """The run's URL names a storage protocol whose exclusive create is not atomic."""
 
 
+class StorageNotInstalled(ImportError):
+  """The package a run's storage needs (gcsfs for ``gs://``, s3fs for ``s3://``) is not
+  installed; the message names the extra that installs it."""
+
+
 class StorageUnavailable(TimeoutError):
   """A storage call kept failing with transient errors until its retry budget (for a
   learner, the run's timeout) ran out; the last error is its ``__cause__``."""

@@ -50,6 +50,8 @@ from gmjax.mail.store import BadObject, Store
 log = logging.getLogger(__name__)
 
 LIVE, CLOSING, CLOSED = "live", "closing", "closed"
+MIN_LIVENESS_SECONDS = 2.0
+"""The least time a heartbeat may stay unchanged before its learner is presumed dead."""
 MAX_HEARTBEAT_BYTES = 1 << 20
 """A learner's heartbeat takes a few hundred bytes, plus a few per fragment."""
 MAX_COUNT = 2**53

@@ -227,6 +227,7 @@ class Run:
     from gmjax.mail.status import pace  # pylint: disable=g-import-not-at-top
 
     now = datetime.datetime.now(datetime.timezone.utc)
+    timeout = Estimates.from_json(estimates).timeout(0.0) or None
     learners = []
     found = heartbeats.scan(self.store, self.signing_key)
     for name, record in sorted(found.records.items()):
@@ -235,8 +236,14 @@ class Run:
         age = (now - datetime.datetime.fromisoformat(record["last_seen"])).total_seconds()
       except (KeyError, TypeError, ValueError):
         pass  # a heartbeat without a readable time shows no age
+      # A heartbeat that says live but has not changed for as long as learners wait
+      # before they presume its learner dead: killed, or its machine gone.
+      silent = (record.get("status") in (heartbeats.LIVE, heartbeats.CLOSING)
+                and age is not None and age > heartbeats.liveness(
+                    record, max(timeout or 0.0, heartbeats.MIN_LIVENESS_SECONDS)))
       learners.append({
-          "name": name, "status": record.get("status"), "step": record.get("step"),
+          "name": name, "status": record.get("status"), "silent": silent,
+          "step": record.get("step"),
           "first_round": record.get("first_round"), "versions": record.get("versions"),
           "loss": record.get("loss"), "last_seen": record.get("last_seen"),
           "seconds_since_seen": None if age is None else round(age, 3),
@@ -258,7 +265,7 @@ class Run:
         "latest_round": rounds[-1].round if rounds else None,
         "latest_step": rounds[-1].step if rounds else 0,
         "estimates": estimates,
-        "timeout_seconds": Estimates.from_json(estimates).timeout(0.0) or None,
+        "timeout_seconds": timeout,
         "learners": learners,
         "bad_heartbeats": [{"learner": n, "reason": r} for n, r in sorted(found.bad.items())],
     }

@@ -181,7 +181,8 @@ def format_status(run, *, last: int | None = 50, problems: Sequence[str] | None 
     lines.append("no rounds committed yet")
   lines.append("")
   learner_rows = [
-      [l["name"], l["status"], l["step"], l["first_round"],
+      [l["name"], f"{l['status']}, silent" if l.get("silent") else l["status"], l["step"],
+       l["first_round"],
        " ".join(f"{f}:{v}" for f, v in sorted((l.get("versions") or {}).items())) or None,
        _number(l.get("loss"), 4),
        _seconds(l["seconds_since_seen"]),

@@ -15,10 +15,11 @@ commit one version.
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any
 
-from gmjax.mail.errors import UnsupportedStorage
+from gmjax.mail.errors import StorageNotInstalled, UnsupportedStorage
 from gmjax.mail.store.base import (MIN_ATTEMPT_SECONDS, MIN_BYTES_PER_SECOND, BadObject,
                                    Store, attempt_deadline, is_transient)
 from gmjax.mail.store.fsspec import FsspecStore
@@ -46,6 +47,8 @@ def open_store(url: str, *, retry_seconds: float = 30.0,
     TypeError: ``url`` is not a string.
     UnsupportedStorage: the URL's protocol has no atomic exclusive create
       (``SUPPORTED_PROTOCOLS`` lists those that do).
+    StorageNotInstalled: the package for the URL's protocol (gcsfs, s3fs) is not
+      installed; the message names the extra that installs it (an ``ImportError``).
   """
   if not isinstance(url, (str, os.PathLike)):
     raise TypeError(f"url must be a path or URL string, got {type(url).__name__}: {url!r}")
@@ -60,6 +63,15 @@ def open_store(url: str, *, retry_seconds: float = 30.0,
         " fsspec's generic create is an exists() check then a write, which two closers"
         f" can both pass. Use one of {', '.join(p + '://' for p in SUPPORTED_PROTOCOLS)}"
         " or a local directory.")
+  extra = {"gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"), "s3": ("s3fs", "s3"),
+           "s3a": ("s3fs", "s3")}.get(protocol)
+  if extra is not None:
+    try:
+      importlib.import_module(extra[0])
+    except ImportError as error:
+      raise StorageNotInstalled(
+          f"url={url!r}: a run on {protocol}:// needs {extra[0]}, which is not installed;"
+          f" pip install 'gmjax[{extra[1]}]'", name=extra[0]) from error
   if protocol in ("s3", "s3a"):
     from gmjax.mail.store.s3 import S3Store  # pylint: disable=g-import-not-at-top
 
