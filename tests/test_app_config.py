@@ -68,9 +68,11 @@ def test_an_unknown_key_is_named_with_the_closest_known_one(tmp_path, table, wro
     config_lib.load(_write(tmp_path, text))
 
 
-def test_missing_file():
+def test_missing_file(tmp_path):
   with pytest.raises(FileNotFoundError, match="quickstart"):
     config_lib.load("no/such/file.toml")
+  with pytest.raises(ValueError, match="is a folder; pass a TOML file"):
+    config_lib.load(tmp_path)  # was "not found"
 
 
 @pytest.mark.parametrize("old, new, message", [

@@ -579,6 +579,14 @@ def test_resume_without_the_recorded_config_is_refused(tmp_path, capsys):
   err = capsys.readouterr().err
   assert f"{out / 'config.json'}, the config the run in {out / 'run'} was started with, is" \
          " missing" in err, err
+  # A run whose creation was stopped: the library's "create it again" named no flag.
+  (out / "config.json").write_text(json.dumps(cfg.to_json()))
+  for path in sorted((out / "run" / "fragments").rglob("*"), reverse=True):
+    path.rmdir() if path.is_dir() else path.unlink()
+  assert cli.main(["train", str(config), "--out", str(out), "--resume"]) == 2
+  err = capsys.readouterr().err
+  assert f"--resume: the run in {out / 'run'} cannot be continued (" in err, err
+  assert "pass --force instead of --resume" in err, err
 
 
 def test_learners_train_with_the_config_the_job_checked(tmp_path):

@@ -298,6 +298,9 @@ def load(path: str | Path) -> TrainConfig:
       range: one line naming the key, the value and the fix.
   """
   path = Path(path)
+  if path.is_dir():
+    raise ValueError(f"config {str(path)!r} is a folder; pass a TOML file, e.g."
+                     " configs/quickstart.toml")
   if not path.is_file():
     raise FileNotFoundError(f"config {str(path)!r} not found; see configs/quickstart.toml")
   with path.open("rb") as f:

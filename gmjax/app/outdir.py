@@ -138,7 +138,14 @@ def resume_point(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
         f"--resume: {saved}, the config the run in {run_dir} was started with, is"
         " missing, so its [train] settings cannot be checked against this config's; put"
         " it back, or pass --force instead of --resume to delete the run and train anew")
-  run = gmjax.mail.open(str(run_dir))
+  try:
+    run = gmjax.mail.open(str(run_dir))
+    newest = run.newest_versions()
+  except (ValueError, PermissionError, FileNotFoundError) as error:  # damaged, half made
+    raise ValueError(
+        f"--resume: the run in {run_dir} cannot be continued ({error}); pass --force"
+        " instead of --resume to delete it and train anew, or --out DIR to train"
+        " elsewhere") from None
   differences = _differences(json.loads(saved.read_text(encoding="utf-8")), cfg.to_json())
   if run.config != cfg.diloco:
     differences += [d for d in _differences({"diloco": run.config.to_json()},
@@ -156,7 +163,6 @@ def resume_point(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
     raise ValueError(
         f"--resume: learners of the run in {run_dir} are still running:"
         f" {', '.join(live)}; stop that gmjax train first")
-  newest = run.newest_versions()
   return max((run.commit_step(f, v) for f, v in newest.items()), default=0)
 
 
