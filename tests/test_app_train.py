@@ -528,7 +528,6 @@ def test_a_job_holds_its_output_folder_and_its_learners_hold_it_too(tmp_path, ca
     learner.kill()
     learner.wait()
   os.close(outdir.lock(out))  # free again once every holder is gone
-  assert outdir.lock(tmp_path / "missing") is None
 
 
 def test_force_deletes_a_run_whose_manifest_is_damaged(tmp_path, capsys):
@@ -648,3 +647,17 @@ def test_sigterm_stops_the_job_and_its_learners(tmp_path):
 def _alive(pid):
   from gmjax.app import outdir  # pylint: disable=g-import-not-at-top
   return outdir._alive(pid)  # pylint: disable=protected-access
+
+
+def test_a_job_started_under_nohup_keeps_ignoring_hangups():
+  # The job's handler replaced nohup's: closing the terminal stopped the job.
+  from gmjax.app import train  # pylint: disable=g-import-not-at-top
+
+  before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+  try:
+    with train._stopped_by_signals():  # pylint: disable=protected-access
+      assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+      assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # stops the learners
+    assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+  finally:
+    signal.signal(signal.SIGHUP, before)

@@ -246,10 +246,14 @@ def test_fastest_ignores_missing_and_incredible_paces():
   assert pace.fastest([0.08, 0.02, 0.04]) == 0.02
   assert pace.fastest([1e-6, 0.04, 0.05, 0.06]) == 0.04  # >10x faster than the median
   # Of two learners, one reporting a pace 1000x too fast set every round to one step:
-  # the lower median of all reports was its own. Each report is judged by the others'.
-  assert pace.fastest([2e-5, 0.02]) == 0.02
+  # the lower median of all reports was its own. The fastest needs another within 10x.
+  assert pace.fastest([2e-5, 0.02]) == 0.02 and pace.fastest([2e-5, 0.02, 0.5]) == 0.02
   assert pace.fastest([0.02, 0.03]) == 0.02 and pace.fastest([0.3]) == 0.3
-  assert pace.fastest([1e-6, 1e-6, 0.04]) == 1e-6  # two agree: the lower median vouches
+  assert pace.fastest([1e-6, 1e-6, 0.04]) == 1e-6  # two agree: a majority
+  assert pace.fastest([1e-6, 1e-6] + [0.05] * 10) == 0.05  # two of twelve do not
+  # Fast learners that are half the pool set the pace.
+  assert pace.fastest([0.01, 0.01, 0.5, 0.5]) == 0.01
+  assert pace.fastest([0.01] * 3 + [0.5] * 3) == 0.01
 
 
 def test_round_clock_keeps_its_deadlines_without_drift():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 
 
@@ -93,7 +94,8 @@ def _train(args: argparse.Namespace) -> int:
           file=sys.stderr)
     if os.path.isfile(os.path.join(cfg.out, "run", "manifest.json")):
       print(f"gmjax train: the learners are stopped; continue the run with: gmjax train"
-            f" {args.config} --out {cfg.out} --resume", file=sys.stderr)
+            f" {shlex.quote(args.config)} --out {shlex.quote(cfg.out)} --resume",
+            file=sys.stderr)
     return 130 if stopped else 1
   losses = summary["final_val_loss"]
   print(f"\nrun: {summary['run']}  rounds committed: {summary['rounds']}"

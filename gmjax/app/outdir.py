@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -70,18 +71,15 @@ def running(run) -> list[str]:
 
 
 def lock(out: Path) -> int | None:
-  """Takes ``out`` for this job: an exclusive ``flock`` on the folder, or ValueError if
+  """Takes the folder ``out`` for this job: an exclusive ``flock`` on it, or ValueError if
   another job (or a learner it started) holds it. Returns the descriptor holding it (its
-  learners inherit it, so a job killed while they run keeps the folder taken), or None
-  where ``out`` does not exist yet (take it once it is made).
+  learners inherit it, so a job killed while they run keeps the folder taken), or None,
+  with a warning, where the filesystem cannot lock a folder (some network ones).
 
   Heartbeats say only which learners have joined: a job between creating its run and
   its learners' first beats, or training its baseline after they closed, has none.
   """
-  try:
-    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
-  except FileNotFoundError:
-    return None
+  fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
   try:
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except BlockingIOError:
@@ -90,6 +88,11 @@ def lock(out: Path) -> int | None:
         f"another gmjax train job is running in {out} (it, or learners it started);"
         " wait for it to end or stop it first, or pass --out DIR to train elsewhere"
     ) from None
+  except OSError as error:
+    os.close(fd)
+    print(f"gmjax train: warning: {out} cannot be locked ({error}); another job started"
+          " into the same folder will not be stopped", file=sys.stderr)
+    return None
   return fd
 
 

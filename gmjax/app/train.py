@@ -107,7 +107,8 @@ class LearnersFailed(RuntimeError):
 @contextlib.contextmanager
 def _stopped_by_signals():
   """SIGTERM and SIGHUP stop the job as Ctrl-C does (``KeyboardInterrupt``), so that it
-  stops its learners rather than leave them running without it."""
+  stops its learners rather than leave them running without it; one the job was started
+  to ignore (``nohup``) stays ignored."""
   if threading.current_thread() is not threading.main_thread():
     yield
     return
@@ -115,7 +116,8 @@ def _stopped_by_signals():
   def interrupt(signum, frame):  # pylint: disable=unused-argument
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
-  previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+  previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)
+              if signal.getsignal(s) is not signal.SIG_IGN}
   try:
     yield
   finally:
@@ -137,7 +139,7 @@ def final_losses(metrics: list[dict[str, Any]], names: list[str], steps: int
 
 def _train_learners(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
                     names: list[str], start: int, resume: bool, show_progress: bool,
-                    held: int) -> None:
+                    held: int | None) -> None:
   """Starts one worker process per learner, shows their progress, waits for them all.
 
   With ``resume`` the learners' logs and metrics are appended to, from step ``start``.
@@ -152,26 +154,26 @@ def _train_learners(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
   # stopped attempt left behind.
   since = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
   offsets = {}
-  processes, logs = [], []
+  processes, logs, bars = [], [], []
   env = dict(os.environ)
   env.setdefault("JAX_PLATFORMS", "cpu")
-  for index, name in enumerate(names):
-    metrics = out / f"metrics-{name}.jsonl"
-    offsets[name] = metrics.stat().st_size if metrics.exists() else 0
-    log = open(out / f"{name}.log", "a" if resume else "w",  # pylint: disable=consider-using-with
-               encoding="utf-8")
-    logs.append(log)
-    processes.append(subprocess.Popen(  # pylint: disable=consider-using-with
-        [sys.executable, "-m", "gmjax.app.worker", "--config", str(out / outdir.CONFIG),
-         "--run",
-         str(run_dir), "--name", name, "--index", str(index), "--metrics", str(metrics),
-         "--since", since, "--state-dir", str(out / outdir.STATE / name),
-         *(["--resume"] if resume else [])],
-        stdout=log, stderr=subprocess.STDOUT, env=env, pass_fds=(held,)))
-  bars = [tqdm(total=cfg.steps, initial=start, desc=name, position=i,
-               disable=not show_progress, leave=True, dynamic_ncols=True)
-          for i, name in enumerate(names)]
-  try:
+  try:  # a stop while learners start stops those already started too
+    for index, name in enumerate(names):
+      metrics = out / f"metrics-{name}.jsonl"
+      offsets[name] = metrics.stat().st_size if metrics.exists() else 0
+      log = open(out / f"{name}.log", "a" if resume else "w",  # pylint: disable=consider-using-with
+                 encoding="utf-8")
+      logs.append(log)
+      processes.append(subprocess.Popen(  # pylint: disable=consider-using-with
+          [sys.executable, "-m", "gmjax.app.worker", "--config", str(out / outdir.CONFIG),
+           "--run", str(run_dir), "--name", name, "--index", str(index), "--metrics",
+           str(metrics), "--since", since, "--state-dir", str(out / outdir.STATE / name),
+           *(["--resume"] if resume else [])],
+          stdout=log, stderr=subprocess.STDOUT, env=env,
+          pass_fds=() if held is None else (held,)))
+    bars = [tqdm(total=cfg.steps, initial=start, desc=name, position=i,
+                 disable=not show_progress, leave=True, dynamic_ncols=True)
+            for i, name in enumerate(names)]
     while True:
       for name, bar in zip(names, bars):
         records = _read_jsonl(out / f"metrics-{name}.jsonl", offsets[name])
@@ -187,6 +189,7 @@ def _train_learners(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
     for p in processes:
       if p.poll() is None:
         p.kill()
+        p.wait()  # reaped: it holds ``out`` no longer
     for bar in bars:
       bar.close()
     for log in logs:
@@ -228,6 +231,7 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
       started with; another job running in ``<out>``, or ``resume`` or ``force`` while
       the run's learners still run on this host; a config the corpus or the model
       cannot train with.
+    LearnersFailed: a learner process failed (the tail of its log quoted).
     KeyboardInterrupt: Ctrl-C, SIGTERM or SIGHUP: the learners are stopped first.
   """
   if force and resume:
@@ -239,29 +243,27 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
   _, params = model.build(cfg.model, seed=cfg.seed)
   schema = cfg.diloco.cut(gmjax.Schema.from_tree(params))
   cfg.diloco.check_parameters(schema)
-  held = [outdir.lock(out)]  # None until ``out`` is made
+  if not resume:  # taken before anything in it is looked at: another job may be making it
+    out.mkdir(parents=True, exist_ok=True)
+  held = outdir.lock(out) if out.is_dir() else None
   try:
     with _stopped_by_signals():
       return _job(cfg, out, params, schema, held, show_progress, force, resume)
   finally:
-    for fd in held:
-      if fd is not None:
-        os.close(fd)
+    if held is not None:
+      os.close(held)
 
 
 def _job(cfg: config_lib.TrainConfig, out: Path, params: Any, schema: gmjax.Schema,
-         held: list[int | None], show_progress: bool, force: bool, resume: bool
+         held: int | None, show_progress: bool, force: bool, resume: bool
          ) -> dict[str, Any]:
-  """``train`` once the config is checked and ``out`` taken (where it exists)."""
+  """``train`` once the config is checked and ``out`` taken."""
   run_dir = out / "run"
   if resume:
     start = outdir.resume_point(cfg, out, run_dir, schema)
   else:
     start = 0
     outdir.check_new_run(out, run_dir, force)
-    out.mkdir(parents=True, exist_ok=True)
-    if held[0] is None:
-      held[0] = outdir.lock(out)
     for old in out.glob("metrics*.jsonl"):
       old.unlink()
     if (out / outdir.STATE).exists():  # the learners' states of a run that is gone
@@ -276,7 +278,7 @@ def _job(cfg: config_lib.TrainConfig, out: Path, params: Any, schema: gmjax.Sche
     if resume:
       print(f"gmjax train: --resume: the learners rejoin {run_dir} at step {start} of"
             f" {cfg.steps}")
-    _train_learners(cfg, out, run_dir, names, start, resume, show_progress, held[0])
+    _train_learners(cfg, out, run_dir, names, start, resume, show_progress, held)
   else:
     print(f"gmjax train: --resume: the newest round of {run_dir} is at step {start}: its"
           f" learners have trained all {cfg.steps} steps")

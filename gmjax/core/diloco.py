@@ -28,12 +28,12 @@ from gmjax.core.wire import Wire
 
 
 CUSTOM = "custom"
+"""``DiLoCo.outer`` when the outer optimizer is given in code: ``gmjax.diloco(...,
+outer=tx)``."""
 _LEFT_OUT = {"error_feedback": None, "layer_axis": None, "outer_delay": 0, "eager": False,
              "adaptive_steps": False, "aggregation": robust.MEAN, "trim": 1,
              "outlier_factor": guards.OUTLIER_FACTOR}
 """Fields a configuration's record leaves out at these values (``DiLoCo.to_json``)."""
-"""``DiLoCo.outer`` when the outer optimizer is given in code: ``gmjax.diloco(...,
-outer=tx)``."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,9 +62,10 @@ def fastest(seconds: Iterable[float | None]) -> float | None:
 
   Reports that are missing, zero, not finite or above ``MAX_ESTIMATE_SECONDS`` are
   ignored, and so is any more than ``guards.OUTLIER_FACTOR`` times faster than the
-  lower median of the *other* reports (``guards.reference``): one learner that reports
-  an absurdly fast pace cannot shrink every round to a single step, even beside one
-  other learner (a lone report is not judged).
+  lower median of the reports, and the fastest unless another report is within that
+  factor of it: one learner that reports an absurdly fast pace cannot shrink every
+  round to a single step, even beside one other learner, while fast learners that are
+  half the pool or more set it (a lone report is taken as it is).
 
   Example:
     >>> from gmjax.mail import pace
@@ -72,18 +73,22 @@ def fastest(seconds: Iterable[float | None]) -> float | None:
     0.02
     >>> pace.fastest([1e-9, 0.04, 0.05])  # not credible beside the others'
     0.04
-    >>> pace.fastest([2e-5, 0.02])
+    >>> pace.fastest([2e-5, 0.02])  # of two, nobody vouches for it
     0.02
+    >>> pace.fastest([0.01, 0.01, 0.5, 0.5])  # half the pool is fast
+    0.01
   """
   values = sorted(float(s) for s in seconds
                   if isinstance(s, (int, float)) and not isinstance(s, bool)
                   and math.isfinite(s) and 0 < s <= MAX_ESTIMATE_SECONDS)
-  if not values:
-    return None
-  # NaN (no other report) is no reason to doubt one; the slowest report is always kept.
-  references = guards.reference(np.asarray(values))
-  return next(s for s, reference in zip(values, references)
-              if not s * guards.OUTLIER_FACTOR < reference)
+  if len(values) <= 1:
+    return values[0] if values else None
+  median = values[(len(values) - 1) // 2]
+  # Sorted, every report but the fastest has a faster one within the factor of it; the
+  # slowest always passes both tests.
+  return next(s for i, s in enumerate(values)
+              if s * guards.OUTLIER_FACTOR >= median
+              and (i > 0 or values[1] <= s * guards.OUTLIER_FACTOR))
 
 
 class RoundClock:

@@ -103,16 +103,29 @@ def screen(watch: Watch, factor: float | None = guards.OUTLIER_FACTOR
       log.warning("round %d: %s", watch.round, rejected[-1])
     else:
       kept.append(contribution)
-  per_step = np.asarray([c.tokens / c.steps for c in kept], np.float64)
   valid = []
-  for contribution, reference in zip(kept, guards.reference(per_step)):
-    cap = factor * reference * contribution.steps
-    if not math.isnan(reference) and contribution.tokens > cap:
+  for contribution, cap in zip(kept, token_caps([c.tokens for c in kept],
+                                                [c.steps for c in kept], factor)):
+    if cap is not None and contribution.tokens > cap:
       clamped.append({"learner": contribution.learner, "field": "tokens",
-                      "reported": contribution.tokens, "used": int(cap)})
-      contribution = dataclasses.replace(contribution, tokens=int(cap))
+                      "reported": contribution.tokens, "used": cap})
+      contribution = dataclasses.replace(contribution, tokens=cap)
     valid.append(contribution)
   return valid, rejected, clamped
+
+
+def token_caps(tokens: list[int], steps: list[int], factor: float) -> list[int | None]:
+  """Each kept contribution's most tokens: ``factor`` times the lower median of the
+  others' tokens per step, times its own steps (None: no other to judge it by).
+
+  Formed as the in-mesh screening forms it (``gmjax.transform.screen.judge``: the
+  reference count and the factor in F32, their product floored), so that both runtimes
+  clamp alike for any factor, not only one F32 holds exactly.
+  """
+  per_step = np.asarray([t / s for t, s in zip(tokens, steps)], np.float64)
+  return [None if math.isnan(reference) else
+          int(np.floor(np.float32(factor) * np.float32(reference * count)))
+          for reference, count in zip(guards.reference(per_step), steps)]
 
 
 def arrival_spread(watch: Watch, valid: list[Contribution]) -> float | None:
