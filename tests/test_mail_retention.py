@@ -333,3 +333,51 @@ def test_a_learner_that_beats_slowly_is_not_compacted_between_its_beats(tmp_path
                                                storage_clock=time.time)
   assert removed == ["learners/gone.json"]
   assert store.list("learners") == ["slow.json"]
+
+
+def test_a_closer_paused_past_retention_does_not_commit_a_pruned_version(tmp_path):
+  # A closer stopped (SIGSTOP, a VM pause) between its save and its commit record woke
+  # after the others had committed on and pruned its version: the slot was free, so it
+  # committed version 2 again, below the kept versions and naming a deleted state, and
+  # verify reported versions 3-18 missing for good.
+  import dataclasses  # pylint: disable=g-import-not-at-top
+
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2), keep_versions=KEEP)
+  ms.train(mail.open(url), "busy", 0, 10)
+  newest = run.newest_versions()[0]
+  assert newest >= 4 and states.committed_versions(run.store, 0)[0] > 2
+  late = dataclasses.replace(run.commit(0, newest), version=2, round=1)
+  assert not states.write_commit(run.store, late, run.signing_key)
+  assert states.committed_versions(run.store, 0)[0] > 2
+  assert mail.verify(url) == []
+
+
+def test_a_heartbeat_seen_rising_is_not_judged_by_stepped_storage_dates(tmp_path):
+  # The storage's dates jump when a writer's clock steps (a VM resumed): a heartbeat this
+  # closer had just seen rise was deleted as an hour old, its claims with it, and a
+  # second learner joined under the live one's name.
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2), keep_versions=KEEP)
+  roster = heartbeats.Roster(run.store)
+  hour_ago = time.time() - 3600
+  for seq in (1, 2, 3):
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat()
+    run.store.put(layout.heartbeat("b"), json.dumps(
+        {"name": "b", "status": "live", "seq": seq, "last_seen": now,
+         "incarnation": "1" * 32}).encode())
+    run.store.put("learners/b.claims/1", b"1" * 32)
+    roster.refresh()
+  assert roster.seen_rising("b") and roster.fresh("b", 20.0)
+  for path in (os.path.join(url, "learners", "b.json"),
+               os.path.join(url, "learners", "b.claims", "1")):
+    os.utime(path, (hour_ago, hour_ago))
+  removed = retention.Compactor(run.store).compact(roster, 20.0, interval=0.0,
+                                                   storage_clock=time.time)
+  assert removed == [] and run.store.list("learners/b.claims") == ["1"]
+  # Seen once only (a closer that has just started), the storage's date judges it.
+  fresh_roster = heartbeats.Roster(run.store)
+  fresh_roster.refresh()
+  removed = retention.Compactor(run.store).compact(fresh_roster, 20.0, interval=0.0,
+                                                   storage_clock=time.time)
+  assert "learners/b.json" in removed

@@ -267,3 +267,21 @@ def test_links_among_the_folders_lead_nowhere_outside_the_run(tmp_path):
   assert not os.path.islink(tmp_path / "run" / "rounds")
   assert local.get("rounds/3/x.bin") == b"3" and local.list("rounds") == ["3"]
   assert sorted(os.listdir(outside)) == ["1", "2.bin"]
+
+
+def test_a_write_that_fails_leaves_no_temporary_file(tmp_path, monkeypatch):
+  # A full disk (ENOSPC) left the half-written temporary file behind for good.
+  import errno as errno_lib  # pylint: disable=g-import-not-at-top
+
+  local = store_lib.open_store(str(tmp_path / "run"))
+  local.put("r/a.bin", b"1")
+
+  def full(fd):
+    raise OSError(errno_lib.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(os, "fsync", full)
+  for write in (lambda: local.put("r/b.bin", b"2"), lambda: local.create("r/c.bin", b"3")):
+    with pytest.raises(OSError, match="No space left"):
+      write()
+  monkeypatch.undo()
+  assert local.temporaries("r") == [] and local.list("r") == ["a.bin"]

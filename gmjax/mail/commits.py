@@ -154,7 +154,9 @@ def write_commit(store: Store, record: RoundRecord, key: bytes | None, *,
   the signature added when there are any.
 
   The record goes to the first free slot after damaged ones (listed in its
-  ``supersedes``); an intact record in a slot means another closer committed first.
+  ``supersedes``); an intact record in a slot means another closer committed first. A
+  version below a committed one is never committed (again): its record is taken back
+  and False returned, as when another closer won.
   A repair (``recovery.repair``) passes ``supersede``, the number of slots it found,
   whose records it supersedes even when they parse (their state is damaged).
   """
@@ -170,6 +172,15 @@ def write_commit(store: Store, record: RoundRecord, key: bytes | None, *,
       final[signing.SIGNATURE] = signing.sign_record(key, final)
     path = layout.commit_slot(fragment, version, slot)
     if store.create(path, json.dumps(final, indent=1).encode()):
+      if any(v > version for v in committed_versions(store, fragment)):
+        # A newer version was built on this one, so it was committed and then pruned
+        # (a closer paused past the run's retention): its slot is free, but the version
+        # is history. The record just made would stand below the kept versions with no
+        # state: taken back, as if another closer had committed first.
+        store.delete(path)
+        log.warning("version %d of fragment %d was committed and pruned while %s was"
+                    " written: not committed again", version, fragment, path)
+        return False
       if superseded:
         log.warning("version %d of fragment %d committed in %s, superseding %s",
                     version, fragment, path, superseded)

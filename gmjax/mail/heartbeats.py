@@ -365,6 +365,11 @@ class Roster:
     return seen is not None and time.monotonic() - seen <= liveness(
         self.records.get(name), timeout)
 
+  def seen_rising(self, name: str) -> bool:
+    """Whether ``name``'s heartbeat rose here after its first sight (timed by sight)."""
+    record = self.records.get(name)
+    return record is not None and self._rises.get((name, record.get("incarnation")), 0) >= 2
+
   def live_for(self, round_: int, timeout: float) -> set[str]:
     """Learners expected to contribute to ``round_``."""
     live = set()

@@ -273,9 +273,12 @@ class Compactor:
         record = roster.records.get(name)
         if record is not None:
           # A learner that beats less often than the observers poll is live for ten of
-          # its own beats (heartbeats.liveness), by the storage's clock as by sight.
-          if not roster.fresh(name, dead_after) or old(date, heartbeats.liveness(
-              record, dead_after)):
+          # its own beats (heartbeats.liveness), by the storage's clock as by sight. One
+          # seen rising here is judged by sight alone: the storage's dates can jump (a
+          # clock stepped on the machine that wrote them).
+          if not roster.fresh(name, dead_after) or (
+              not roster.seen_rising(name)
+              and old(date, heartbeats.liveness(record, dead_after))):
             dead.add(name)
           continue
         reason = roster.bad.get(name)

@@ -95,11 +95,15 @@ class LocalStore(Store):
   def _temporary(self, target: str, data: bytes, durable: bool = True) -> str:
     self._folder(os.path.dirname(target))
     temporary = f"{target}.{uuid.uuid4().hex}.tmp"
-    with open(temporary, "wb") as f:
-      f.write(data)
-      if durable:
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+      with open(temporary, "wb") as f:
+        f.write(data)
+        if durable:
+          f.flush()
+          os.fsync(f.fileno())
+    except BaseException:
+      _unlink_quietly(temporary)  # a full disk (ENOSPC) left it half written, for good
+      raise
     return temporary
 
   def _put(self, path: str, data: bytes, durable: bool = True) -> None:
