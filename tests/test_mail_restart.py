@@ -472,3 +472,39 @@ def test_goodput_after_a_restore_counts_the_steps_of_this_join(tmp_path, fragmen
   assert pace["trained"] == 16, pace  # this join's steps (its save carried none here)
   if fragments == 1:  # every step of it reached a committed round
     assert (pace["committed_steps"], pace["goodput"]) == (16, 1.0), pace
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("damage", ["record", "arrays", "both saves"])
+def test_a_save_damaged_after_it_was_made_is_passed_over(tmp_path, damage):
+  # A torn file in the newest save (a bad disk, after the save completed) made join
+  # raise a raw JSONDecodeError, and restore a tensorstore error, though the save
+  # before it was intact: the learner could rejoin only by deleting both.
+  from gmjax.mail import learner_state  # pylint: disable=g-import-not-at-top
+
+  path = str(tmp_path / "state")
+  state_dir = learner_state.StateDir(path, ("run-id", "url"), "a")
+  for step in (1, 2):
+    counters = learner_state.SavedCounters(step, step, {0: step}, (0,), (0,), 0)
+    state_dir.save(step, counters, {"m": np.full((64, 32), step, np.float32)}, step, None)
+  state_dir.close()
+  steps = ("1", "2") if damage == "both saves" else ("2",)
+  for step in steps:
+    if damage == "arrays":
+      for root, _, files in os.walk(os.path.join(path, step, "state")):
+        for name in files:
+          if name != "_METADATA":
+            os.truncate(os.path.join(root, name), 0)
+    else:
+      record = os.path.join(path, step, "meta", "metadata")
+      os.truncate(record, os.path.getsize(record) // 2)
+  if damage == "both saves":
+    with pytest.raises(gmjax.mail.CorruptRecord, match="no save of learner 'a' is intact"):
+      learner_state.StateDir(path, ("run-id", "url"), "a")
+    return
+  state_dir = learner_state.StateDir(path, ("run-id", "url"), "a")
+  counters, state, position, _ = state_dir.restore({"m": np.zeros((64, 32), np.float32)},
+                                                   None)
+  assert (counters.local_step, position) == (1, 1)
+  _assert_bits_equal(state, {"m": np.full((64, 32), 1, np.float32)})
+  state_dir.close()

@@ -249,7 +249,7 @@ class Learner(Resuming, Rounds):
     self._check_open("step")
     if not self._pulled:
       raise ValueError(f"learner {self.name!r}: call pull(params) before step().")
-    position = learner_state.check_step(self._state_dir, self.name, state, position,
+    position = learner_args.check_step(self._state_dir, self.name, state, position,
                                         restore_checked=self._restore_checked)
     tokens = learner_args.tokens_value(tokens)
     loss = learner_args.loss_value(loss)

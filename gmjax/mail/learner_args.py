@@ -4,10 +4,13 @@ the fix, raised before anything counts or is written."""
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from gmjax.core import guards
@@ -115,3 +118,71 @@ def process_number(argument: str, value: Any) -> int:
         f"{argument} must be None (from jax) or an int, got {type(value).__name__}"
         f" {guards.quote(value)}; pass jax.process_index() / jax.process_count().")
   return int(value)
+
+
+def _native(value: Any) -> Any:
+  """numpy and JAX values as the Python values JSON holds (``json.dumps``' default)."""
+  if isinstance(value, (np.generic, np.ndarray, jax.Array)):
+    return np.asarray(value).tolist()
+  raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def check_position(position: Any) -> Any:
+  """``position`` as the JSON value a save holds; ``ValueError`` where it is not JSON.
+
+  numpy and JAX scalars and arrays (a step count kept as ``np.int64``, an offset per
+  data shard) are taken as the numbers they hold.
+  """
+  try:
+    return json.loads(json.dumps(position, allow_nan=False, default=_native))
+  except (TypeError, ValueError) as error:
+    raise ValueError(f"step(position=...): the position must be JSON (numbers, strings,"
+                     f" lists, dicts), got {position!r} ({error}); pass e.g. the data"
+                     " stream's step or offset as an int.") from error
+
+
+def check_step(state_dir: Any, name: str, state: Any, position: Any, *,
+               restore_checked: bool) -> Any:
+  """Checks the ``state`` and ``position`` handed to ``Learner.step``.
+
+  Returns:
+    ``position`` as the JSON value a save holds (``check_position``).
+
+  Raises:
+    ValueError: with a ``state_dir``, no ``state``, a ``state`` leaf Orbax cannot save,
+      or a saved state not ``restore``d first (``restore_checked`` False), or a
+      ``position`` that is not JSON; without one, a ``state`` or ``position`` given.
+  """
+  if state_dir is not None:
+    if state is None:
+      raise ValueError(f"learner {name!r} has state_dir={state_dir.path!r}:"
+                       " pass step(params, state=opt_state, position=...) to save it.")
+    if not restore_checked:
+      raise ValueError(
+          f"learner {name!r}: state_dir={state_dir.path!r} holds a saved"
+          " state; call learner.restore(opt_state) after pull() to continue from it, or"
+          " join with an empty state_dir to start afresh.")
+    check_state(state)
+    return check_position(position)
+  if state is not None or position is not None:
+    raise ValueError(f"learner {name!r}: step(state=..., position=...) needs"
+                     " join(..., state_dir=...) to save them.")
+  return None
+
+
+def check_state(state: Any) -> None:
+  """Raises a ValueError naming the first leaf of ``state`` that Orbax cannot save: an
+  array (numpy or JAX) or a number of numeric dtype. Checked before the step counts;
+  Orbax would refuse it after the step had merged a commit."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+    if isinstance(leaf, (bool, int, float)):
+      continue
+    dtype = getattr(leaf, "dtype", None) if isinstance(
+        leaf, (np.generic, np.ndarray, jax.Array)) else None
+    if dtype is not None and (jnp.issubdtype(dtype, jnp.number)
+                              or jnp.issubdtype(dtype, jnp.bool_)):
+      continue
+    raise ValueError(
+        f"step(state=...): leaf state{jax.tree_util.keystr(path)} is"
+        f" {type(leaf).__name__} {guards.quote(leaf)}, which cannot be saved; pass a tree"
+        " of arrays and numbers (e.g. the optimizer state optimizer.init made).")

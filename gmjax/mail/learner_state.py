@@ -15,7 +15,8 @@ or starts a delayed phase from one) the learner saves, synchronously and before
 
 Each save is an Orbax checkpoint that completes atomically (locally a temporary directory
 renamed into place; on ``gs://`` a commit marker written last), so a process killed
-during a save leaves the previous one restorable; the newest two are kept. After ``pull``, ``Learner.restore(like)`` reads the newest one back.
+during a save leaves the previous one restorable; the newest two are kept. After ``pull``, ``Learner.restore(like)`` reads the newest one back; one damaged after it was
+saved (a torn file, a bad disk) is passed over, with a warning, for the one before it.
 
 A learner of several processes (``jax.distributed``) saves with all of them (Orbax's
 multi-process save: every process calls ``step`` in lockstep and passes the same
@@ -28,16 +29,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import threading
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from gmjax.core import guards
-from gmjax.mail.errors import StateDirMismatch
+from gmjax.mail.errors import CorruptRecord, StateDirMismatch
+
+log = logging.getLogger(__name__)
 
 # A learner's checkpoints are its own, but Orbax is not documented as thread-safe and
 # learners may share a process: they take turns.
@@ -137,27 +139,6 @@ def check_state_dir(state_dir: Any) -> str:
   return path
 
 
-def _native(value: Any) -> Any:
-  """numpy and JAX values as the Python values JSON holds (``json.dumps``' default)."""
-  if isinstance(value, (np.generic, np.ndarray, jax.Array)):
-    return np.asarray(value).tolist()
-  raise TypeError(f"{type(value).__name__} is not JSON")
-
-
-def check_position(position: Any) -> Any:
-  """``position`` as the JSON value a save holds; ``ValueError`` where it is not JSON.
-
-  numpy and JAX scalars and arrays (a step count kept as ``np.int64``, an offset per
-  data shard) are taken as the numbers they hold.
-  """
-  try:
-    return json.loads(json.dumps(position, allow_nan=False, default=_native))
-  except (TypeError, ValueError) as error:
-    raise ValueError(f"step(position=...): the position must be JSON (numbers, strings,"
-                     f" lists, dicts), got {position!r} ({error}); pass e.g. the data"
-                     " stream's step or offset as an int.") from error
-
-
 def open_state_dir(state_dir: Any, run: tuple[str, str], name: str, *,
                    process_count: int) -> StateDir | None:
   """The ``StateDir`` a learner joins with (None without a ``state_dir``).
@@ -185,53 +166,6 @@ def open_state_dir(state_dir: Any, run: tuple[str, str], name: str, *,
   return StateDir(path, run, name)
 
 
-def check_step(state_dir: StateDir | None, name: str, state: Any, position: Any, *,
-               restore_checked: bool) -> Any:
-  """Checks the ``state`` and ``position`` handed to ``Learner.step``.
-
-  Returns:
-    ``position`` as the JSON value a save holds (``check_position``).
-
-  Raises:
-    ValueError: with a ``state_dir``, no ``state``, a ``state`` leaf Orbax cannot save,
-      or a saved state not ``restore``d first (``restore_checked`` False), or a
-      ``position`` that is not JSON; without one, a ``state`` or ``position`` given.
-  """
-  if state_dir is not None:
-    if state is None:
-      raise ValueError(f"learner {name!r} has state_dir={state_dir.path!r}:"
-                       " pass step(params, state=opt_state, position=...) to save it.")
-    if not restore_checked:
-      raise ValueError(
-          f"learner {name!r}: state_dir={state_dir.path!r} holds a saved"
-          " state; call learner.restore(opt_state) after pull() to continue from it, or"
-          " join with an empty state_dir to start afresh.")
-    check_state(state)
-    return check_position(position)
-  if state is not None or position is not None:
-    raise ValueError(f"learner {name!r}: step(state=..., position=...) needs"
-                     " join(..., state_dir=...) to save them.")
-  return None
-
-
-def check_state(state: Any) -> None:
-  """Raises a ValueError naming the first leaf of ``state`` that Orbax cannot save: an
-  array (numpy or JAX) or a number of numeric dtype. Checked before the step counts;
-  Orbax would refuse it after the step had merged a commit."""
-  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-    if isinstance(leaf, (bool, int, float)):
-      continue
-    dtype = getattr(leaf, "dtype", None) if isinstance(
-        leaf, (np.generic, np.ndarray, jax.Array)) else None
-    if dtype is not None and (jnp.issubdtype(dtype, jnp.number)
-                              or jnp.issubdtype(dtype, jnp.bool_)):
-      continue
-    raise ValueError(
-        f"step(state=...): leaf state{jax.tree_util.keystr(path)} is"
-        f" {type(leaf).__name__} {guards.quote(leaf)}, which cannot be saved; pass a tree"
-        " of arrays and numbers (e.g. the optimizer state optimizer.init made).")
-
-
 class StateDir:
   """The Orbax checkpoints of one learner's state in its ``state_dir``.
 
@@ -252,16 +186,37 @@ class StateDir:
     with _LOCK:
       self._manager = ocp.CheckpointManager(path, options=options)
     self._meta: dict[str, Any] | None = None
-    latest = self.latest_step()
-    if latest is not None:
-      self._meta = self._read_meta(latest)
-      self._check_owner(self._meta, latest)
+    for step in self._steps():
+      meta = self._intact_meta(step)
+      if meta is not None:
+        self._check_owner(meta, step)
+        self._meta = meta
+        break
+    else:
+      if self._steps():
+        raise CorruptRecord(
+            f"state_dir={self.path!r}: no save of learner {self.name!r} is intact (local"
+            f" steps {self._steps()}); delete the state_dir to start afresh.")
+
+  def _steps(self) -> list[int]:
+    """The local steps of the complete saves, newest first."""
+    with _LOCK:
+      self._manager.reload()
+      return sorted(self._manager.all_steps(), reverse=True)
 
   def latest_step(self) -> int | None:
     """The local step of the newest complete save, or None."""
-    with _LOCK:
-      self._manager.reload()
-      return self._manager.latest_step()
+    steps = self._steps()
+    return steps[0] if steps else None
+
+  def _intact_meta(self, step: int) -> dict[str, Any] | None:
+    """The record of the save at ``step``, or None (logged) where it is damaged."""
+    try:
+      return self._read_meta(step)
+    except (ValueError, OSError) as error:  # a torn JSON file is a ValueError
+      log.warning("learner %r: the save of state_dir=%r at local step %d is damaged (%r):"
+                  " passed over", self.name, self.path, step, error)
+      return None
 
   @property
   def saved(self) -> bool:
@@ -303,20 +258,31 @@ class StateDir:
 
   def restore(self, like: Any, residuals_like: dict[int, dict[str, np.ndarray]] | None
               ) -> tuple[SavedCounters, Any, Any, dict[int, dict[str, np.ndarray]] | None]:
-    """``(counters, state, position, residuals)`` of the newest save.
+    """``(counters, state, position, residuals)`` of the newest intact save.
 
     Raises:
-      FileNotFoundError: nothing is saved.
+      FileNotFoundError: nothing intact is saved.
     """
+    for step in self._steps():
+      meta = self._intact_meta(step)
+      if meta is None:
+        continue
+      self._check_owner(meta, step)
+      if "state_leaves" in meta:  # saves before it was recorded are not checked
+        self._check_like(like, meta["state_leaves"], step)
+      try:
+        return self._restore(step, meta, like, residuals_like)
+      except (ValueError, OSError) as error:  # a damaged array file
+        log.warning("learner %r: the save of state_dir=%r at local step %d does not"
+                    " restore (%r): passed over", self.name, self.path, step, error)
+    raise FileNotFoundError(f"state_dir={self.path!r} holds no intact saved state.")
+
+  def _restore(self, step: int, meta: dict[str, Any], like: Any,
+               residuals_like: dict[int, dict[str, np.ndarray]] | None
+               ) -> tuple[SavedCounters, Any, Any, dict[int, dict[str, np.ndarray]] | None]:
+    """``restore`` of the save at ``step``, whose record is ``meta``."""
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
-    step = self.latest_step()
-    if step is None:
-      raise FileNotFoundError(f"state_dir={self.path!r} holds no saved state.")
-    meta = self._read_meta(step)
-    self._check_owner(meta, step)
-    if "state_leaves" in meta:  # saves before it was recorded are not checked
-      self._check_like(like, meta["state_leaves"], step)
     items = {}
     if jax.tree.leaves(like):
       # Orbax restores onto arrays, not numpy scalars (np.int32(0)): 0-d arrays instead.
