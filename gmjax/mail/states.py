@@ -45,7 +45,7 @@ from gmjax.core.schema import Schema
 from gmjax.mail import layout
 from gmjax.mail.errors import CorruptRecord
 from gmjax.mail.records import RoundRecord
-from gmjax.mail.store import BadObject, Store, fsync_dir
+from gmjax.mail.store import BadObject, LocalStore, Store, fsync_dir
 # The commit records, here for the modules that read states and commits together.
 from gmjax.mail.commits import DamagedCommit as DamagedCommit  # pylint: disable=g-bad-import-order
 from gmjax.mail.commits import commit_slots as commit_slots
@@ -211,7 +211,9 @@ def save_state(store: Store, fragment: int, state: FragmentState, nonce: str
   rel = layout.state_dir(fragment, state.version, nonce)
   tree, names = _tree(state)
   if store.local_root is not None:
-    target = os.path.join(store.folder(rel.rsplit("/", 1)[0]), rel.rsplit("/", 1)[1])
+    # Made as the local store makes folders: a link planted on the way is not followed.
+    folder, name = rel.rsplit("/", 1)
+    target = os.path.join(LocalStore(store.local_root).folder(folder), name)
     with _ORBAX_LOCK:
       _saver().save(target, tree)
     _fsync_tree(target)

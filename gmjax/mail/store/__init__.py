@@ -15,14 +15,13 @@ commit one version.
 
 from __future__ import annotations
 
-import importlib
 import os
 from typing import Any
 
-from gmjax.mail.errors import StorageNotInstalled, UnsupportedStorage
+from gmjax.mail.errors import UnsupportedStorage
 from gmjax.mail.store.base import (MIN_ATTEMPT_SECONDS, MIN_BYTES_PER_SECOND, BadObject,
                                    Store, attempt_deadline, is_transient)
-from gmjax.mail.store.fsspec import FsspecStore
+from gmjax.mail.store.fsspec import FsspecStore, require_filesystem
 from gmjax.mail.store.local import LocalStore, fsync_dir
 
 __all__ = ["MIN_ATTEMPT_SECONDS", "MIN_BYTES_PER_SECOND", "SUPPORTED_PROTOCOLS", "BadObject",
@@ -63,15 +62,7 @@ def open_store(url: str, *, retry_seconds: float = 30.0,
         " fsspec's generic create is an exists() check then a write, which two closers"
         f" can both pass. Use one of {', '.join(p + '://' for p in SUPPORTED_PROTOCOLS)}"
         " or a local directory.")
-  extra = {"gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"), "s3": ("s3fs", "s3"),
-           "s3a": ("s3fs", "s3")}.get(protocol)
-  if extra is not None:
-    try:
-      importlib.import_module(extra[0])
-    except ImportError as error:
-      raise StorageNotInstalled(
-          f"url={url!r}: a run on {protocol}:// needs {extra[0]}, which is not installed;"
-          f" pip install 'gmjax[{extra[1]}]'", name=extra[0]) from error
+  require_filesystem(protocol)
   if protocol in ("s3", "s3a"):
     from gmjax.mail.store.s3 import S3Store  # pylint: disable=g-import-not-at-top
 

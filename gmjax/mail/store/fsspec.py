@@ -29,6 +29,7 @@ from typing import Any
 
 import fsspec
 
+from gmjax.mail.errors import StorageNotInstalled
 from gmjax.mail.store.base import BadObject, Store, attempt_deadline
 
 log = logging.getLogger(__name__)
@@ -73,8 +74,9 @@ def require_filesystem(protocol: str) -> None:
   """Imports the filesystem package ``protocol`` needs, if it needs one of gmjax's extras.
 
   Raises:
-    ImportError: the package is not installed; the message names the extra that
-      installs it (``gs://`` needs gcsfs: ``pip install 'gmjax[gcs]'``).
+    StorageNotInstalled: the package is not installed (an ``ImportError``); the
+      message names the extra that installs it (``gs://`` needs gcsfs: ``pip install
+      'gmjax[gcs]'``).
   """
   if protocol not in _EXTRAS:
     return
@@ -82,7 +84,7 @@ def require_filesystem(protocol: str) -> None:
   try:
     importlib.import_module(package)
   except ImportError as error:
-    raise ImportError(
+    raise StorageNotInstalled(
         f"{protocol}:// needs {package}, which is not installed: pip install"
         f" 'gmjax[{extra}]' (or pip install {package}).", name=package) from error
 
