@@ -176,8 +176,9 @@ def write_commit(store: Store, record: RoundRecord, key: bytes | None, *,
              for v in committed_versions(store, fragment) if v > version):
         # A newer version was built on this one (an intact record: a damaged or planted
         # one proves nothing), so it was committed and then pruned (a closer paused
-        # past the run's retention): its slot is free, but the version is history. The record just made would stand below the kept versions with no
-        # state: taken back, as if another closer had committed first.
+        # past the run's retention): its slot is free, but the version is history. The
+        # record just made would stand below the kept versions with no state: taken
+        # back, as if another closer had committed first.
         store.delete(path)
         log.warning("version %d of fragment %d was committed and pruned while %s was"
                     " written: not committed again", version, fragment, path)

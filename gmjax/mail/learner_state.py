@@ -15,7 +15,8 @@ or starts a delayed phase from one) the learner saves, synchronously and before
 
 Each save is an Orbax checkpoint that completes atomically (locally a temporary directory
 renamed into place; on ``gs://`` a commit marker written last), so a process killed
-during a save leaves the previous one restorable; the newest two are kept. After ``pull``, ``Learner.restore(like)`` reads the newest one back; one damaged after it was
+during a save leaves the previous one restorable; the newest two are kept. After
+``pull``, ``Learner.restore(like)`` reads the newest one back; one damaged after it was
 saved (a torn file, a bad disk) is passed over, with a warning, for the one before it.
 
 A learner of several processes (``jax.distributed``) saves with all of them (Orbax's
