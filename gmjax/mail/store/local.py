@@ -64,11 +64,9 @@ class LocalStore(Store):
     """Makes ``folder``, removing files and links planted where it or a folder above it
     (under the root) belongs."""
     if self._link_at(folder, last=True) is None:
-      try:
+      with contextlib.suppress(FileExistsError, NotADirectoryError):  # a file on the way
         os.makedirs(folder, exist_ok=True)
         return
-      except (FileExistsError, NotADirectoryError):
-        pass
     relative = os.path.relpath(folder, self.root)
     if relative.split(os.sep)[0] in (os.curdir, os.pardir):
       os.makedirs(folder, exist_ok=True)
