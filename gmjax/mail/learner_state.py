@@ -187,17 +187,18 @@ class StateDir:
     with _LOCK:
       self._manager = ocp.CheckpointManager(path, options=options)
     self._meta: dict[str, Any] | None = None
-    for step in self._steps():
+    steps = self._steps()
+    for step in steps:
       meta = self._intact_meta(step)
       if meta is not None:
         self._check_owner(meta, step)
         self._meta = meta
         break
     else:
-      if self._steps():
+      if steps:
         raise CorruptRecord(
             f"state_dir={self.path!r}: no save of learner {self.name!r} is intact (local"
-            f" steps {self._steps()}); delete the state_dir to start afresh.")
+            f" steps {steps}); delete the state_dir to start afresh.")
 
   def _steps(self) -> list[int]:
     """The local steps of the complete saves, newest first."""
