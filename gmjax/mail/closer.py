@@ -355,7 +355,8 @@ class Closer:
         note=None if valid else "no valid contribution: no outer step, the fragment is unchanged",
         extra=extra,
     )
-    if states.write_commit(self.store, record, self.key):
+    if states.write_commit(self.store, record, self.key,
+                           keep_versions=self.manifest.keep_versions):
       self.states[watch.fragment] = result.state
       self.observe(record)
       log.info("round %d committed version %d of fragment %d by %s", watch.round,

@@ -147,7 +147,7 @@ def is_committed(store: Store, fragment: int, version: int, key: bytes | None) -
 
 
 def write_commit(store: Store, record: RoundRecord, key: bytes | None, *,
-                 supersede: int = 0) -> bool:
+                 supersede: int = 0, keep_versions: int | None = None) -> bool:
   """Creates the commit record exclusively; True if this call made the commit.
 
   The file holds ``record.to_json()`` (``gmjax.mail.records``), with ``supersedes`` and
@@ -155,8 +155,10 @@ def write_commit(store: Store, record: RoundRecord, key: bytes | None, *,
 
   The record goes to the first free slot after damaged ones (listed in its
   ``supersedes``); an intact record in a slot means another closer committed first. A
-  version below a committed one is never committed (again): its record is taken back
-  and False returned, as when another closer won.
+  version the run's ``keep_versions`` has already pruned (below the floor of a newer
+  intact record) is never committed again: its record is taken back and False
+  returned, as when another closer won. A newer version alone proves nothing: a fast
+  closer may commit on this record before this call looks.
   A repair (``recovery.repair``) passes ``supersede``, the number of slots it found,
   whose records it supersedes even when they parse (their state is damaged).
   """
@@ -172,8 +174,10 @@ def write_commit(store: Store, record: RoundRecord, key: bytes | None, *,
       final[signing.SIGNATURE] = signing.sign_record(key, final)
     path = layout.commit_slot(fragment, version, slot)
     if store.create(path, json.dumps(final, indent=1).encode()):
-      if any(is_committed(store, fragment, v, key)
-             for v in committed_versions(store, fragment) if v > version):
+      newer = [v for v in committed_versions(store, fragment) if v > version]
+      if keep_versions is not None and any(
+          version < v - keep_versions + 1 and is_committed(store, fragment, v, key)
+          for v in reversed(newer)):
         # A newer version was built on this one (an intact record: a damaged or planted
         # one proves nothing), so it was committed and then pruned (a closer paused
         # past the run's retention): its slot is free, but the version is history. The

@@ -113,7 +113,8 @@ def repair(store: Store, manifest: Manifest, fragment: int, version: int,
       theta_sha256=states.theta_digest(repaired.theta), committed_at=utc_now(),
       note=f"version {version} was damaged; it repeats version {state.version}",
       extra={"repair": {"reason": str(reason)[:200], "from_version": state.version}})
-  if states.write_commit(store, record, key, supersede=slots):
+  if states.write_commit(store, record, key, supersede=slots,
+                         keep_versions=manifest.keep_versions):
     return record, repaired
   states.remove_state(store, files)
   record = states.read_commit(store, fragment, version, key)
