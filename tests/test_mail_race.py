@@ -33,10 +33,10 @@ def test_two_closers_race(tmp_path, monkeypatch, url_kind):
   attempts = []
   write_commit = states.write_commit
 
-  def racing_write_commit(store, record, key):
+  def racing_write_commit(store, record, key, **options):
     attempts.append(record.closer)
     barrier.wait(timeout=20)  # both have aggregated and saved: now race for the name
-    return write_commit(store, record, key)
+    return write_commit(store, record, key, **options)
 
   monkeypatch.setattr(states, "write_commit", racing_write_commit)
   results = {}
