@@ -159,6 +159,43 @@ def test_any_parse_failure_is_a_rejection(text):
     payload.loads(struct.pack("<Q", len(text)) + text)
 
 
+def test_a_string_left_open_is_rejected_in_linear_time():
+  # Escaped quotes and no closing one: a string pattern that fails at the end is
+  # retried from every later quote (a 1 MB header would scan for hours).
+  text = b'"' + b'\\"' * 500_000
+  assert payload._STRING.sub(b'""', text) == b'""'  # one token, to the end
+  with pytest.raises(payload.PayloadError, match="not JSON"):
+    payload.loads(struct.pack("<Q", len(text)) + text)
+  braces = b'{"a": "' + b"[" * 10 + b"\\"  # an open string hides its brackets
+  assert payload._depth(braces) == 1
+
+
+@pytest.mark.parametrize("entries", [
+    # A first definition no check would read, under the second's signature.
+    b'{"a": {"dtype": "F64", "shape": [-1], "data_offsets": [0, 9]},'
+    b' "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}',
+    b'{"a": {"dtype": "F32", "dtype": "U8", "shape": [2], "data_offsets": [0, 8]}}',
+    b'{"__metadata__": {"learner": "x", "learner": "y"},'
+    b' "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}',
+])
+def test_a_repeated_name_is_rejected(entries):
+  entries += b" " * (-len(entries) % 8)
+  with pytest.raises(payload.PayloadError, match="twice"):
+    payload.loads(struct.pack("<Q", len(entries)) + entries + b"\0" * 8)
+  if b"__metadata__" not in entries:
+    with pytest.raises(Exception):  # safetensors refuses a repeated entry or field too
+      safetensors.numpy.load(struct.pack("<Q", len(entries)) + entries + b"\0" * 8)
+
+
+@pytest.mark.parametrize("metadata", [False, 0, "", []])
+def test_metadata_must_be_an_object_or_null(metadata):
+  header = {"__metadata__": metadata, "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+  with pytest.raises(payload.PayloadError, match="__metadata__"):
+    payload.loads(with_header(header, b"\0" * 8))
+  entries, found = payload.loads(with_header(dict(header, __metadata__=None), b"\0" * 8))
+  assert found == {} and list(entries) == ["a"]
+
+
 def test_header_size_is_bounded_by_the_reader():
   data = payload.dumps({"a": np.ones(2, np.float32)}, {"learner": "x" * 5000})
   assert payload.loads(data)[1]["learner"] == "x" * 5000

@@ -39,8 +39,10 @@ MAX_DIMENSION = 2**48
 hold together (numpy refuses sizes near 2^63, even of an empty array)."""
 METADATA_BYTES = 4096
 """Room ``bounds`` leaves for ``__metadata__``: its honest fields take a few hundred."""
-# A string token of JSON, escapes included (unrolled: linear, no backtracking).
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+# A string token of JSON, escapes included (unrolled: no backtracking). A string left
+# open runs to the end of the text: a pattern that failed there would be retried from
+# every later quote, quadratic in the header's length.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
 _OPEN = np.frombuffer(b"[{", np.uint8)
 _CLOSE = np.frombuffer(b"]}", np.uint8)
 _CODE_OF = {dtype: code for code, dtype in NUMPY_DTYPES.items()}
@@ -94,6 +96,21 @@ def bounds(payload_layout: Schema) -> tuple[int, int]:
   return header, 8 + header + sum(spec.nbytes for spec in payload_layout.parameters)
 
 
+class _Repeated(Exception):
+  """A JSON object names a key twice (``json.loads`` would keep the last silently)."""
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+  """A JSON object, refusing a repeated key: safetensors readers refuse one too, and a
+  first definition that no check reads must not ride along under a signature."""
+  result: dict[str, Any] = {}
+  for key, value in pairs:
+    if key in result:
+      raise _Repeated(key)
+    result[key] = value
+  return result
+
+
 def _depth(text: bytes) -> int:
   """How deep JSON ``text`` nests, counted without parsing it (brackets in strings aside)."""
   codes = np.frombuffer(_STRING.sub(b'""', text), np.uint8)
@@ -134,12 +151,15 @@ def loads(data: bytes, *, max_header_bytes: int = MAX_HEADER_BYTES
   if depth > MAX_HEADER_DEPTH:
     raise PayloadError(f"header nests {depth} deep, more than {MAX_HEADER_DEPTH}")
   try:
-    header = json.loads(text.decode("utf-8"))
+    header = json.loads(text.decode("utf-8"), object_pairs_hook=_object)
+  except _Repeated as error:
+    raise PayloadError(f"header names {quote(error.args[0])} twice") from None
   except (ValueError, RecursionError) as error:  # bad UTF-8 or JSON, a 5000-digit int
     raise PayloadError(f"header is not JSON: {quote(str(error))}") from None
   if not isinstance(header, dict):
     raise PayloadError("header is not a JSON object")
-  metadata = header.pop("__metadata__", {}) or {}
+  metadata = header.pop("__metadata__", None)
+  metadata = {} if metadata is None else metadata  # null: none, as safetensors reads it
   if not isinstance(metadata, dict) or not all(
       isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
   ):
