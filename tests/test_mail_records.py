@@ -10,6 +10,7 @@ import pytest
 
 import gmjax
 from gmjax import mail
+from gmjax.core.schedule import MAX_ESTIMATE_SECONDS
 from gmjax.mail import layout
 from gmjax.mail.records import RoundRecord
 
@@ -103,6 +104,21 @@ def test_unknown_fields_are_kept_known_ones_are_checked(trained):
   broken = dict(parsed, participants=[{"learner": "w0", "steps": 2}])
   with pytest.raises(mail.CorruptRecord, match="local_step"):
     RoundRecord.from_json(broken)
+
+
+def test_integers_past_a_floats_range_are_a_corrupt_record_not_an_overflow(trained):
+  # JSON integers are unbounded: a reader that takes one as a float must not raise
+  # OverflowError, which no reader of a commit catches.
+  run, _ = trained
+  parsed = json.loads(_raw(run, 1))
+  huge = 10**400
+  record = RoundRecord.from_json(dict(parsed, estimates={"step": huge}))
+  assert record.estimates.step == MAX_ESTIMATE_SECONDS  # a number, at the clamp's top
+  assert RoundRecord.from_json(dict(parsed, estimates={"step": -huge})).estimates.step == 0
+  for broken in (dict(parsed, quorum_seconds=huge), dict(parsed, cosine=-huge),
+                 dict(parsed, participants=[dict(parsed["participants"][0], weight=huge)])):
+    with pytest.raises(mail.CorruptRecord, match="past a float's range"):
+      RoundRecord.from_json(broken)
 
 
 def test_commit_of_a_version_or_fragment_that_is_not_there_says_which(tmp_path):

@@ -29,11 +29,13 @@ them stays finite and below ``9`` days whatever a record or a peer reports."""
 
 def _clamp(seconds: Any) -> float | None:
   """An estimate as a number in ``[0, MAX_ESTIMATE_SECONDS]``; None if it is not one."""
-  if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-    try:
-      seconds = float(seconds)
-    except (TypeError, ValueError, OverflowError):
-      return None
+  if isinstance(seconds, int) and not isinstance(seconds, bool):
+    # Clamped as an int first: a JSON integer past a float's range is still a number.
+    seconds = min(max(seconds, 0), MAX_ESTIMATE_SECONDS)
+  try:
+    seconds = float(seconds)
+  except (TypeError, ValueError, OverflowError):
+    return None
   if math.isnan(seconds):
     return None
   return min(max(float(seconds), 0.0), MAX_ESTIMATE_SECONDS)

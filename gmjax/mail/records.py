@@ -25,6 +25,7 @@ the closer writes:
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,6 +34,7 @@ from gmjax.core.records import Participant
 from gmjax.core.schedule import Estimates
 from gmjax.mail.errors import CorruptRecord
 
+_LARGEST_FLOAT = sys.float_info.max
 _ROUND_ONLY = ("opened_at", "quorum_seconds", "sync_seconds")
 _WAITS = ("wait_seconds", "grace_seconds", "takeover_seconds")  # optional, rounds only
 _KNOWN = frozenset((
@@ -252,6 +254,10 @@ class _Reader:
       ok = isinstance(value, int) and not isinstance(value, bool)
     elif kind is float:
       ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+      if ok and isinstance(value, int) and abs(value) > _LARGEST_FLOAT:
+        # A reader computing with it would raise OverflowError.
+        raise CorruptRecord(f"{self.where}: field {name!r} is an integer of"
+                            f" {value.bit_length()} bits, past a float's range")
     else:
       ok = isinstance(value, kind)
     if not ok:
