@@ -173,6 +173,19 @@ def test_subnormal_scales_clip(precision):
   assert float(scales[3]) == TINY
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_subnormal_scale_decodes_as_zero(precision):
+  """A payload may hold a subnormal scale that quantize never writes: it is zero, so the
+  largest code times it (a normal product) is zero on every backend. (CPU flushes it
+  anyway; the explicit flush is for backends that keep subnormals.)"""
+  codes, _ = gmjax.quantize(jnp.full([32], 1.0, jnp.float32), precision)
+  for scale in (1e-40, -1e-40, 2.0**-149):
+    decoded = gmjax.dequantize(codes, np.array([scale], np.float32), (32,), precision)
+    np.testing.assert_array_equal(np.asarray(decoded), np.zeros(32, np.float32))
+  decoded = gmjax.dequantize(codes, np.array([TINY], np.float32), (32,), precision)
+  assert np.all(np.asarray(decoded) == QMAX[precision] * TINY)
+
+
 def test_f8_does_not_overflow_to_nan():
   # 465 / (465 / 448) can round above 448; the cast alone would make NaN.
   for top in (465.0, 449.0, 1000.0, 3.0e38):

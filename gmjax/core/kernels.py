@@ -281,7 +281,11 @@ def dequantize(
       values = f4_values(fields)
     else:  # sign-extend two's complement: I4 -8 and I2 -2 decode as they read
       values = ((fields << (32 - bits)) >> (32 - bits)).astype(jnp.float32)
-  values = values.reshape(blocks, BLOCK) * jnp.asarray(scales, jnp.float32)[:, None]
+  scales = jnp.asarray(scales, jnp.float32)
+  # A subnormal scale is zero, as quantize makes it (a hostile payload may hold one; a
+  # backend that keeps subnormals would otherwise decode a normal product).
+  scales = jnp.where(jnp.abs(scales) < _SMALLEST_NORMAL, jnp.float32(0), scales)
+  values = values.reshape(blocks, BLOCK) * scales[:, None]
   # Subnormal products count as zero, on every backend (see quantize).
   # (NaN stays NaN, for the checks downstream.)
   values = jnp.where(jnp.abs(values) < _SMALLEST_NORMAL, jnp.float32(0), values)
