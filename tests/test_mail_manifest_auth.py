@@ -82,3 +82,21 @@ def test_signed_manifest_verifies_with_the_right_key_only(tmp_path):
     mail.open(url, key="another key")
   with pytest.raises(mail.AuthenticationError):
     mail.open(url)
+
+
+def test_forged_records_below_and_above_the_kept_versions_do_not_refuse_the_run(tmp_path):
+  # Whoever can write the run's storage, without the key, plants unsigned records at
+  # versions retention pruned and above the newest: the run's own manifest still opens.
+  from gmjax.mail import layout, states  # pylint: disable=g-import-not-at-top
+
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=1, quorum_size=1), key="k",
+                    keep_versions=2)
+  ms.train(run, "w", 0, 70)
+  kept = states.committed_versions(run.store, 0)
+  assert kept == [69, 70]
+  template = json.loads(run.store.get(layout.commit(0, kept[-1])))
+  for version in [*range(64), *range(1000, 1064)]:
+    forged = {**template, "version": version, "round": version - 1, "signature": "0" * 64}
+    run.store.put(layout.commit(0, version), json.dumps(forged).encode())
+  assert mail.open(url, key="k").newest_versions() == {0: 70}

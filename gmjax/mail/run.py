@@ -362,19 +362,16 @@ def open(url: str, *, key: bytes | str | None = None,  # pylint: disable=redefin
   return Run(url, store, manifest, key)
 
 
-MANIFEST_CHECK_VERSIONS = 64
-
-
 def _check_manifest_signs_records(store: Store, url: str, signer: bytes | None) -> None:
   """Raises AuthenticationError if the records of fragment 0 are signed with the key but
   none for this manifest's run: the manifest was copied from another run with the same
-  key. The versions are read oldest first (version 0 unless retention pruned it) up to
-  the first signed for the run, at most ``MANIFEST_CHECK_VERSIONS``: a forged record
-  planted below the oldest kept one cannot make a run refuse its own manifest."""
+  key. The versions are read newest first (the run's kept versions are its newest), up to
+  the first with a record signed for the run, and none is left out: forged records
+  planted at any versions, however many, cannot make a run refuse its own manifest."""
   if signer is None:
     return
   foreign = None
-  for version in (states.committed_versions(store, 0) or [0])[:MANIFEST_CHECK_VERSIONS]:
+  for version in sorted(states.committed_versions(store, 0) or [0], reverse=True):
     problems = [problem for _, _, problem in commit_slots(store, 0, version, signer)]
     if problems and all(problem == NOT_SIGNED for problem in problems):
       foreign = version if foreign is None else foreign
