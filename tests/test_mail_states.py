@@ -132,3 +132,35 @@ def test_a_damaged_version_is_logged_once_not_at_every_poll(tmp_path, caplog):
         commits.read_commit(run.store, 0, 1, None)
   levels = [r.levelno for r in caplog.records if "is damaged" in r.getMessage()]
   assert levels == [logging.WARNING] + [logging.DEBUG] * 4
+
+
+def test_a_state_changed_after_its_check_is_not_what_is_restored(tmp_path, monkeypatch):
+  # Whoever can write the run's folder swaps a checked checkpoint for another (and adds
+  # files the record does not list) between the sha256 check and Orbax's restore: what
+  # is restored must be the checked bytes, not the folder.
+  run = mail.create(str(tmp_path / "run"), ms.params0(), gmjax.DiLoCo(sync_every=2), key="k")
+  record = states.read_commit(run.store, 0, 0, run.signing_key)
+  good = states.load_state(run.store, record, 1 << 30)
+  elsewhere = mail.store.LocalStore(str(tmp_path / "elsewhere"))
+  evil = dataclasses.replace(good, theta={k: np.full_like(v, 1000.0) for k, v in good.theta.items()})
+  stored = states.save_state(elsewhere, 0, evil, "evil")
+  source = tmp_path / "elsewhere" / stored.state
+  target = tmp_path / "run" / record.state
+  checked = states._verified_file
+  remaining = [len(record.state_files)]
+
+  def swap_after_the_last_check(*args, **kwargs):
+    data = checked(*args, **kwargs)
+    remaining[0] -= 1
+    if remaining[0] == 0:
+      for path in source.rglob("*"):
+        if path.is_file():
+          (target / path.relative_to(source)).parent.mkdir(parents=True, exist_ok=True)
+          (target / path.relative_to(source)).write_bytes(path.read_bytes())
+    return data
+
+  monkeypatch.setattr(states, "_verified_file", swap_after_the_last_check)
+  restored = states.load_state(run.store, record, 1 << 30)
+  assert remaining[0] == 0
+  for name, value in good.theta.items():
+    np.testing.assert_array_equal(restored.theta[name], value)

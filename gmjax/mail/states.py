@@ -248,15 +248,9 @@ def load_state(store: Store, record: RoundRecord, max_bytes: int) -> FragmentSta
   rel, files = record.state, dict(record.state_files)
   if sha256(json.dumps(files, sort_keys=True).encode()) != record.state_sha256:
     raise CorruptRecord(f"commit of {rel}: state_files do not match state_sha256")
-  if store.local_root is not None:
-    # Verified in place; a file changed after the check would need a writer with access
-    # to the run's directory, which is trusted like the store itself.
-    target = os.path.join(store.local_root, *rel.split("/"))
-    for relfile, digest in files.items():
-      _verified_file(store, rel, relfile, digest, max_bytes)
-    with _ORBAX_LOCK:
-      tree = _checkpointer().restore(target)
-    return _state_from_tree(tree, record)
+  # Restored from a private copy of the verified bytes, on a local store too: Orbax,
+  # restoring the run's own folder, would read files the record does not list, and files
+  # changed between the check and the restore.
   with tempfile.TemporaryDirectory(prefix="gmjax-state-") as scratch:
     target = os.path.join(scratch, "state")
     for relfile, digest in files.items():
