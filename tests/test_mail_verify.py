@@ -99,6 +99,18 @@ def test_gap_bad_heartbeat_and_wrong_key(url):
   assert _status(url, "--verify") == 1
 
 
+def test_a_planted_version_far_above_the_others_is_one_gap(url, capsys):
+  # The gap to 10**12 was a set of a trillion numbers: verify and status ran out of
+  # memory instead of reporting the planted record.
+  run = mail.open(url, key=KEY)
+  run.store.put(layout.commit(0, 10**12), b"{}")
+  run.store.delete(layout.commit(1, 1))
+  problems = mail.verify(url, key=KEY)
+  assert any(f"versions [3-{10**12 - 1}] have no commit record" in p for p in problems), problems
+  assert any("fragments/1: versions [1] have no" in p for p in problems), problems
+  assert _status(url) == 1 and "DAMAGED" in capsys.readouterr().out
+
+
 def test_edited_record_fields_are_checked_against_the_schedule(tmp_path):
   url = str(tmp_path / "run")
   mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, quorum_size=1))
