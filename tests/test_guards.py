@@ -20,16 +20,30 @@ def test_quote_is_short_escaped_and_ascii():
 
 @pytest.mark.parametrize("values, expected", [
     ([5.0], [np.nan]),                          # M=1: nobody to compare with
-    ([1.0, 100.0], [100.0, 1.0]),                # M=2: each against the other
-    ([1.0, 2.0, 1e6], [2.0, 1.0, 1.0]),          # lower median of the others
-    ([1.0, 1e6, 1e6], [1e6, 1.0, 1.0]),          # two colluding outliers are both caught
+    ([1.0, 100.0], [1.0, 1.0]),                  # M=2: the larger judged by the smaller
+    ([1.0, 2.0, 1e6], [2.0, 2.0, 2.0]),          # the lower median, its own included
+    ([1.0, 1e6, 1e6], [1e6, 1e6, 1e6]),          # a majority is the median
+    ([1.0, 1.1, 0.05], [1.0, 1.0, 1.0]),         # a small minority cannot lower it
+    ([1.0, 1.1, 1.2, 0.05, 0.05], [1.0] * 5),
     ([0.0, 3.0], [3.0, np.nan]),                 # a zero is no reference
-    ([1.0, 2.0, 3.0, 4.0], [3.0, 3.0, 2.0, 2.0]),
+    ([np.nan, 2.0, 3.0], [2.0, 2.0, 2.0]),
+    ([1.0, 2.0, 3.0, 4.0], [2.0, 2.0, 2.0, 2.0]),
 ])
-def test_reference_is_the_lower_median_of_the_others(values, expected):
+def test_reference_is_the_lower_median(values, expected):
   np.testing.assert_array_equal(guards.reference(np.asarray(values)), np.asarray(expected))
   on_device = jax.jit(lambda v: guards.reference(v, xp=jnp))(jnp.asarray(values, jnp.float32))
   np.testing.assert_allclose(np.asarray(on_device), np.asarray(expected, np.float32))
+
+
+def test_a_minority_of_small_values_makes_no_one_an_outlier():
+  # Of three, one tiny delta (an attacker's, or a learner near its optimum) made both
+  # others outliers when each was judged by the lower median of the *others*.
+  np.testing.assert_array_equal(guards.outliers(np.asarray([1.0, 1.1, 0.05])),
+                                [False, False, False])
+  np.testing.assert_array_equal(
+      guards.outliers(np.asarray([1.0, 1.1, 1.2, 0.05, 0.05])), [False] * 5)
+  np.testing.assert_array_equal(  # and a minority of large ones is still caught
+      guards.outliers(np.asarray([1.0, 1.1, 1.2, 50.0, 60.0])), [False] * 3 + [True] * 2)
 
 
 def test_outliers_at_the_documented_factor():

@@ -93,6 +93,24 @@ def test_huge_finite_delta_is_an_outlier_and_never_aggregated(tmp_path):
   _finite(run)
 
 
+@pytest.mark.timeout(120)
+def test_a_tiny_delta_makes_no_honest_delta_an_outlier(tmp_path):
+  # Of three, each delta was judged by the lower median of the *other two*: the tiny
+  # one. Both honest deltas were rejected, and the tiny one was aggregated alone.
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2, quorum_size=3))
+  _mole(run)
+  for round_ in (0, 1):
+    run.store.put(f"rounds/{round_}/mole.safetensors",
+                  _payload(run, round_, "mole", _values(run, 1e-6)))
+  _train_pair(url, steps=6)
+  rounds = run.rounds()
+  for record in rounds[:2]:
+    assert sorted(p.learner for p in record.participants) == ["a0", "a1", "mole"], (
+        _reasons(record))
+  _finite(run)
+
+
 def test_quantized_delta_that_decodes_to_infinity_is_rejected(tmp_path):
   config = gmjax.DiLoCo(sync_every=2, delta_precision="F8_E4M3")
   run = mail.create(str(tmp_path / "run"), ms.params0(), config)

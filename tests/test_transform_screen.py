@@ -59,7 +59,7 @@ def test_screened_round_matches_the_reference(kind, learners, precision, shard_o
   if kind == "tokens":
     assert [entry["clamped"] for entry in log] == [1] * len(log)
     assert [entry["rejected"] for entry in log] == [0] * len(log)
-  else:  # of two, each is judged by the other: the smaller one is no outlier
+  else:  # of two, the larger is judged by the smaller, which is no outlier
     assert [entry["rejected"] for entry in log] == [1] * len(log)
   honest = [m for m in range(learners) if kind == "tokens" or m != bad]
   for m in honest:

@@ -258,20 +258,22 @@ def run(setup: Setup, steps: int) -> dict:
 OUTLIER_FACTOR = 10.0
 
 
-def _lower_median_of_others(values, i):
-  """The ⌊(k−1)/2⌋-th smallest of the other finite, positive values; None if none."""
-  others = sorted(v for j, v in enumerate(values)
-                  if j != i and v is not None and np.isfinite(v) and v > 0)
-  return others[(len(others) - 1) // 2] if others else None
+def _lower_median_beside(values, i):
+  """The ⌊(k−1)/2⌋-th smallest of the k finite, positive values, value ``i``'s own
+  included; None if no value but ``i``'s is one."""
+  usable = [j for j, v in enumerate(values) if v is not None and np.isfinite(v) and v > 0]
+  if not [j for j in usable if j != i]:
+    return None
+  return sorted(values[j] for j in usable)[(len(usable) - 1) // 2]
 
 
 def screen(deltas, tokens, names, factor=OUTLIER_FACTOR):
   """The learners whose deltas are aggregated, their token counts, and how many clamped.
 
   A delta with a NaN/Inf value is rejected; so is one whose norm exceeds ``factor``
-  times the lower median of the other finite deltas' norms. A kept learner's tokens
-  above the factor times the other kept learners' lower median are clamped to ``floor``
-  of that bound. Rejected learners count zero tokens. ``factor=None``: neither.
+  times the lower median of the finite deltas' norms (judged only beside another finite
+  delta). A kept learner's tokens above the factor times the kept learners' lower median
+  are clamped to ``floor`` of that bound. Rejected learners count zero tokens. ``factor=None``: neither.
   """
   learners = len(deltas)
   finite = [all(np.all(np.isfinite(d[n])) for n in names) for d in deltas]
@@ -279,14 +281,14 @@ def screen(deltas, tokens, names, factor=OUTLIER_FACTOR):
            if ok else None for d, ok in zip(deltas, finite)]
   kept = []
   for m in range(learners):
-    reference = _lower_median_of_others(norms, m)
+    reference = _lower_median_beside(norms, m)
     if finite[m] and (reference is None or factor is None or norms[m] <= factor * reference):
       kept.append(m)
   used = np.zeros(learners, np.float64)
   kept_tokens = [float(tokens[m]) if m in kept else None for m in range(learners)]
   clamped = 0
   for m in kept:
-    reference = _lower_median_of_others(kept_tokens, m)
+    reference = _lower_median_beside(kept_tokens, m)
     used[m] = tokens[m]
     if factor is not None and reference is not None and tokens[m] > np.floor(factor * reference):
       used[m] = np.floor(factor * reference)

@@ -122,7 +122,7 @@ class DiLoCo:
     trim: values ``"trimmed_mean"`` drops from each side of every coordinate: at least
       the number of colluding attackers it must withstand.
     outlier_factor: the screening before any rule: a delta whose norm is more than this
-      many times the lower median of the other learners' is rejected, and a token count
+      many times the lower median of the learners' is rejected, and a token count
       above it clamped (``gmjax.core.guards``). None rejects only non-finite deltas:
       DiLoCo exactly, for a trusted pool whose honest deltas may differ that much (of
       two learners, the larger of two deltas 10x apart is rejected).

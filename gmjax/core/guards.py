@@ -47,13 +47,17 @@ def _short_repr(value: Any, limit: int) -> str:
 
 
 def reference(values: Any, *, xp: Any = np) -> Any:
-  """For each value, the lower median of the *other* positive, finite values.
+  """For each value, the lower median of the positive, finite values, its own included;
+  NaN where no *other* value is one.
 
-  With ``M`` values, value ``i`` is judged against the others only, so that it cannot
-  pull its own reference up: with ``M = 2`` each is compared with the other, and with
-  ``M = 1`` there is nothing to compare with (NaN). The *lower* median (the
-  ``⌊(n−1)/2⌋``-th smallest of ``n``) keeps two colluding outliers among three from
-  vouching for each other. Zeros and non-finite values are no reference for anyone.
+  The lower median (the ``⌊(n−1)/2⌋``-th smallest of ``n``) is a rank: values above it
+  cannot raise it, however large, and fewer than half of the values, however small,
+  cannot lower it below the smallest of the rest. So a minority can neither vouch for
+  its own outliers nor make the others outliers. (The lower median of the *others*, by
+  which each value was judged before, is the smaller of the two others among three: one
+  learner with a tiny delta made both others outliers, and was aggregated alone.) With
+  ``M = 2`` the larger value is judged by the smaller; with ``M = 1`` there is nothing
+  to compare with (NaN). Zeros and non-finite values are no reference for anyone.
 
   Args:
     values: a 1-d array of ``M`` values (e.g. delta norms per step).
@@ -68,20 +72,16 @@ def reference(values: Any, *, xp: Any = np) -> Any:
   # Without sorting, so that the traced form is a few elementwise passes over M × M
   # (sorts and gathers of M values split a compiled program into many small kernels):
   # ``before[i, j]``, value ``j`` sorts before value ``i`` (unusable ones last, ties by
-  # position); ``rank[j]`` its place in that order.
+  # position); ``rank[i]`` its place in that order.
   v = xp.where(usable, values, xp.inf)
   position = xp.arange(count)
   before = (v[None, :] < v[:, None]) | ((v[None, :] == v[:, None])
                                         & (position[None, :] < position[:, None]))
   rank = xp.sum(before, axis=1)
-  n = xp.sum(usable) - usable.astype(rank.dtype)  # usable others of each value
-  k = (n - 1) // 2
-  # Value ``j``'s place among the others of ``i`` (``i`` taken out of the order); the
-  # reference of ``i`` is the usable other at place ``k``.
-  place = rank[None, :] - (rank[:, None] < rank[None, :])
-  chosen = usable[None, :] & (position[None, :] != position[:, None]) & (place == k[:, None])
-  picked = xp.sum(xp.where(chosen, v[None, :], 0), axis=1)
-  return xp.where(n > 0, picked, xp.nan)
+  n = xp.sum(usable)
+  median = xp.sum(xp.where(usable & (rank == (n - 1) // 2), v, 0))
+  others = n - usable.astype(rank.dtype)  # usable values besides each one
+  return xp.where(others > 0, median, xp.nan)
 
 
 def outliers(values: Any, factor: float = OUTLIER_FACTOR, *, xp: Any = np) -> Any:

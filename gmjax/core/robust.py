@@ -85,7 +85,7 @@ def check(aggregation: Any, trim: Any, outlier_factor: Any = guards.OUTLIER_FACT
       or not 1 < outlier_factor < float("inf")):
     raise ValueError(
         f"DiLoCo outlier_factor must be a number above 1 or None, got {outlier_factor!r}:"
-        " a delta whose norm is more than that many times the lower median of the other"
+        " a delta whose norm is more than that many times the lower median of the"
         " learners' is rejected (and token counts above it clamped); None screens out"
         " only non-finite deltas, as DiLoCo itself does.")
 

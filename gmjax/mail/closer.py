@@ -43,8 +43,8 @@ to the close: a follower waiting on the designated closer).
 
 Closing first screens the round's valid contributions (``screen``): a delta whose norm
 per step is an outlier (``gmjax.core.guards.outliers``: more than the run's
-``outlier_factor`` times the lower median of the others') is rejected, and tokens per
-step above that factor times the others' lower median are clamped (and recorded); with
+``outlier_factor`` times the lower median of the round's) is rejected, and tokens per
+step above that factor times the kept ones' lower median are clamped (and recorded); with
 ``outlier_factor=None``, neither. It then runs the core
 aggregator (weighted mean, outer step, publish); an outer step whose result is not finite
 is skipped (recorded as ``skipped``: the version commits with Θ and the outer state

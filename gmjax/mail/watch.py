@@ -99,7 +99,7 @@ def screen(watch: Watch, factor: float | None = guards.OUTLIER_FACTOR
       rejected.append(ContributionRejected(
           contribution.learner,
           f"delta norm per step {norm:.3g} is an outlier: more than"
-          f" {factor:g}x {reference:.3g}, the lower median of the others'"))
+          f" {factor:g}x {reference:.3g}, the lower median of the round's"))
       log.warning("round %d: %s", watch.round, rejected[-1])
     else:
       kept.append(contribution)
@@ -116,7 +116,7 @@ def screen(watch: Watch, factor: float | None = guards.OUTLIER_FACTOR
 
 def token_caps(tokens: list[int], steps: list[int], factor: float) -> list[int | None]:
   """Each kept contribution's most tokens: ``factor`` times the lower median of the
-  others' tokens per step, times its own steps (None: no other to judge it by).
+  kept ones' tokens per step, times its own steps (None: no other to judge it by).
 
   Formed as the in-mesh screening forms it (``gmjax.transform.screen.judge``: the
   reference count and the factor in F32, their product floored), so that both runtimes

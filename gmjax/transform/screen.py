@@ -8,10 +8,10 @@ values, both summed over the shards first when the outer step is sharded):
   dropped a step since its last delta, which would have made it non-finite:
   ``gmjax.transform.finite``; its token count is marked ``WITHHELD``);
 * a delta whose norm is an outlier (``gmjax.core.guards.outliers``: more than
-  ``DiLoCo.outlier_factor``, 10 by default, times the lower median of the *other*
-  learners' norms) is rejected;
-* a kept learner's token count above that factor times the lower median of the other
-  kept learners' counts is clamped to it (with ``outlier_factor=None``, neither).
+  ``DiLoCo.outlier_factor``, 10 by default, times the lower median of the learners'
+  finite norms, judged only beside another learner's) is rejected;
+* a kept learner's token count above that factor times the lower median of the kept
+  learners' counts is clamped to it (with ``outlier_factor=None``, neither).
 
 In-mesh every learner trains the same steps between syncs, so comparing norms and
 tokens equals the mail closer's comparison per step. A rejected learner's weight is zero

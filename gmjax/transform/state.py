@@ -29,7 +29,7 @@ class DiLoCoStatistics(NamedTuple):
       the latest round, F32; NaN with fewer than two nonzero ones (one learner).
     rejected: how many learners' deltas the latest round rejected (NaN or Inf values,
       withheld after a dropped step, or a norm more than ``DiLoCo.outlier_factor``
-      times the lower median of the others'; see ``gmjax.transform.screen``), int32.
+      times the lower median of the learners'; see ``gmjax.transform.screen``), int32.
     clamped: how many kept learners' token counts the latest round clamped, int32.
     clipped: with ``aggregation="clipped_mean"``, how many kept deltas the latest round
       clipped to the median norm, int32 (0 otherwise; ``gmjax.core.robust``).
