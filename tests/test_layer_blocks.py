@@ -184,9 +184,12 @@ def test_layer_blocks_match_numpy_diloco_on_separate_leaves(learners, fragments,
       assert sum(x.shape[-2] for x in jax.tree.leaves(kept)) == rows, names
 
 
-def test_explicit_fsdp_mesh_keeps_blocks_local_and_matches_vmap():
+@pytest.mark.parametrize("split", ["rows", "layers"])
+def test_explicit_fsdp_mesh_keeps_blocks_local_and_matches_vmap(split):
   # Layers on axis 0, the rows of each layer split over fsdp (axis 1): each device cuts
-  # its block from its own rows, so the step gathers nothing over fsdp.
+  # its block from its own rows, so the step gathers nothing over fsdp. With the layers
+  # themselves split over fsdp (a rule that splits every leaf's leading axis), writing
+  # a block back into its leaf failed to trace on an explicit mesh.
   learners, fsdp = 2, 4
   rng = np.random.default_rng(3)
   one = {"layers": {"w": rng.standard_normal((4, 8, 64)).astype(np.float32)},
@@ -209,7 +212,8 @@ def test_explicit_fsdp_mesh_keeps_blocks_local_and_matches_vmap():
                    jax.jit(jax.vmap(step, axis_name="learner")))
   mesh = jax.make_mesh((learners, fsdp), ("learner", "fsdp"),
                        axis_types=(jax.sharding.AxisType.Explicit,) * 2)
-  specs = {"layers": {"w": jax.P("learner", None, "fsdp")}, "out": jax.P("learner")}
+  layers = ("learner", None, "fsdp") if split == "rows" else ("learner", "fsdp", None)
+  specs = {"layers": {"w": jax.P(*layers)}, "out": jax.P("learner")}
   with jax.set_mesh(mesh):
     put = lambda tree: jax.tree.map(
         lambda v, s: jax.device_put(v, jax.NamedSharding(mesh, s)), tree, specs)
@@ -220,8 +224,10 @@ def test_explicit_fsdp_mesh_keeps_blocks_local_and_matches_vmap():
   for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(plain)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
   for leaf in (sharded["layers"]["w"], state.anchor["layers"]["w"]):
-    assert tuple(leaf.sharding.spec)[:3] == ("learner", None, "fsdp")
+    assert tuple(leaf.sharding.spec)[:3] == layers
     assert set(tuple(leaf.sharding.spec)[3:]) <= {None}
+  if split == "layers":
+    return  # a block is not one device's own: it crosses fsdp
   gathers = [c for c in hlo.collective_bytes(text)
              if c.op == "all-gather" and c.group_size != learners]
   assert gathers == []

@@ -49,6 +49,13 @@ class Piece:
     """The piece of the leaf value ``x`` (numpy or jax, traced or not)."""
     if self.axis is None:
       return x
+    split = _split_over(x, self.axis)
+    if split and (self.stop - self.start) % split:
+      # The layer axis is split over an explicit mesh axis that the block's layers do
+      # not divide: the leaf is gathered along it first (a slice cannot be typed).
+      spec = list(jax.typeof(x).sharding.spec)
+      spec[self.axis] = None
+      x = jax.sharding.reshard(x, jax.P(*spec))
     index = [slice(None)] * np.ndim(x)
     index[self.axis] = slice(self.start, self.stop)
     return x[tuple(index)]
@@ -57,7 +64,27 @@ class Piece:
     """``x`` with this piece replaced by ``value`` (traced: an in-place update slice)."""
     if self.axis is None:
       return value
-    return lax.dynamic_update_slice_in_dim(x, value.astype(x.dtype), self.start, self.axis)
+    value = value.astype(x.dtype)
+    if _split_over(x, self.axis):
+      # The layer axis split over an explicit mesh axis: the piece is laid out otherwise
+      # than the leaf, and explicit sharding asks where the result goes (the leaf's way).
+      index = [slice(None)] * x.ndim
+      index[self.axis] = slice(self.start, self.stop)
+      return x.at[tuple(index)].set(value, out_sharding=jax.typeof(x).sharding)
+    return lax.dynamic_update_slice_in_dim(x, value, self.start, self.axis)
+
+
+def _split_over(x: Any, axis: int) -> int:
+  """How many ways an explicit mesh splits axis ``axis`` of ``x`` (0: it is not split,
+  or ``x`` is not a jax value on an explicit mesh)."""
+  if not isinstance(x, jax.Array):  # tracers are too; numpy is not
+    return 0
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  spec = tuple(getattr(sharding, "spec", None) or ())
+  if axis >= len(spec) or spec[axis] is None:
+    return 0
+  names = spec[axis] if isinstance(spec[axis], tuple) else (spec[axis],)
+  return int(np.prod([sharding.mesh.shape[n] for n in names]))
 
 
 def stacked_leaves(names: Mapping[str, tuple[int, ...]],
