@@ -78,6 +78,9 @@ def test_dtypes():
     gmjax.Schema.from_tree({"count": jnp.zeros(2, jnp.int32)})
   with pytest.raises(ValueError):
     gmjax.Schema.from_tree({"x": np.zeros(2, np.int64)})
+  # A PRNG key's dtype is none numpy knows: named like any other, not a TypeError.
+  with pytest.raises(ValueError, match=r"'rng' has dtype key<fry>.*nnx.Param"):
+    gmjax.Schema.from_tree({"rng": jax.random.key(0), "w": jnp.zeros(3)})
   schema = gmjax.Schema.from_tree({"x": np.zeros(3, np.float64)})
   assert schema["x"].dtype == "F32"
   with pytest.raises(ValueError):

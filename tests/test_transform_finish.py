@@ -121,6 +121,24 @@ def test_finish_names_what_is_wrong():
   np.testing.assert_array_equal(theta["w"], params["w"])
 
 
+def test_a_stacked_state_needs_its_learner_axis_and_update_needs_a_state():
+  optimizer = gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=2, overlap_steps=0),
+                           axis_name="learner")
+  params = {"w": jnp.ones((4, 8, 1))}  # 4 learners, stacked by vmap
+  state = jax.vmap(optimizer.init, axis_name="learner")(params)
+  # Without learner_axis it returned the stacked anchor as if it were one model.
+  with pytest.raises(ValueError, match=r"state.count has shape \(4,\).*learner_axis=0"):
+    gmjax.finish(state, params)
+  assert gmjax.finish(state, params, learner_axis=0)["w"].shape == (8, 1)
+  # An Orbax restore without a target gives dicts: update named nothing but .anchor.
+  step = jax.vmap(optimizer.update, axis_name="learner")
+  with pytest.raises(TypeError, match=r"gmjax.diloco: update: state must be .*got dict"):
+    step(params, {"anchor": params}, params)
+  wrapped = (optax.EmptyState(), state)
+  with pytest.raises(TypeError, match=r"got tuple.*at state\[1\].*pass state\[1\]"):
+    step(params, wrapped, params)
+
+
 def test_finish_takes_a_numpy_integer_axis():
   # An axis read from an array's shape or a config (np.int64) is a dimension too.
   optimizer = gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=2, overlap_steps=0))

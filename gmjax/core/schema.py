@@ -43,10 +43,14 @@ METADATA = "__metadata__"  # the safetensors header's metadata key (``gmjax.core
 
 def dtype_code(dtype: Any, *, what: str = "leaf") -> str:
   """The schema code (``F32``/``F16``/``BF16``) of a parameter dtype; float64 is F32."""
-  dtype = np.dtype(dtype)
-  if dtype == np.float64:
-    return "F32"
-  code = _CODES.get(dtype)
+  try:
+    dtype = np.dtype(dtype)
+  except TypeError:  # a dtype numpy cannot hold, e.g. a PRNG key's key<fry>
+    code = None
+  else:
+    if dtype == np.float64:
+      return "F32"
+    code = _CODES.get(dtype)
   if code not in PARAMETER_DTYPES:
     raise ValueError(
         f"{what} has dtype {dtype}, but gmjax parameters must be float32, float16 or"

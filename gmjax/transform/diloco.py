@@ -24,6 +24,7 @@ from jax import lax
 
 from gmjax.core.diloco import DiLoCo
 from gmjax.transform import between, checks, elementwise, explicit, finite, rounds
+from gmjax.transform import finish as finish_lib
 from gmjax.transform import structure
 from gmjax.transform import tokens as token_counts
 from gmjax.transform.state import DiLoCoState, RoundState, initial_statistics
@@ -248,6 +249,8 @@ def diloco(
       raise TypeError(
           f"gmjax.diloco: update(between_rounds={between_rounds!r}) must be a Python bool"
           " (it chooses the program: pass it as a static argument of the jitted step).")
+    if not isinstance(state, DiLoCoState):
+      raise TypeError(finish_lib.not_a_state(state, "gmjax.diloco: update"))
     if params is None:
       raise ValueError(
           "gmjax.diloco: update needs params (the deltas are anchor − params); call"

@@ -79,7 +79,7 @@ def finish(state: DiLoCoState, params: Any, *, learner_axis: int | None = None) 
     (2,)
   """
   if not isinstance(state, DiLoCoState):
-    raise TypeError(_not_a_state(state))
+    raise TypeError(not_a_state(state))
   anchor = state.anchor
   found = structure.mismatch(params, anchor)
   if found is not None and found[0] == "structure":
@@ -98,6 +98,11 @@ def finish(state: DiLoCoState, params: Any, *, learner_axis: int | None = None) 
         f"gmjax.finish: params{path} has shape {got} but the state's anchor {want}; pass"
         " the parameters the optimizer was updating"
         + (", stacked like the state" if learner_axis is not None else "") + ".")
+  if learner_axis is None and jnp.ndim(state.count):
+    raise ValueError(
+        f"gmjax.finish: learner_axis=None, but state.count has shape"
+        f" {jnp.shape(state.count)}: the state is stacked over learners (as jax.vmap's"
+        " init returns it); pass learner_axis=0, the dimension they are stacked on.")
   if learner_axis is not None:
     # Any integer (np.int64 from a shape or a config too), but not a bool: True would
     # take axis 1.
@@ -131,23 +136,26 @@ def _check_stacked(state: DiLoCoState, learner_axis: int) -> None:
           " learners are stacked on (0 for jax.vmap's).")
 
 
-def _not_a_state(state: Any) -> str:
+def not_a_state(state: Any, where: str = "gmjax.finish") -> str:
   """The message for a ``state`` that is not a ``DiLoCoState``: where one lies in it."""
   is_state = lambda x: isinstance(x, DiLoCoState)
   found = [jax.tree_util.keystr(path) for path, leaf in
            jax.tree_util.tree_flatten_with_path(state, is_leaf=is_state)[0]
            if is_state(leaf)]
-  head = (f"gmjax.finish: state must be the gmjax.DiLoCoState of gmjax.diloco, got"
+  head = (f"{where}: state must be the gmjax.DiLoCoState of gmjax.diloco, got"
           f" {type(state).__name__}")
   if len(found) == 1:
     return (f"{head}, which holds one at state{found[0]} (gmjax.diloco inside another"
-            f" optax transformation): call gmjax.finish(state{found[0]}, params).")
+            f" optax transformation): "
+            + (f"call gmjax.finish(state{found[0]}, params)." if where == "gmjax.finish"
+               else f"pass state{found[0]}."))
   if found:
     return (f"{head}, which holds several, at {['state' + p for p in found]}: pass the"
             " one of the run whose params these are.")
   return (f"{head}, with no gmjax.DiLoCoState in it; pass the optimizer state that"
-          " gmjax.diloco's update returned (for optax.chain(clip, gmjax.diloco(...)),"
-          " state[1]).")
+          " gmjax.diloco's init or update returned (for optax.chain(clip,"
+          " gmjax.diloco(...)), state[1]; an Orbax restore needs that state as its"
+          " target, or it returns plain dicts).")
 
 
 def _their_mesh(params: Any) -> contextlib.AbstractContextManager:
