@@ -157,7 +157,7 @@ def test_updates_unlike_the_params_are_named(inner):
 
 
 @pytest.mark.parametrize("built,used,where", [
-    ({"fragments": 2}, {"fragments": 3}, r"state\.anchor|state\.master"),
+    ({"fragments": 2}, {"fragments": 3}, r"state\.(anchor|master|outer_state)"),
     ({"delta_precision": "I4"}, {"delta_precision": "I4", "error_feedback": 1.0},
      r"state\.residual"),
     ({"delta_precision": "I4", "error_feedback": 1.0}, {"delta_precision": "I4"},
@@ -179,6 +179,34 @@ def test_a_state_built_for_another_configuration_is_named(built, used, where):
   with pytest.raises(ValueError, match=where + r".*built for another configuration.*"
                                        r"restore it with the config it was saved with"):
     update(params, state, params)
+
+
+@pytest.mark.parametrize("built,used,where", [
+    (optax.sgd(0.1), optax.adam(0.1),
+     r"state\.inner_state is \(EmptyState\(\), EmptyState\(\)\), where .* builds"
+     r" \(ScaleByAdamState"),
+    (optax.adam(0.1), optax.sgd(0.1, momentum=0.9),
+     r"state\.inner_state\[0\] is ScaleByAdamState\(.*builds TraceState"),
+    (optax.adam(0.1), optax.adamw(0.1), r"state\.inner_state is \(ScaleByAdamState"),
+], ids=["sgd_adam", "adam_momentum", "adam_adamw"])
+def test_a_state_of_another_inner_optimizer_names_the_inner_state(built, used, where):
+  # It named state.count twice, "() where init builds ()", or a NamedTuple's count method.
+  config = gmjax.DiLoCo(sync_every=4, overlap_steps=0)
+  params = {"w": jnp.zeros(3)}
+  state = gmjax.diloco(built, config).init(params)
+  with pytest.raises(ValueError, match=where) as caught:
+    gmjax.diloco(used, config).update(params, state, params)
+  assert "builtin" not in str(caught.value) and "PyTreeDef" not in str(caught.value)
+
+
+def test_a_masked_part_shows_as_masked_not_as_a_shape():
+  config = gmjax.DiLoCo(sync_every=4, overlap_steps=0)
+  params = {"w": jnp.zeros(3), "v": jnp.zeros(3)}
+  state = gmjax.diloco(optax.adam(0.1), config).init(params)
+  two = gmjax.diloco(optax.adam(0.1), dataclasses.replace(config, fragments=2))
+  with pytest.raises(ValueError, match=r"state\.outer_state") as caught:
+    two.update(params, state, params)
+  assert "(((0,),),)" not in str(caught.value)
 
 
 def test_a_state_built_for_another_outer_layout_is_named():

@@ -47,6 +47,8 @@ def _at(tree: Any, path: tuple[Any, ...]) -> Any:
   """The node of ``tree`` at key path ``path`` (None where there is none)."""
   for key in path:
     if isinstance(key, jax.tree_util.GetAttrKey):
+      if hasattr(tree, "_fields") and key.name not in tree._fields:
+        return None  # a NamedTuple's method, such as count, is no node of it
       tree = getattr(tree, key.name, None)
     elif isinstance(key, jax.tree_util.SequenceKey):
       tree = tree[key.idx] if isinstance(tree, (list, tuple)) and key.idx < len(tree) else None
@@ -57,10 +59,18 @@ def _at(tree: Any, path: tuple[Any, ...]) -> Any:
   return tree
 
 
+class _Shown(str):
+  """Text that a tree's ``repr`` shows as it is (no quotes)."""
+
+  def __repr__(self) -> str:
+    return str(self)
+
+
 def _layout(tree: Any) -> str:
   """``tree`` with each array as its shape, as the message shows it (at most 300 characters)."""
-  text = repr(jax.tree.map(lambda x: jnp.shape(x), tree,
-                           is_leaf=lambda x: isinstance(x, optax.MaskedNode)))
+  shown = lambda x: (_Shown("MaskedNode()") if isinstance(x, optax.MaskedNode) else
+                     jnp.shape(x) if hasattr(x, "shape") else _Shown(type(x).__name__))
+  text = repr(jax.tree.map(shown, tree, is_leaf=lambda x: isinstance(x, optax.MaskedNode)))
   return text if len(text) <= 300 else text[:297] + "..."
 
 
@@ -85,9 +95,15 @@ def state_mismatch(state: Any, expected: Any) -> tuple[str, str, str] | None:
       while common < min(len(got_path), len(want_path)) and (
           got_path[common] == want_path[common]):
         common += 1
-      node = want_path[:common + 1]
-      return (jax.tree_util.keystr(node), _layout(_at(state, node)),
-              _layout(_at(expected, node)))
+      # The first of the two paths' nodes that the trees lay out otherwise (a part one
+      # side holds empty, e.g. another inner optimizer's, has no leaf to name it by).
+      # Else the node that holds both.
+      for node in (got_path[:common + 1], want_path[:common + 1], got_path[:common]):
+        here = _at(state, node), _at(expected, node)
+        shown = _layout(here[0]), _layout(here[1])
+        if None not in here and shown[0] != shown[1]:
+          break
+      return (jax.tree_util.keystr(node), *shown)
     if is_masked(g) != is_masked(w) or (not is_masked(g) and jnp.shape(g) != jnp.shape(w)):
       return jax.tree_util.keystr(got_path), describe(g), describe(w)
   if len(got) != len(want):
@@ -98,6 +114,11 @@ def state_mismatch(state: Any, expected: Any) -> tuple[str, str, str] | None:
     return jax.tree_util.keystr(path), describe(leaf), other
   if jax.tree.structure(state, is_leaf=is_masked) != jax.tree.structure(expected,
                                                                         is_leaf=is_masked):
+    for field in getattr(state, "_fields", ()):  # the part that differs, if one does
+      here = getattr(state, field), getattr(expected, field, None)
+      if jax.tree.structure(here[0], is_leaf=is_masked) != jax.tree.structure(
+          here[1], is_leaf=is_masked):
+        return f".{field}", _layout(here[0]), _layout(here[1])
     return "", str(jax.tree.structure(state)), str(jax.tree.structure(expected))
   return None
 
