@@ -102,3 +102,53 @@ def test_pmap_matches_numpy():
     params, state = jax.block_until_ready(
         step(params, state, targets, curvature, harness.tokens_at(setup, t)))
   _check(setup, params, state)
+
+
+def test_a_tuple_of_axes_is_manual_axes_not_nested_vmaps():
+  # Two manual mesh axes hold the learners (shard_map): the same run as one vmap axis.
+  # Two nested vmaps: JAX's all_gather across them failed at the first sync inside JAX.
+  config = gmjax.DiLoCo(sync_every=4, overlap_steps=1, fragments=2, delta_precision="I4")
+  learners = 4
+  params = {"w": jnp.arange(learners * 40 * 3, dtype=jnp.float32).reshape(learners, 40, 3)
+                 / 500.0, "b": jnp.ones((learners, 3))}
+  shift = jnp.arange(learners, dtype=jnp.float32)
+
+  def make(axis):
+    optimizer = gmjax.diloco(optax.adam(1e-2), config, axis_name=axis)
+
+    def step(p, s, a):
+      updates, s = optimizer.update(jax.tree.map(lambda v: jnp.sin(2 * v) + a, p), s, p)
+      return optax.apply_updates(p, updates), s
+    return optimizer, step
+
+  optimizer, step = make("learner")
+  plain = jax.jit(jax.vmap(step, axis_name="learner"))
+  p, s = params, jax.vmap(optimizer.init, axis_name="learner")(params)
+  for _ in range(6):
+    p, s = jax.block_until_ready(plain(p, s, shift))
+
+  optimizer, step = make(("a", "b"))
+  mesh = jax.make_mesh((2, 2), ("a", "b"))
+  spec = P(("a", "b"))
+  one = lambda t: jax.tree.map(lambda x: x[0], t)
+  stacked = lambda t: jax.tree.map(lambda x: x[None], t)
+  init = jax.jit(jax.shard_map(lambda q: stacked(optimizer.init(one(q))), mesh=mesh,
+                               in_specs=spec, out_specs=spec))
+  manual = jax.jit(jax.shard_map(lambda q, t, a: stacked(step(one(q), one(t), a[0])),
+                                 mesh=mesh, in_specs=(spec, spec, spec),
+                                 out_specs=(spec, spec)))
+  place = lambda tree: jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, spec)),
+                                    tree)
+  q = place(params)
+  t = init(q)
+  for _ in range(6):
+    q, t = jax.block_until_ready(manual(q, t, place(shift)))
+  for a, b in zip(jax.tree.leaves((q, t.anchor)), jax.tree.leaves((p, s.anchor))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+  nested = lambda f: jax.vmap(jax.vmap(f, axis_name="b"), axis_name="a")
+  grid = jax.tree.map(lambda x: x.reshape(2, 2, *x.shape[1:]), params)
+  state = nested(optimizer.init)(grid)
+  with pytest.raises(ValueError, match=r"axis_name=\('a', 'b'\) names several axes.*one"
+                                       r" axis"):
+    nested(lambda q, t, a: step(q, t, a))(grid, state, shift.reshape(2, 2))

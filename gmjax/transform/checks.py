@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from gmjax.core.diloco import CUSTOM, DiLoCo
-from gmjax.transform import structure
+from gmjax.transform import explicit, structure
 
 
 def arguments(inner: Any, config: Any, axis_name: Any, outer: Any, shard_outer: Any) -> None:
@@ -111,6 +111,17 @@ def axis_size(axis_name: Any, where: str, sharded: bool) -> int:
       + (" Or pass shard_outer=False to replicate the outer state (then init may run"
          " outside the axis)." if sharded and where == "init" else "")
   ) from None
+
+
+def one_vmap_axis(axis_name: Any) -> None:
+  """Raises unless a tuple of several ``axis_name``s is manual here (``shard_map``,
+  ``pmap``): JAX's ``all_gather`` over several ``vmap`` axes fails inside JAX."""
+  if isinstance(axis_name, tuple) and len(axis_name) > 1 and not explicit.manual(axis_name):
+    raise ValueError(
+        f"gmjax.diloco: axis_name={axis_name!r} names several axes, which the round's"
+        " collectives cross only as manual mesh axes (shard_map, pmap); under jax.vmap,"
+        " map the learners over one axis (reshape them to one dimension) and pass its"
+        " name.")
 
 
 def _check_like(what: str, tree: Any, like: Any, structured: str, shaped: str,

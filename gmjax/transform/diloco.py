@@ -157,7 +157,8 @@ def diloco(
       ``"custom"`` (``dataclasses.replace(config, outer="custom")``), so that the config
       records that the optimizer was given in code; None builds it from the config
       (``config.outer_transform()``), which must then name an optax optimizer.
-    axis_name: the learners' mapped axis name (or tuple of names); None is one learner.
+    axis_name: the learners' mapped axis name (or a tuple of names, as manual mesh axes of
+      ``shard_map`` or ``pmap``: not several ``vmap`` axes); None is one learner.
     shard_outer: shard the master and outer state over ``axis_name`` (None: whenever
       ``axis_name`` is set). Sharded, ``init`` must run inside the mapped axis, e.g.
       ``jax.vmap(optimizer.init, axis_name="learner")``.
@@ -256,6 +257,7 @@ def diloco(
           "gmjax.diloco: update needs params (the deltas are anchor − params); call"
           " update(grads, state, params)."
       )
+    checks.one_vmap_axis(axis_name)
     checks.params(params, state.anchor)
     checks.updates(updates, params)
     if axis_name is not None and not sharded:
