@@ -93,3 +93,43 @@ def test_an_observer_that_starts_during_a_replay_never_sees_the_learner_live(tmp
         roster.refresh()
         assert not roster.fresh("ghost", 60.0)
         time.sleep(ms.POLL)
+
+
+def _beats_of(run, incarnation, claim, seqs):
+  return [heartbeats.dumps({
+      "name": "w", "incarnation": incarnation, "claim": claim, "pid": 1, "host": "h",
+      "status": heartbeats.LIVE, "seq": seq, "step": 0, "first_round": 0,
+      "final_rounds": [], "versions": {}, "last_seen": "2026-01-01T00:00:00+00:00"},
+      run.signing_key) for seq in seqs]
+
+
+def test_an_older_incarnations_heartbeats_in_order_do_not_supersede_a_live_one(tmp_path):
+  # Recorded in order, an older incarnation's heartbeats rise when written back; with a
+  # claim planted for it, a live learner that met them after a pause stopped.
+  run = _run(tmp_path)
+  claimed = {}
+  for incarnation in ("a" * 32, "b" * 32):  # two joins of w: b is live
+    claimed[incarnation] = names.claim(run.store, "w", incarnation=incarnation,
+                                       liveness_timeout=0.0, poll_interval=ms.POLL,
+                                       key=run.signing_key)
+  assert claimed == {"a" * 32: 1, "b" * 32: 2}
+  for older, claim, stops in (("a" * 32, 1, False), ("c" * 32, 3, True)):
+    run.store.put("learners/w.claims/3", older.encode())  # planted, or a newer join's
+    seen, verdicts = {}, []
+    for beat in _beats_of(run, older, claim, range(1, names.ALIVE_BEATS + 2)):
+      run.store.put(layout.heartbeat("w"), beat)
+      verdicts.append(names.superseded(run.store, "w", "b" * 32, run.signing_key, seen,
+                                       claimed["b" * 32]))
+    assert any(verdicts) == stops, (older, verdicts)
+  assert heartbeats.Heartbeat.from_json(heartbeats.parse(
+      "w", _beats_of(run, "c" * 32, 3, [1])[0], run.signing_key)).claim == 3
+  with pytest.raises(heartbeats.BadHeartbeat, match="claim"):
+    heartbeats.parse("w", _beats_of(run, "c" * 32, -1, [1])[0], run.signing_key)
+
+
+def test_a_learners_heartbeats_name_its_claim(tmp_path):
+  run = _run(tmp_path)
+  for expected in (1, 2):
+    learner = run.join("w", poll_interval=ms.POLL)
+    assert heartbeats.read_one(run.store, "w", run.signing_key)["claim"] == expected
+    learner.close(learner.pull(ms.params0()))

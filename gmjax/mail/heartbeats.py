@@ -62,8 +62,7 @@ BEATS_TO_DEATH = 10
 """A learner is presumed dead once its heartbeat has stayed unchanged for this many of
 its own beat periods (``beat_seconds``), and for the observer's liveness timeout."""
 MAX_BEAT_SECONDS = 60.0  # a beat period counted at most this long (a minute a poll / 5)
-# A learner whose background work failed: not live, like a closed one.
-FAILED = "failed"
+FAILED = "failed"  # a learner whose background work failed: not live, like a closed one
 
 
 class BadHeartbeat(ValueError):
@@ -94,10 +93,10 @@ def parse(name: str, data: bytes, key: bytes | None) -> dict[str, Any]:
 
   Required: ``name`` (this file's), ``status`` (a short string: ``live``, ``closing``,
   ``closed`` or another word that counts as not live) and ``seq``; when present,
-  ``first_round``, ``step``, ``trained`` (ints in ``[0, 2**53)``), ``final_rounds`` (a
-  list of such ints), ``versions`` (fragment -> version), ``loss`` (a number or null),
-  ``step_seconds`` and ``idle_seconds`` (finite non-negative numbers or null) and short
-  strings for the times and host. Other fields are kept as they are.
+  ``first_round``, ``step``, ``trained``, ``claim`` (ints in ``[0, 2**53)``),
+  ``final_rounds`` (a list of such ints), ``versions`` (fragment -> version), ``loss`` (a
+  number or null), ``step_seconds`` and ``idle_seconds`` (finite non-negative numbers or
+  null) and short strings for the times and host. Other fields are kept as they are.
 
   Raises:
     BadHeartbeat: with the reason it is ignored.
@@ -119,7 +118,7 @@ def parse(name: str, data: bytes, key: bytes | None) -> dict[str, Any]:
     value = record.get(field, "")
     if not isinstance(value, str) or len(value) > MAX_TEXT:
       raise BadHeartbeat(name, f"{field}={quote(value)} is not a short string")
-  for field in ("seq", "first_round", "step", "trained"):
+  for field in ("seq", "first_round", "step", "trained", "claim"):
     if field in record:
       _count(record, field, name)
   for field in ("step_seconds", "idle_seconds", "beat_seconds"):
@@ -151,7 +150,7 @@ def parse(name: str, data: bytes, key: bytes | None) -> dict[str, Any]:
 _ALWAYS = ("name", "pid", "host", "joined_at", "incarnation", "status", "seq", "step",
            "first_round", "final_rounds", "versions", "step_seconds", "trained",
            "idle_seconds", "last_seen")  # what every heartbeat of a learner holds
-_WHEN_SET = ("loss", "closed_at", "error", "beat_seconds")  # not in every heartbeat
+_WHEN_SET = ("loss", "closed_at", "error", "beat_seconds", "claim")  # not in every one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +158,7 @@ class Heartbeat:
   """A learner's heartbeat (``learners/<name>.json``) as ``parse`` accepted it, typed.
 
   A field a heartbeat lacks reads as None (``final_rounds`` as ``()`` and ``versions``
-  as ``{}``). ``to_json`` gives the JSON a learner writes (``beats.HeartbeatWriter``):
+  as ``{}``), e.g. ``beat_seconds`` and ``claim`` in those written before them. ``to_json`` gives the JSON a learner writes (``beats.HeartbeatWriter``):
   the fields of ``_ALWAYS``, then ``loss``, ``closed_at`` and ``error`` when not None,
   then any others (the signature included) as they came.
 
@@ -182,8 +181,8 @@ class Heartbeat:
     loss: the last loss it reported, or None.
     closed_at: when it closed (UTC ISO), or None.
     error: why its background work failed (``failed``), or None.
-    beat_seconds: seconds between its periodic beats (None in heartbeats written before
-      the field existed).
+    beat_seconds: seconds between its periodic beats.
+    claim: the number of the incarnation's claim on the name (``gmjax.mail.names``).
     extra: fields this version does not know, kept in their order.
   """
 
@@ -207,6 +206,7 @@ class Heartbeat:
   closed_at: str | None = None
   error: Any = None
   beat_seconds: float | None = None
+  claim: int | None = None
   extra: Mapping[str, Any] = dataclasses.field(
       default_factory=lambda: FrozenDict({}))
 

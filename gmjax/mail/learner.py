@@ -163,9 +163,9 @@ class Learner(Resuming, Rounds):
     if self.primary:
       incarnation = uuid.uuid4().hex
       try:
-        names.claim(self.store, self.name, incarnation=incarnation,
-                    liveness_timeout=self._worker.liveness_timeout(),
-                    poll_interval=self.poll_interval, key=self.key)
+        claimed = names.claim(self.store, self.name, incarnation=incarnation,
+                              liveness_timeout=self._worker.liveness_timeout(),
+                              poll_interval=self.poll_interval, key=self.key)
       except BaseException:
         if self._state_dir is not None:
           self._state_dir.close()
@@ -173,7 +173,7 @@ class Learner(Resuming, Rounds):
       self._beats = HeartbeatWriter.joined(
           self.store, self.name, incarnation,
           Beat(heartbeats.LIVE, self.step_count, self.first_round),
-          self.poll_interval * HEARTBEAT_POLLS, key=self.key)
+          self.poll_interval * HEARTBEAT_POLLS, key=self.key, claim=claimed)
     self._worker.start(warm=self.primary)
     learner_exit.OPEN.add(self)
 

@@ -64,17 +64,25 @@ def _newest_claim(store, name: str) -> tuple[int, str | None]:
 
 
 def superseded(store, name: str, incarnation: str, key: bytes | None,
-               seen: dict[str, tuple[int, int]]) -> NameTaken | None:
+               seen: dict[str, tuple[int, int]], claim: int | None = None
+               ) -> NameTaken | None:
   """``NameTaken`` once a newer incarnation than ``incarnation`` holds ``name``, else None.
 
-  Newer: the newest claim is its, and its valid heartbeat has risen ``ALIVE_BEATS - 1``
+  Newer: the newest claim is its, its valid heartbeat has risen ``ALIVE_BEATS - 1``
   times across the calls (``seen``: its highest ``seq`` and rises so far, kept by the
-  caller), as a joiner watches a holder. One old heartbeat written back, and a claim
-  planted for it, never rise: a replay cannot stop a live learner.
+  caller), as a joiner watches a holder, and the claim its heartbeats name is above
+  ``claim``, this incarnation's. One old heartbeat written back, and a claim planted for
+  it, never rise; an older incarnation's heartbeats written back in order rise, but name
+  an older claim (claims are not signed; the heartbeats that name them are): a replay
+  cannot stop a live learner. (Heartbeats that name no claim, from before the field,
+  are judged by the claim and the rises alone.)
   """
   record = _heartbeat(store, name, key)
   other = None if record is None else record.get("incarnation")
   if other is None or other == incarnation:
+    return None
+  if claim is not None and isinstance(record.get("claim"), int) and record["claim"] <= claim:
+    seen.pop(other, None)
     return None
   _, holder = _newest_claim(store, name)
   if holder != other or record.get("status") not in (heartbeats.LIVE, heartbeats.CLOSING):
