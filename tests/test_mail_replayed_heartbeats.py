@@ -133,3 +133,47 @@ def test_a_learners_heartbeats_name_its_claim(tmp_path):
     learner = run.join("w", poll_interval=ms.POLL)
     assert heartbeats.read_one(run.store, "w", run.signing_key)["claim"] == expected
     learner.close(learner.pull(ms.params0()))
+
+
+def test_heartbeats_that_name_no_claim_do_not_supersede_a_learner_that_has_one(tmp_path):
+  # Written back in order, with a claim planted for them: the same replay, from a gmjax
+  # that wrote no claim into heartbeats.
+  run = _run(tmp_path)
+  for incarnation in ("a" * 32, "b" * 32):
+    names.claim(run.store, "w", incarnation=incarnation, liveness_timeout=0.0,
+                poll_interval=ms.POLL, key=run.signing_key)
+  run.store.put("learners/w.claims/3", ("a" * 32).encode())
+  seen = {}
+  for seq in range(1, names.ALIVE_BEATS + 2):
+    record = heartbeats.parse("w", _beats_of(run, "a" * 32, 1, [seq])[0], run.signing_key)
+    del record["claim"], record["signature"]
+    run.store.put(layout.heartbeat("w"), heartbeats.dumps(record, run.signing_key))
+    assert names.superseded(run.store, "w", "b" * 32, run.signing_key, seen, 2) is None
+
+
+def test_a_claim_planted_at_the_last_number_is_named_not_claimed_past(tmp_path):
+  # The join claimed 2**53, which no reader counts, and its own heartbeats, naming it,
+  # failed every reader's check.
+  run = _run(tmp_path)
+  run.store.put(f"learners/w.claims/{2**53 - 1}", b"x" * 32)
+  with pytest.raises(mail.NameTaken, match=rf"claim {2**53 - 1}.*planted.*delete"):
+    run.join("w", poll_interval=ms.POLL)
+  assert run.store.list("learners/w.claims") == [str(2**53 - 1)]
+
+
+def test_a_loss_past_a_floats_range_is_a_bad_heartbeat(tmp_path):
+  run = _run(tmp_path)
+  record = heartbeats.parse("w", _beats_of(run, "a" * 32, 1, [1])[0], run.signing_key)
+  del record["signature"]
+  for loss, ok in ((10**400, False), (-(10**400), False), (float("inf"), True),
+                   (float("nan"), True), (3, True)):
+    data = heartbeats.dumps(dict(record, loss=loss), run.signing_key)
+    if ok:
+      heartbeats.parse("w", data, run.signing_key)
+    else:
+      with pytest.raises(heartbeats.BadHeartbeat, match="loss"):
+        heartbeats.parse("w", data, run.signing_key)
+  run.store.put(layout.heartbeat("w"), heartbeats.dumps(dict(record, loss=10**400),
+                                                        run.signing_key))
+  # gmjax status raised OverflowError on it; it is a damaged heartbeat now.
+  assert "learners/w.json: loss=" in mail.format_status(mail.open(run.url, key=KEY))

@@ -1,7 +1,7 @@
 """In-mesh, a round's deltas are screened by the mail closer's rules before they are summed.
 
 A delta with a NaN or Inf value, or whose norm is more than ``OUTLIER_FACTOR`` times the
-lower median of the other learners', is left out of the sum (the others' token weights
+lower median of the learners' finite norms (its own included), is left out of the sum (the others' token weights
 renormalized) and counted in ``stats.rejected``; outlying token counts are clamped and
 counted in ``stats.clamped``. The numpy reference loop applies the same rules, written
 from their definition.

@@ -16,8 +16,7 @@ an observer that starts while they are written back times the first two it sees 
 the age they state: a dead learner's last heartbeats never make it live.
 
 Who is live for round ``r``: a ``live`` learner whose ``first_round <= r``, and a
-``closing`` learner for the rounds in its ``final_rounds``; in both cases only while its
-heartbeat is fresh.
+``closing`` one for the rounds in its ``final_rounds``, while its heartbeat is fresh.
 
 A heartbeat is untrusted: it is read with a size bound (``MAX_HEARTBEAT_BYTES``) and
 checked field by field (``parse``); with a run key it must carry a valid HMAC-SHA256
@@ -25,9 +24,8 @@ signature (``signing.sign_record``). A heartbeat that fails is ignored (its lear
 neither known nor live) and reported: logged once per reason, and listed by
 ``Roster.bad`` and ``run.status()["bad_heartbeats"]``.
 
-``watch.Known`` is what a learner's worker hands the closer's scan to check
-contributions' names against: a roster lookup that refreshes the roster at most once a
-scan.
+``watch.Known``, what the closer's scan checks contributions' names against, is a
+roster lookup that refreshes the roster at most once a scan.
 """
 
 from __future__ import annotations
@@ -37,6 +35,7 @@ import datetime
 import json
 import logging
 import math
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -141,8 +140,9 @@ def parse(name: str, data: bytes, key: bytes | None) -> dict[str, Any]:
   if not isinstance(versions, dict) or not all(
       type(v) is int and 0 <= v < MAX_COUNT for v in versions.values()):
     raise BadHeartbeat(name, f"versions={quote(versions)} is not fragment -> version")
-  loss = record.get("loss")
-  if loss is not None and type(loss) not in (int, float):  # NaN and inf are losses too
+  loss = record.get("loss")  # NaN and inf are losses too; an int past a float's is not
+  if loss is not None and (type(loss) not in (int, float) or (
+      type(loss) is int and abs(loss) > sys.float_info.max)):
     raise BadHeartbeat(name, f"loss={quote(loss)} is not a number")
   return record
 

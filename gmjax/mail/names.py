@@ -74,15 +74,16 @@ def superseded(store, name: str, incarnation: str, key: bytes | None,
   ``claim``, this incarnation's. One old heartbeat written back, and a claim planted for
   it, never rise; an older incarnation's heartbeats written back in order rise, but name
   an older claim (claims are not signed; the heartbeats that name them are): a replay
-  cannot stop a live learner. (Heartbeats that name no claim, from before the field,
-  are judged by the claim and the rises alone.)
+  cannot stop a live learner. A heartbeat that names no claim (as a gmjax before the
+  field writes it) is not newer either: a run's learners run this gmjax or a later one.
   """
   record = _heartbeat(store, name, key)
   other = None if record is None else record.get("incarnation")
   if other is None or other == incarnation:
     return None
-  if claim is not None and isinstance(record.get("claim"), int) and record["claim"] <= claim:
-    seen.pop(other, None)
+  if claim is not None and not (isinstance(record.get("claim"), int)
+                                and record["claim"] > claim):
+    seen.pop(other, None)  # an older join's heartbeat, or one that names no claim
     return None
   _, holder = _newest_claim(store, name)
   if holder != other or record.get("status") not in (heartbeats.LIVE, heartbeats.CLOSING):
@@ -169,6 +170,11 @@ def claim(store, name: str, *, incarnation: str, liveness_timeout: float,
       time.sleep(poll_interval)
       record = _heartbeat(store, name, key)
       state = _holder_state(record, holder)
+  if number + 1 >= MAX_CLAIM:  # its claim would be one no reader counts
+    raise NameTaken(
+        f"learner name {name!r} has a claim {number}, the last a reader counts: it was"
+        f" planted; delete {_claims(name)}/{number} from the run (it names no live"
+        " learner), or join with another name.")
   if not store.create(f"{_claims(name)}/{number + 1}", incarnation.encode()):
     raise NameTaken(f"learner name {name!r} was claimed by another learner joining at the"
                     " same time; join with another name.")
