@@ -152,6 +152,18 @@ def test_transient_classification():
     code = 503
 
   assert store_lib.is_transient(HttpError())
+  # What the libraries raise, as they raise it: botocore's connection errors, a 502
+  # from a proxy under gcsfs (requests' ProxyError), and S3's 409 to two conditional
+  # writes of one key at once (s3fs maps it to EIO). None was retried.
+  botocore = pytest.importorskip("botocore.exceptions")
+  requests = pytest.importorskip("requests")
+  assert store_lib.is_transient(botocore.EndpointConnectionError(endpoint_url="http://x"))
+  assert store_lib.is_transient(botocore.ReadTimeoutError(endpoint_url="http://x"))
+  assert store_lib.is_transient(requests.exceptions.ProxyError())
+  assert store_lib.is_transient(OSError(
+      5, "An error occurred (ConditionalRequestConflict) when calling the PutObject"
+         " operation: A conflicting conditional operation is currently in progress"))
+  assert not store_lib.is_transient(OSError(5, "An error occurred (AccessDenied)"))
 
 
 def test_open_store_rejects_non_strings():

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import abc
 import copy
-import errno
 import hashlib
 import logging
 import random
@@ -55,18 +54,12 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from gmjax.mail.errors import CorruptRecord, StorageUnavailable
+from gmjax.mail.store.transient import is_transient
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_TRANSIENT_ERRNOS = frozenset(
-    {errno.EAGAIN, errno.EBUSY, errno.EINTR, errno.ETIMEDOUT, errno.ECONNRESET,
-     errno.ECONNABORTED, errno.ECONNREFUSED, errno.EPIPE}
-    # s3fs maps HTTP 500 (InternalError) to EREMOTEIO, 409/503 (conflict, SlowDown) to EBUSY.
-    | ({errno.EREMOTEIO} if hasattr(errno, "EREMOTEIO") else set())
-)
-_TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
 _CHUNK = 4 << 20  # read and hash in 4 MiB pieces: each is hashed while still in cache
 # An attempt's deadline: never under MIN_ATTEMPT_SECONDS (a healthy request takes well
 # under a second), and its bytes at MIN_BYTES_PER_SECOND on top (a slow uplink still
@@ -102,25 +95,6 @@ class BadObject(ValueError):
 # are), named rather than imported: a credentials problem, never transient.
 _NO_CREDENTIALS = frozenset({"NoCredentialsError", "PartialCredentialsError",
                              "CredentialRetrievalError"})
-
-
-def is_transient(error: BaseException) -> bool:
-  """Whether a storage error is worth retrying (a timeout, reset or HTTP 429/5xx)."""
-  if isinstance(error, (FileNotFoundError, FileExistsError, PermissionError,
-                        IsADirectoryError, NotADirectoryError)):
-    return False
-  if isinstance(error, (ConnectionError, TimeoutError, InterruptedError)):
-    return True
-  if isinstance(error, OSError) and error.errno in _TRANSIENT_ERRNOS:
-    return True
-  code = getattr(error, "code", None)
-  if isinstance(code, int) and code in _TRANSIENT_HTTP:
-    return True
-  # aiohttp and requests errors (gcsfs) without importing either.
-  return type(error).__name__ in {
-      "ClientConnectionError", "ClientOSError", "ServerDisconnectedError",
-      "ServerTimeoutError", "ClientPayloadError", "ConnectionError", "ReadTimeout",
-  }
 
 
 class Store(abc.ABC):
