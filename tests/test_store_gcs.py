@@ -118,3 +118,17 @@ def test_mail_run_over_gcs(bucket):
   for name in params:
     np.testing.assert_array_equal(params[name], out["g0"][name])
   assert "g0" in mail.format_status(run)
+
+
+@pytest.mark.timeout(60)
+def test_an_empty_object_and_a_pattern_name(bucket):
+  # A ranged read of an empty object is answered 416 (readers raised it); fsspec's rm
+  # took a run named run-? as a pattern and deleted the other runs it matched.
+  base = _url(bucket)
+  other, mine = store_lib.open_store(base + "-a"), store_lib.open_store(base + "-?")
+  mine.put("learners/ghost.json", b"")
+  assert mine.read("learners/ghost.json", 100) == b""
+  for store in (other, mine):
+    store.put("rounds/0/x.safetensors", b"1")
+  mine.delete("rounds/0")
+  assert other.list("rounds/0") == ["x.safetensors"] and mine.list("rounds/0") == []

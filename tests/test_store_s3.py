@@ -5,6 +5,7 @@ through ``endpoint_url``. Nothing is mocked: requests go over HTTP to the server
 keeps the objects and enforces ``If-None-Match: *`` on ``PutObject``.
 """
 
+import json
 import threading
 import time
 import uuid
@@ -173,3 +174,58 @@ def test_junk_at_a_learners_next_contribution_path_never_stands_for_it(options):
   assert [r.round for r in rounds] == [0, 1]
   assert all(sorted(p.learner for p in r.participants) == ["a0", "a1"]
              and not r.rejected for r in rounds), rounds
+
+
+@pytest.mark.timeout(120)
+def test_a_run_needs_rights_on_its_own_prefix_only(options, monkeypatch):
+  # The probe of conditional writes went to <bucket>/.gmjax-probe/, outside the run:
+  # credentials limited to the run's prefix could not create a commit.
+  boto3 = pytest.importorskip("boto3")
+  moto_settings = pytest.importorskip("moto.settings")
+  from gmjax.mail.store import s3 as s3_store  # pylint: disable=g-import-not-at-top
+
+  iam = boto3.client("iam", endpoint_url=options["endpoint_url"], region_name="us-east-1",
+                     aws_access_key_id="x", aws_secret_access_key="x")
+  user, prefix = f"u{uuid.uuid4().hex[:8]}", uuid.uuid4().hex[:8]
+  iam.create_user(UserName=user)
+  iam.put_user_policy(UserName=user, PolicyName="runs-only", PolicyDocument=json.dumps({
+      "Version": "2012-10-17", "Statement": [
+          {"Effect": "Allow", "Action": ["s3:*"],
+           "Resource": [f"arn:aws:s3:::{BUCKET}/{prefix}/*"]},
+          {"Effect": "Allow", "Action": ["s3:ListBucket"],
+           "Resource": [f"arn:aws:s3:::{BUCKET}"]}]}))
+  key = iam.create_access_key(UserName=user)["AccessKey"]
+  limited = dict(options, key=key["AccessKeyId"], secret=key["SecretAccessKey"])
+  monkeypatch.setattr(s3_store, "_PROBED", set())  # probe again, with these rights
+  monkeypatch.setattr(moto_settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # enforce them
+  store = store_lib.open_store(f"s3://{BUCKET}/{prefix}/run", storage_options=limited,
+                               retry_seconds=5)
+  assert store.create("fragments/0/0.commit.json", b"c")
+  assert not store.create("fragments/0/0.commit.json", b"d")
+  with pytest.raises(PermissionError):  # the policy holds outside the prefix
+    store_lib.open_store(f"s3://{BUCKET}/elsewhere", storage_options=limited,
+                         retry_seconds=5).put("x", b"x")
+
+
+@pytest.mark.timeout(120)
+def test_an_empty_object_reads_as_empty(options):
+  # A ranged read of an empty object is answered 416; readers raised OSError on it (one
+  # planted empty heartbeat stopped every learner).
+  store = store_lib.open_store(_url(), storage_options=options)
+  store.put("learners/ghost.json", b"")
+  assert store.read("learners/ghost.json", 100) == b"" and store.get("learners/ghost.json") == b""
+
+
+@pytest.mark.timeout(120)
+def test_deleting_from_a_run_whose_name_is_a_pattern_touches_no_other_run(options):
+  base = _url()
+  other = store_lib.open_store(base + "-a", storage_options=options)
+  mine = store_lib.open_store(base + "-?", storage_options=options)
+  for store in (other, mine):
+    store.put("rounds/0/x.safetensors", b"1")
+  mine.put("rounds/1/*", b"planted")
+  mine.put("rounds/1/y.safetensors", b"2")
+  mine.delete("rounds/0")
+  mine.delete("rounds/1/*")
+  assert other.list("rounds/0") == ["x.safetensors"] and mine.list("rounds/0") == []
+  assert mine.list("rounds/1") == ["y.safetensors"]

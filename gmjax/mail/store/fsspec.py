@@ -23,6 +23,7 @@ import datetime
 import importlib
 import logging
 import os
+import re
 import threading
 
 from typing import Any
@@ -64,10 +65,18 @@ def _date(info: dict[str, Any]) -> float | None:
   return None
 
 
+_PATTERN = re.compile(r"[*?\[]")  # what fsspec's rm and expand_path take as a pattern
+
 # The fsspec filesystem package each cloud protocol needs, and the gmjax extra that
 # installs it.
 _EXTRAS = {"gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"),
            "s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3")}
+
+
+def _unsatisfiable(error: BaseException) -> bool:
+  """Whether ``error`` is an HTTP 416 (a range past the object's end): gcsfs keeps the
+  code, s3fs maps it to ``OSError(EINVAL)`` with S3's message."""
+  return getattr(error, "code", None) == 416 or "range is not satisfiable" in str(error)
 
 
 def require_filesystem(protocol: str) -> None:
@@ -180,7 +189,12 @@ class FsspecStore(Store):
       try:
         data = self.fs.cat_file(self._path(path), start=0, end=max_bytes + 1,
                                 **self._limit())
-      except FileNotFoundError:
+      except Exception as error:  # pylint: disable=broad-except
+        # S3 and GCS answer a range of an empty object with 416: it holds nothing.
+        if _unsatisfiable(error) and self.fs.size(self._path(path), **self._limit()) == 0:
+          return b""
+        if not isinstance(error, FileNotFoundError):
+          raise
         # In memory:// a folder takes the name from objects, as on a disk; on object
         # stores a prefix and a key of one name are independent (and asking costs a
         # request).
@@ -238,5 +252,14 @@ class FsspecStore(Store):
     target = self._path(path)
     # Deleting what is gone is done.
     with contextlib.suppress(FileNotFoundError), self._serial():
-      self.fs.rm(target, recursive=True, **self._limit())
+      if _PATTERN.search(target):
+        # fs.rm expands * ? [ as a pattern: it would delete other runs' objects (a run
+        # named run-?) or a whole folder (a planted rounds/3/*). Exact names instead.
+        if self.fs.isfile(target):
+          self.fs.rm_file(target, **self._limit())
+        else:
+          for name in self.fs.find(target, **self._limit()):
+            self.fs.rm_file(name, **self._limit())
+      else:
+        self.fs.rm(target, recursive=True, **self._limit())
     self.fs.invalidate_cache(target)

@@ -10,8 +10,8 @@ winner's object (or its own, which counts as created).
 Some S3-compatible services accept the header and ignore it, which would let two
 closers both commit a version without any error. The first exclusive create of each
 endpoint and bucket in a process therefore probes the service: it creates a probe
-object twice and requires the second create to be refused, else raises
-``UnsupportedStorage``.
+object (under the run's prefix) twice and requires the second create to be refused, else
+raises ``UnsupportedStorage``.
 
 Credentials and the endpoint come from ``storage_options`` (``key``, ``secret``,
 ``endpoint_url``, ``client_kwargs``, ...), or from the usual ``AWS_*`` environment.
@@ -19,6 +19,7 @@ Credentials and the endpoint come from ``storage_options`` (``key``, ``secret``,
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
 from typing import Any
@@ -58,7 +59,8 @@ class S3Store(FsspecStore):
     with _PROBE_LOCK:
       if (self._endpoint, bucket) in _PROBED:
         return
-      probe = f"{bucket}/{PROBE_PREFIX}/{uuid.uuid4().hex}"
+      # Under the run's own prefix: credentials may be limited to it.
+      probe = f"{self.root}/{PROBE_PREFIX}/{uuid.uuid4().hex}"
       try:
         self._put_if_absent(probe, b"first")
         try:
@@ -72,10 +74,10 @@ class S3Store(FsspecStore):
             " a version exactly once; use Amazon S3, another service that honours"
             " conditional writes, gs://, or a local directory.")
       finally:
-        try:
+        # Nothing stored, or no right to delete it: the probe's verdict (or its error)
+        # is what counts, not its removal.
+        with contextlib.suppress(OSError):
           self.fs.rm_file(probe, **self._limit())
-        except FileNotFoundError:
-          pass  # nothing was stored: nothing to remove
 
   def _create(self, path: str, data: bytes) -> None:
     target = self._path(path)
