@@ -8,7 +8,9 @@ import pytest
 import gmjax
 from gmjax import mail
 from gmjax.app import cli
+from gmjax.mail import heartbeats
 from gmjax.mail import layout
+from gmjax.mail import manifest as manifest_lib
 
 import mail_support as ms
 
@@ -109,6 +111,21 @@ def test_a_planted_version_far_above_the_others_is_one_gap(url, capsys):
   assert any(f"versions [3-{10**12 - 1}] have no commit record" in p for p in problems), problems
   assert any("fragments/1: versions [1] have no" in p for p in problems), problems
   assert _status(url) == 1 and "DAMAGED" in capsys.readouterr().out
+
+
+def test_huge_planted_heartbeat_and_manifest_are_refused_unread(url, capsys):
+  # verify read a heartbeat whole (1 GiB planted: 1.3 GiB of memory), and open the
+  # manifest; both are bounded now (a sparse file: nothing is written).
+  run = mail.open(url, key=KEY)
+  with open(f"{url}/learners/big.json", "wb") as f:
+    f.truncate(heartbeats.MAX_HEARTBEAT_BYTES + 1)
+  problems = mail.verify(url, key=KEY)
+  assert any(p.startswith("learners/big.json") and "more than" in p for p in problems)
+  with open(f"{url}/manifest.json", "wb") as f:
+    f.truncate(manifest_lib.MAX_MANIFEST_BYTES + 1)
+  with pytest.raises(mail.CorruptRecord, match="manifest.json .*more than"):
+    mail.open(url, key=KEY)
+  del run
 
 
 def test_edited_record_fields_are_checked_against_the_schedule(tmp_path):

@@ -20,7 +20,11 @@ from gmjax.core.schema import Schema
 from gmjax.mail import layout
 from gmjax.mail import signing
 from gmjax.mail.errors import AuthenticationError, CorruptRecord, RunNotFound
-from gmjax.mail.store import Store
+from gmjax.mail.store import BadObject, Store
+
+MAX_MANIFEST_BYTES = 256 << 20
+"""The largest manifest a reader takes: a model's schema and plan, a few hundred bytes a
+leaf (a planted object past it is refused before it is downloaded)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,11 +171,13 @@ class Manifest:
 def read_manifest(store: Store, url: str) -> Manifest:
   """The manifest of the run at ``url`` (``store``); ``RunNotFound`` if it has none."""
   try:
-    data = store.get(layout.MANIFEST)
+    data = store.read(layout.MANIFEST, MAX_MANIFEST_BYTES)
   except FileNotFoundError:
     raise RunNotFound(
         f"no run at {url!r} (no {layout.MANIFEST}); create one with"
         " gmjax.mail.create(url, params, config).") from None
+  except BadObject as error:  # planted: a huge object, a FIFO, a folder
+    raise CorruptRecord(f"{layout.MANIFEST} of run {url!r} {error.reason}") from None
   return Manifest.loads(data)
 
 

@@ -61,9 +61,11 @@ def verify(url: Any, key: bytes | str | None = None, *,
 def _heartbeats(run) -> list[str]:
   problems = []
   for entry in run.store.list("learners"):
+    if entry.endswith(".claims"):
+      continue  # a name's claims (gmjax.mail.names), not a heartbeat
     path = f"learners/{entry}"
     try:
-      record = json.loads(run.store.get(path))
+      record = json.loads(run.store.read(path, heartbeats.MAX_HEARTBEAT_BYTES))
     except FileNotFoundError:
       continue  # gone since the listing
     except BadObject as error:  # a link, a FIFO: planted
