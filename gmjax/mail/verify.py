@@ -61,15 +61,15 @@ def verify(url: Any, key: bytes | str | None = None, *,
 def _heartbeats(run) -> list[str]:
   problems = []
   for entry in run.store.list("learners"):
-    if entry.endswith(".claims"):
-      continue  # a name's claims (gmjax.mail.names), not a heartbeat
     path = f"learners/{entry}"
     try:
       record = json.loads(run.store.read(path, heartbeats.MAX_HEARTBEAT_BYTES))
     except FileNotFoundError:
-      continue  # gone since the listing
-    except BadObject as error:  # a link, a FIFO: planted
-      problems.append(f"{path}: {error.reason}")
+      continue  # gone since the listing (or, on object stores, a prefix: claims)
+    except BadObject as error:  # a link, a FIFO, a huge object: planted
+      if not (entry.endswith(".claims") and error.reason.startswith("is not a regular")
+              and _a_folder(run, path)):
+        problems.append(f"{path}: {error.reason}")
       continue
     except (ValueError, RecursionError) as error:
       problems.append(f"{path}: not JSON ({type(error).__name__})")
@@ -82,6 +82,18 @@ def _heartbeats(run) -> list[str]:
       except heartbeats.BadHeartbeat as error:
         problems.append(f"{path}: {error.reason}")
   return problems
+
+
+def _a_folder(run, path: str) -> bool:
+  """Whether ``path``, no regular file, is a folder the store made (a name's claims)
+  rather than a link or a FIFO planted there: getting a folder finds no object."""
+  try:
+    run.store.get(path)
+  except FileNotFoundError:
+    return True
+  except BadObject:
+    return False
+  return False
 
 
 def _fragment(run, fragment: int, deep: bool) -> list[str]:
