@@ -229,3 +229,15 @@ def test_deleting_from_a_run_whose_name_is_a_pattern_touches_no_other_run(option
   mine.delete("rounds/1/*")
   assert other.list("rounds/0") == ["x.safetensors"] and mine.list("rounds/0") == []
   assert mine.list("rounds/1") == ["y.safetensors"]
+
+
+@pytest.mark.timeout(120)
+def test_a_prefix_named_like_an_object_does_not_hide_its_replacement(options):
+  # s3fs lists the prefix after the object; keyed by name, its details replaced the
+  # object's, and a contribution written over planted junk kept the junk's marker.
+  store = store_lib.open_store(_url(), storage_options=options)
+  store.put("rounds/0/a1.safetensors", b"junk")
+  store.put("rounds/0/a1.safetensors/x", b"planted")
+  before = store.list_marked("rounds/0")["a1.safetensors"]
+  store.put("rounds/0/a1.safetensors", b"the learner's own")
+  assert store.list_marked("rounds/0")["a1.safetensors"] != before

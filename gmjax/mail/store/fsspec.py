@@ -238,6 +238,8 @@ class FsspecStore(Store):
       entry = str(info["name"]).rstrip("/")
       name = entry.rsplit("/", 1)[-1]
       if name and entry != target.rstrip("/"):
+        if details.get(name, {}).get("type") == "file" and info.get("type") != "file":
+          continue  # an object and a prefix of one name (S3): the object's details count
         details[name] = info
     return details
 
