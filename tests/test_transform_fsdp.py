@@ -352,3 +352,39 @@ def test_explicit_partially_manual_shard_map_boundary_gathers_nothing():
                                    out_specs=P("learner"), axis_names={"learner"}))
     text = double.lower(x).compile().as_text()
   assert [c for c in hlo.collective_bytes(text) if c.op == "all-gather"] == []
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_an_empty_leaf_on_an_fsdp_mesh_runs_as_unsharded(axis_type):
+  # An empty leaf split over the learners (JAX cannot flatten one on an explicit mesh).
+  optimizer = gmjax.diloco(optax.adam(1e-2), gmjax.DiLoCo(sync_every=2, fragments=2),
+                           axis_name="learner")
+  spmd = {"axis_name": "learner", "spmd_axis_name": "learner"}
+
+  def step(params, state):
+    updates, state = optimizer.update(jax.tree.map(jnp.sin, params), state, params)
+    return optax.apply_updates(params, updates), state
+
+  w = jnp.arange(LEARNERS * 64 * 32, dtype=jnp.float32).reshape(LEARNERS, 64, 32) / 1e4
+  z = jnp.ones((LEARNERS, 0, 8))
+
+  def run(mesh):
+    params, mapped = {"w": w, "z": z}, {"axis_name": "learner"}
+    if mesh is not None:
+      params = {"w": jax.device_put(w, NamedSharding(mesh, P("learner", "fsdp"))),
+                "z": jax.device_put(z, NamedSharding(mesh, P("learner")))}
+      mapped = spmd
+    state = jax.vmap(optimizer.init, **mapped)(params)
+    jitted = jax.jit(jax.vmap(step, **mapped))
+    for _ in range(4):
+      params, state = jax.block_until_ready(jitted(params, state))
+    return jax.device_get((params, state.stats.rounds))
+
+  (expected, rounds), mesh = run(None), jax.make_mesh((LEARNERS, FSDP), ("learner", "fsdp"),
+                                                      axis_types=(axis_type,) * 2)
+  with jax.set_mesh(mesh):
+    got, got_rounds = run(mesh)
+  np.testing.assert_array_equal(got["w"], expected["w"])
+  assert got["z"].shape == (LEARNERS, 0, 8)
+  np.testing.assert_array_equal(got_rounds, rounds)
+  assert rounds.min() == 4  # two fragments, each syncing every 2 steps

@@ -179,6 +179,11 @@ def to_rows(x: jax.Array, learners: int) -> jax.Array:
   dimensions in runs of whole blocks keeps its split (device by device: see the module
   docstring).
   """
+  if x.size == 0:
+    # One row of padding. JAX cannot flatten an empty array split over a mesh (under
+    # ``vmap``, the learners' axis); its empty sum is a zero batched as it is.
+    zero = jnp.sum(x, dtype=jnp.float32)
+    return jnp.broadcast_to(zero, (row_count(0, learners), learners, BLOCK))
   local = _local_runs(x, learners)
   if local is not None:
     return _to_local_rows(x, learners, *local)
@@ -207,6 +212,8 @@ def from_rows(rows: jax.Array, shape: tuple[int, ...], like: jax.Array | None = 
   if like is not None:
     return explicit.like(from_rows(rows, shape), like)
   size = math.prod(shape)
+  if size == 0:  # (``to_rows``) an empty sum: no reshape of an array split over a mesh
+    return jnp.broadcast_to(jnp.sum(rows[:0], dtype=rows.dtype), shape)
   flat = rows.reshape(rows.shape[0] * rows.shape[1], -1).reshape(-1)
   if flat.size != size:
     flat = flat[:size]
