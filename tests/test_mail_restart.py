@@ -507,4 +507,14 @@ def test_a_save_damaged_after_it_was_made_is_passed_over(tmp_path, damage):
                                                    None)
   assert (counters.local_step, position) == (1, 1)
   _assert_bits_equal(state, {"m": np.full((64, 32), 1, np.float32)})
+  # The learner trains on from step 1, and its next save lands on the damaged one's
+  # step (Orbax refused to save over it: every restart then failed at that save).
+  counters = learner_state.SavedCounters(2, 2, {0: 2}, (0,), (0,), 0)
+  state_dir.save(2, counters, {"m": np.full((64, 32), 7, np.float32)}, 7, None)
+  state_dir.close()
+  state_dir = learner_state.StateDir(path, ("run-id", "url"), "a")
+  counters, state, position, _ = state_dir.restore({"m": np.zeros((64, 32), np.float32)},
+                                                   None)
+  assert (counters.local_step, position) == (2, 7)
+  _assert_bits_equal(state, {"m": np.full((64, 32), 7, np.float32)})
   state_dir.close()

@@ -254,6 +254,10 @@ class StateDir:
     if residuals:
       items["residuals"] = ocp.args.StandardSave(_residual_tree(residuals))
     with _LOCK:
+      if step in self._manager.all_steps():
+        # A save passed over as damaged (``restore``): the learner went back to the one
+        # before it and has come to its step again. Orbax does not save over a step.
+        self._manager.delete(step)
       self._manager.save(step, args=ocp.args.Composite(**items), force=True)
       self._manager.wait_until_finished()
     self._meta = meta
