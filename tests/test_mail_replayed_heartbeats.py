@@ -177,3 +177,27 @@ def test_a_loss_past_a_floats_range_is_a_bad_heartbeat(tmp_path):
                                                         run.signing_key))
   # gmjax status raised OverflowError on it; it is a damaged heartbeat now.
   assert "learners/w.json: loss=" in mail.format_status(mail.open(run.url, key=KEY))
+
+
+def test_a_learner_whose_claims_the_closer_deleted_is_superseded_by_a_lower_claim(tmp_path):
+  # Paused past the closer's judgement, a learner's name was compacted (heartbeat and
+  # every claim), and a new join claimed 1: below the paused learner's 2, its rising
+  # heartbeats did not stop it, and both ran as one name for good.
+  run = _run(tmp_path)
+  for incarnation in ("a" * 32, "b" * 32):  # b, the second join, is paused
+    names.claim(run.store, "w", incarnation=incarnation, liveness_timeout=0.0,
+                poll_interval=ms.POLL, key=run.signing_key)
+  run.store.delete(layout.heartbeat("w"))
+  run.store.delete("learners/w.claims")  # the closer's compaction of a dead name
+  assert names.claim(run.store, "w", incarnation="c" * 32, liveness_timeout=0.0,
+                     poll_interval=ms.POLL, key=run.signing_key) == 1
+  seen, verdicts = {}, []
+  for beat in _beats_of(run, "c" * 32, 1, range(1, names.ALIVE_BEATS + 2)):
+    run.store.put(layout.heartbeat("w"), beat)
+    verdicts.append(names.superseded(run.store, "w", "b" * 32, run.signing_key, seen, 2))
+  assert verdicts[-1] is not None and "taken by a newer join" in str(verdicts[-1])
+  # The new join itself, whose claim is its own, is not stopped by b's heartbeats.
+  seen = {}
+  for beat in _beats_of(run, "b" * 32, 2, range(1, names.ALIVE_BEATS + 2)):
+    run.store.put(layout.heartbeat("w"), beat)
+    assert names.superseded(run.store, "w", "c" * 32, run.signing_key, seen, 1) is None

@@ -71,18 +71,20 @@ def superseded(store, name: str, incarnation: str, key: bytes | None,
   Newer: the newest claim is its, its valid heartbeat has risen ``ALIVE_BEATS - 1``
   times across the calls (``seen``: its highest ``seq`` and rises so far, kept by the
   caller), as a joiner watches a holder, and the claim its heartbeats name is above
-  ``claim``, this incarnation's. One old heartbeat written back, and a claim planted for
-  it, never rise; an older incarnation's heartbeats written back in order rise, but name
-  an older claim (claims are not signed; the heartbeats that name them are): a replay
-  cannot stop a live learner. A heartbeat that names no claim (as a gmjax before the
+  ``claim``, this incarnation's, or ``claim`` is no longer this incarnation's (the closer
+  deleted the claims of the name, judged dead, and joins numbered theirs anew). One old
+  heartbeat written back, and a claim planted for it, never rise; an older incarnation's
+  heartbeats written back in order rise, but name an older claim (claims are not signed;
+  the heartbeats that name them are): a replay cannot stop a live learner, whose claim
+  stays. A heartbeat that names no claim (as a gmjax before the
   field writes it) is not newer either: a run's learners run this gmjax or a later one.
   """
   record = _heartbeat(store, name, key)
   other = None if record is None else record.get("incarnation")
   if other is None or other == incarnation:
     return None
-  if claim is not None and not (isinstance(record.get("claim"), int)
-                                and record["claim"] > claim):
+  if claim is not None and not (isinstance(record.get("claim"), int) and (
+      record["claim"] > claim or not _holds(store, name, claim, incarnation))):
     seen.pop(other, None)  # an older join's heartbeat, or one that names no claim
     return None
   _, holder = _newest_claim(store, name)
@@ -100,6 +102,17 @@ def superseded(store, name: str, incarnation: str, key: bytes | None,
       f" {record.get('host')!r}) while this learner was silent for longer than the run's"
       " liveness timeout (paused, or cut off from storage); this learner stopped"
       " publishing. Join again under another name (with its state_dir, if any).")
+
+
+def _holds(store, name: str, claim: int, incarnation: str) -> bool:
+  """Whether claim ``claim`` of ``name`` is still ``incarnation``'s. The closer deletes a
+  dead name's claims (``gmjax.mail.retention``), after which joins number theirs from 1
+  again: a learner paused that long meets a newer join under a lower number."""
+  try:
+    held = store.read(f"{_claims(name)}/{claim}", MAX_CLAIM_BYTES)
+  except (FileNotFoundError, BadObject):
+    return False
+  return held == incarnation.encode("ascii", "replace")
 
 
 def _heartbeat(store, name: str, key: bytes | None) -> dict | None:
