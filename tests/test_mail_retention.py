@@ -125,6 +125,31 @@ def test_keep_versions_is_stored_and_older_manifests_keep_everything(tmp_path):
   assert retention.prune(older.store, older.manifest, 0, 1000) == []
 
 
+def test_a_prune_cut_short_leaves_no_gap_in_the_kept_versions(tmp_path):
+  # Records went in name order, "10.commit.json" before "9.commit.json": a closer killed
+  # between the two left version 9 without 10, which verify reports as damage.
+  run = mail.create(str(tmp_path / "run"), ms.params0(), CONFIG, keep_versions=KEEP)
+  for version in range(8, 13):
+    run.store.put(layout.commit(0, version), b"{}")
+    run.store.put(f"{layout.fragment_dir(0)}/{version}.commit-1.json", b"{}")
+  deleted = []
+  delete = run.store.delete
+
+  def killed_after_three_records(path):
+    if layout.slot_version(path.rsplit("/", 1)[-1]) is not None:
+      if len(deleted) == 3:
+        raise KeyboardInterrupt("killed")
+      deleted.append(path)
+    delete(path)
+
+  run.store.delete = killed_after_three_records
+  with pytest.raises(KeyboardInterrupt):
+    retention.prune(run.store, run.manifest, 0, 12)
+  left = sorted({layout.slot_version(e) for e in run.store.list(layout.fragment_dir(0))}
+                - {None})
+  assert left == list(range(left[0], 13)) and left[0] == 9, left
+
+
 @pytest.mark.parametrize("kind", ["local", "memory", "s3"])
 def test_storage_stays_bounded_and_restarted_learners_rejoin(tmp_path, kind, request):
   url, storage_options = _url(kind, tmp_path, request.getfixturevalue("s3_options")
@@ -300,6 +325,35 @@ def test_a_new_closer_compacts_what_the_storage_dates_long_ago(tmp_path):
   assert store.list("learners") == ["live.claims", "live.json", "new-bad.json",
                                     "new-junk.txt", "new-orphan.claims"]
   assert store.list("learners/live.claims") == ["1"]
+
+
+def test_a_join_between_the_claims_and_their_folder_keeps_its_claim(tmp_path):
+  # A join of the name listed the claims folder empty and created claim 1 just before
+  # the closer removed the folder, which it had found empty: the folder's delete took
+  # the new claim, and a second join got claim 1 too (two learners as one name).
+  store = store_lib.open_store(str(tmp_path / "run"))
+  store.put("learners/w.claims/1", b"0" * 32)
+  old = time.time() - 3600
+  os.utime(tmp_path / "run" / "learners" / "w.claims" / "1", (old, old))
+  roster = heartbeats.Roster(store)
+  roster.refresh()
+  retry = store._retry  # pylint: disable=protected-access
+
+  def join_first(what, path, call, *args):
+    if (what, path) == ("delete", "learners/w.claims"):  # the folder's removal
+      assert store.create("learners/w.claims/1", b"j" * 32)  # the join, just before it
+    return retry(what, path, call, *args)
+
+  store._retry = join_first  # pylint: disable=protected-access
+  removed = retention.Compactor(store).compact(roster, 20.0, interval=0.0,
+                                               storage_clock=time.time)
+  assert removed == ["learners/w.claims/1"]
+  assert store.get("learners/w.claims/1") == b"j" * 32
+  store._retry = retry  # pylint: disable=protected-access
+  # An emptied folder goes (on a local disk).
+  store.delete("learners/w.claims/1")
+  store.delete_empty_folder("learners/w.claims")
+  assert store.list("learners") == []
 
 
 def test_files_planted_under_strangers_names_are_counted_not_listed(tmp_path):

@@ -185,7 +185,11 @@ def prune(store: Store, manifest, fragment: int, newest: int) -> list[str]:
       continue
     path = f"{folder}/{entry}"
     # Records go last: a record kept always names files that are kept.
-    (records if layout.slot_version(entry) is not None else files).append(path)
+    group = records if layout.slot_version(entry) is not None else files
+    group.append((int(match.group(1)), path))
+  # Oldest first (a listing is in name order: "10.commit.json" before "9.commit.json"),
+  # so that a prune cut short leaves the kept versions without a gap.
+  files, records = ([path for _, path in sorted(group)] for group in (files, records))
   schedule = manifest.schedule
   rounds = []
   for entry in store.list("rounds"):
@@ -351,7 +355,8 @@ class Compactor:
       if number < keep:
         self._store.delete(f"{folder}/{number}")
         removed.append(f"{folder}/{number}")
-    if not older_only and removed and not self._store.list(folder):
-      self._store.delete(folder)  # an empty folder (a local or memory:// store)
+    if not older_only and removed:
+      # An empty folder (a local store), unless a join has just claimed in it.
+      self._store.delete_empty_folder(folder)
     self._since.pop(f"{name}.claims", None)
     return removed

@@ -191,6 +191,10 @@ class Store(abc.ABC):
   def _delete(self, path: str) -> None:
     """Removes ``path`` (a file or a folder); nothing if it is already gone."""
 
+  def _delete_empty_folder(self, path: str) -> None:
+    """Removes the folder ``path`` if it is empty; backends with folders override this
+    (an object store's folder is a prefix that is gone with its last object)."""
+
   @property
   def local_root(self) -> str | None:
     """The directory of a local store (Orbax writes there directly), else None."""
@@ -368,6 +372,11 @@ class Store(abc.ABC):
   def delete(self, path: str) -> None:
     """Removes the object at ``path`` (or the tree under it); no error if absent."""
     self._retry("delete", path, lambda: self._delete(path.strip("/")))
+
+  def delete_empty_folder(self, path: str) -> None:
+    """Removes the folder ``path`` only if it is empty, in one operation: what another
+    process creates in it meanwhile is never deleted (``delete`` of a folder would)."""
+    self._retry("delete", path, lambda: self._delete_empty_folder(path.strip("/")))
 
   def __repr__(self) -> str:
     return f"{type(self).__name__}({self.url!r})"

@@ -266,6 +266,13 @@ class LocalStore(Store):
     else:
       _unlink_quietly(target)
 
+  def _delete_empty_folder(self, path: str) -> None:
+    target = self._path(path)
+    if self._link_at(target) is None and not os.path.islink(target):
+      # rmdir refuses a folder that is not empty (or gone, or a file): then it stays.
+      with contextlib.suppress(OSError):
+        os.rmdir(target)
+
 
 @contextlib.contextmanager
 def _absent_under_a_file(target: str):
