@@ -39,6 +39,18 @@ def test_defaults_and_name(tmp_path):
   assert cfg.name == "c" and cfg.out == "runs/c" and cfg.diloco.sync_every == 2
 
 
+def test_out_under_home_is_where_the_run_lies(tmp_path, monkeypatch):
+  # The run's store expanded "~" while the job's outputs, lock and checks for a run
+  # already there took it literally (./~/...): a second job joined the first's run.
+  import dataclasses  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  cfg = config_lib.load(_write(tmp_path, BASE.replace("[train]", "[train]\nout = '~/runs/x'")))
+  assert cfg.out == str(tmp_path / "home" / "runs" / "x")
+  assert dataclasses.replace(cfg, out="~/y").out == str(tmp_path / "home" / "y")  # --out
+  assert config_lib.TrainConfig.from_json(cfg.to_json()) == cfg
+
+
 @pytest.mark.parametrize(
     "text, message",
     [

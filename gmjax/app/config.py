@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,11 @@ class TrainConfig:
   learner_speeds: tuple[float, ...] | None = None
   step_ms: float | None = None
   source: str = ""
+
+  def __post_init__(self):
+    # ``~`` is the user's home, as the run's store reads it: the job's outputs, its lock
+    # and its checks for a run already there must lie where the run is.
+    object.__setattr__(self, "out", os.path.expanduser(self.out))
 
   def to_json(self) -> dict[str, Any]:
     record = dataclasses.asdict(self)
