@@ -135,7 +135,7 @@ def test_train_never_deletes_a_run_unless_forced(tmp_path):
 def test_train_keeps_an_earlier_jobs_outputs_whose_run_was_deleted(tmp_path, capsys):
   # The run deleted by hand, its metrics and learners' states kept: a new job deleted
   # them without a word.
-  from gmjax.app import cli  # pylint: disable=g-import-not-at-top
+  from gmjax.app import cli, config as config_lib  # pylint: disable=g-import-not-at-top
 
   config = tmp_path / "tiny.toml"
   config.write_text(TINY)
@@ -143,16 +143,41 @@ def test_train_keeps_an_earlier_jobs_outputs_whose_run_was_deleted(tmp_path, cap
   (out / "state" / "learner-0").mkdir(parents=True)
   (out / "state" / "learner-0" / "notes.txt").write_text("kept")
   (out / "metrics-learner-0.jsonl").write_text('{"step": 1}\n')
-  (out / "config.json").write_text("{}")
+  saved = json.dumps(config_lib.load(config).to_json())
+  (out / "config.json").write_text(saved)
   assert cli.main(["train", str(config), "--out", str(out), "--quiet"]) == 2
   err = capsys.readouterr().err
-  assert (f"{out} holds an earlier job's outputs (metrics-learner-0.jsonl, state/,"
-          " config.json) but no run" in err), err
+  assert (f"{out} holds an earlier job's outputs (metrics-learner-0.jsonl,"
+          " state/learner-0/, config.json) but no run" in err), err
   assert "--force to delete them" in err, err
   assert (out / "state" / "learner-0" / "notes.txt").read_text() == "kept"
   assert (out / "metrics-learner-0.jsonl").read_text() == '{"step": 1}\n'
-  assert (out / "config.json").read_text() == "{}"
+  assert (out / "config.json").read_text() == saved
   assert not (out / "run").exists()
+
+
+def test_force_deletes_only_what_a_job_wrote(tmp_path, capsys):
+  # --force deleted the whole of <out>/state and overwrote any config.json: files of
+  # the user's that a job never writes, named as "an earlier job's outputs".
+  from gmjax.app import cli, outdir  # pylint: disable=g-import-not-at-top
+
+  config = tmp_path / "tiny.toml"
+  config.write_text(TINY)
+  out = tmp_path / "out"
+  (out / "state" / "learner-0").mkdir(parents=True)
+  (out / "state" / "db.txt").write_text("the user's")
+  (out / "config.json").write_text('{"the user\'s": 1}')
+  for flags in ([], ["--force"]):
+    assert cli.main(["train", str(config), "--out", str(out), "--quiet", *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"{out / 'config.json'} is not a config that a gmjax train job wrote" in err, err
+  assert (out / "config.json").read_text() == '{"the user\'s": 1}'
+  (out / "config.json").unlink()
+  assert outdir.earlier_outputs(out) == ["state/learner-0/"]
+  outdir.check_new_run(out, out / "run", force=True)
+  assert capsys.readouterr().out.endswith(f"deleting state/learner-0/ in {out}\n")
+  assert os.listdir(out / "state") == ["db.txt"]
+  assert outdir.earlier_outputs(out) == []
 
 
 def test_a_run_folder_without_a_manifest_is_named_as_no_run(tmp_path, capsys):

@@ -107,11 +107,31 @@ def check_out(out: Path) -> None:
           " file; pass a folder for the run and its metrics (a missing one is created)")
 
 
+def learner_states(out: Path) -> list[Path]:
+  """The learners' ``state_dir`` folders of a job in ``out`` (``<out>/state/learner-<i>``);
+  nothing else in ``<out>/state`` is the job's."""
+  folder = out / STATE
+  if not folder.is_dir() or folder.is_symlink():
+    return []
+  return sorted(p for p in folder.iterdir() if p.is_dir() and not p.is_symlink()
+                and p.name.startswith("learner-") and p.name[len("learner-"):].isdigit())
+
+
+def job_config(path: Path) -> bool:
+  """Whether ``path`` holds a config that a job wrote (``TrainConfig.to_json``)."""
+  try:
+    record = json.loads(path.read_text(encoding="utf-8"))
+  except (OSError, ValueError):
+    return False
+  return isinstance(record, dict) and {"name", "out", "model", "diloco"} <= record.keys()
+
+
 def earlier_outputs(out: Path) -> list[str]:
   """An earlier job's metrics, learners' states and config in ``out``, which a new job
   would delete or overwrite."""
   found = sorted(p.name for p in out.glob("metrics*.jsonl")) if out.is_dir() else []
-  return found + [n + "/" * (n == STATE) for n in (STATE, CONFIG) if (out / n).exists()]
+  found += [f"{STATE}/{p.name}/" for p in learner_states(out)]
+  return found + [CONFIG] * (out / CONFIG).exists()
 
 
 def resume_point(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
@@ -149,6 +169,12 @@ def resume_point(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
         f"--resume: the run in {run_dir} cannot be continued ({error}); pass --force"
         " instead of --resume to delete it and train anew, or --out DIR to train"
         " elsewhere") from None
+  if not job_config(saved):
+    raise ValueError(
+        f"--resume: {saved}, the config the run in {run_dir} was started with, is"
+        " damaged (not a config that a gmjax train job wrote), so its [train] settings"
+        " cannot be checked against this config's; put it back, or pass --force instead"
+        " of --resume to delete the run and train anew")
   differences = _differences(json.loads(saved.read_text(encoding="utf-8")), cfg.to_json())
   if run.config != cfg.diloco:
     differences += [d for d in _differences({"diloco": run.config.to_json()},
@@ -178,6 +204,10 @@ def check_new_run(out: Path, run_dir: Path, force: bool) -> None:
       ``out`` an earlier job's outputs.
     ValueError: with ``force``, the run's learners still run on this host.
   """
+  if (out / CONFIG).exists() and not job_config(out / CONFIG):
+    raise FileExistsError(
+        f"{out / CONFIG} is not a config that a gmjax train job wrote (or it is damaged),"
+        " and a job writes its own there; move it, or pass --out DIR to train elsewhere")
   if run_dir.exists() and not (run_dir.is_dir() and not any(run_dir.iterdir())):
     if not force:
       if (run_dir / layout.MANIFEST).is_file():
@@ -214,3 +244,7 @@ def check_new_run(out: Path, run_dir: Path, force: bool) -> None:
         " --out DIR to train elsewhere, or --force to delete them and train anew")
   if earlier:
     print(f"gmjax train: --force: deleting {', '.join(earlier)} in {out}")
+    for old in out.glob("metrics*.jsonl"):
+      old.unlink()
+    for state in learner_states(out):  # nothing else in <out>/state is the job's
+      shutil.rmtree(state)

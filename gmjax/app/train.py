@@ -15,7 +15,6 @@ import contextlib
 import datetime
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -264,10 +263,6 @@ def _job(cfg: config_lib.TrainConfig, out: Path, params: Any, schema: gmjax.Sche
   else:
     start = 0
     outdir.check_new_run(out, run_dir, force)
-    for old in out.glob("metrics*.jsonl"):
-      old.unlink()
-    if (out / outdir.STATE).exists():  # the learners' states of a run that is gone
-      shutil.rmtree(out / outdir.STATE)
     (out / outdir.CONFIG).write_text(json.dumps(cfg.to_json(), indent=2), encoding="utf-8")
     # Every version kept: the metrics and plots read every round's record at the end.
     gmjax.mail.create(str(run_dir), params, cfg.diloco, keep_versions=None)
