@@ -405,6 +405,15 @@ def test_resume_needs_a_run_and_refuses_force(tmp_path, capsys):
   err = capsys.readouterr().err
   assert "earlier job's outputs (metrics-learner-0.jsonl); pass --force instead of" \
          " --resume" in err, err
+  # A run whose config.json is torn: a raw JSON error named neither the file nor a fix.
+  (out / "run").mkdir()
+  (out / "run" / "manifest.json").write_text("{}")
+  for torn in ('{"name": "tin', ""):
+    (out / "config.json").write_text(torn)
+    assert cli.main(["train", str(config), "--out", str(out), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"--resume: {out / 'config.json'}, the config the run" in err, err
+    assert "is damaged" in err and "put it back" in err, err
 
 
 def _newest_step(run_dir):

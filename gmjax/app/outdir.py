@@ -161,6 +161,12 @@ def resume_point(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
         f"--resume: {saved}, the config the run in {run_dir} was started with, is"
         " missing, so its [train] settings cannot be checked against this config's; put"
         " it back, or pass --force instead of --resume to delete the run and train anew")
+  if not job_config(saved):
+    raise ValueError(
+        f"--resume: {saved}, the config the run in {run_dir} was started with, is"
+        " damaged (not a config that a gmjax train job wrote), so its [train] settings"
+        " cannot be checked against this config's; put it back, or pass --force instead"
+        " of --resume to delete the run and train anew")
   try:
     run = gmjax.mail.open(str(run_dir))
     newest = run.newest_versions()
@@ -169,12 +175,6 @@ def resume_point(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
         f"--resume: the run in {run_dir} cannot be continued ({error}); pass --force"
         " instead of --resume to delete it and train anew, or --out DIR to train"
         " elsewhere") from None
-  if not job_config(saved):
-    raise ValueError(
-        f"--resume: {saved}, the config the run in {run_dir} was started with, is"
-        " damaged (not a config that a gmjax train job wrote), so its [train] settings"
-        " cannot be checked against this config's; put it back, or pass --force instead"
-        " of --resume to delete the run and train anew")
   differences = _differences(json.loads(saved.read_text(encoding="utf-8")), cfg.to_json())
   if run.config != cfg.diloco:
     differences += [d for d in _differences({"diloco": run.config.to_json()},
