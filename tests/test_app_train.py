@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -683,3 +684,41 @@ def test_a_job_started_under_nohup_keeps_ignoring_hangups():
     assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
   finally:
     signal.signal(signal.SIGHUP, before)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_learner_that_fails_ends_the_job(tmp_path):
+  # The job waited for the other learners to train to the end before it said a learner
+  # had failed.
+  config = tmp_path / "tiny.toml"
+  config.write_text(TINY.replace("steps = 8", "steps = 2000").replace(
+      "eval_every = 4", "eval_every = 1000").replace("[model]", "baseline = false\n[model]"))
+  out = tmp_path / "out"
+  job = subprocess.Popen(  # pylint: disable=consider-using-with
+      [sys.executable, "-m", "gmjax.app.cli", "train", str(config), "--out", str(out),
+       "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+      start_new_session=True)
+  try:
+    deadline = time.monotonic() + 300
+    metrics = out / "metrics-learner-1.jsonl"
+    while not (metrics.exists() and '"event": "step"' in metrics.read_text()):
+      assert job.poll() is None and time.monotonic() < deadline, "learner-1 never stepped"
+      time.sleep(0.1)
+    children = (pathlib.Path(f"/proc/{job.pid}/task/{job.pid}/children")
+                .read_text().split())
+    learner = next(int(c) for c in children if "--name\0learner-1\0" in
+                   pathlib.Path(f"/proc/{c}/cmdline").read_text())
+    os.kill(learner, signal.SIGKILL)
+    killed = time.monotonic()
+    _, err = job.communicate(timeout=120)
+  finally:
+    if job.poll() is None:
+      os.killpg(job.pid, signal.SIGKILL)
+      job.wait()
+  assert job.returncode == 1, err
+  assert "learners failed: [('learner-1', -9)] (stopped: learner-0)" in err, err
+  assert time.monotonic() - killed < 60
+  steps = [json.loads(line).get("step") for line in
+           (out / "metrics-learner-0.jsonl").read_text().splitlines()]
+  assert max(s for s in steps if s is not None) < 2000

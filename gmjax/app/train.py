@@ -181,10 +181,15 @@ def _train_learners(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
         bar.update(done - bar.n)
         if last is not None:
           bar.set_postfix(loss=f"{last['loss']:.3f}", refresh=False)
-      if all(p.poll() is not None for p in processes):
+      # A learner that fails ends the job (the others are stopped below).
+      if any(p.poll() not in (None, 0) for p in processes) or all(
+          p.poll() is not None for p in processes):
         break
       time.sleep(0.3)
   finally:
+    failed = [(n, p.returncode) for n, p in zip(names, processes)
+              if p.poll() is not None and p.returncode != 0]
+    stopped = [n for n, p in zip(names, processes) if p.poll() is None]
     for p in processes:
       if p.poll() is None:
         p.kill()
@@ -193,12 +198,12 @@ def _train_learners(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
       bar.close()
     for log in logs:
       log.close()
-  failed = [(n, p.returncode) for n, p in zip(names, processes) if p.returncode != 0]
   if failed:
     tails = "\n".join(
         f"--- {n} (exit {code}) ---\n" + (out / f"{n}.log").read_text()[-3000:] for n, code in failed
     )
-    raise LearnersFailed(f"learners failed: {failed}\n{tails}")
+    others = f" (stopped: {', '.join(stopped)})" if stopped else ""
+    raise LearnersFailed(f"learners failed: {failed}{others}\n{tails}")
 
 
 def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
