@@ -722,3 +722,34 @@ def test_a_learner_that_fails_ends_the_job(tmp_path):
   steps = [json.loads(line).get("step") for line in
            (out / "metrics-learner-0.jsonl").read_text().splitlines()]
   assert max(s for s in steps if s is not None) < 2000
+
+
+def test_a_signal_while_the_config_is_read_stops_the_job(tmp_path, monkeypatch, capsys):
+  # The handlers came after the config, corpus and model checks: a SIGTERM there ended
+  # the command with exit 143 and no word.
+  from gmjax.app import cli, config as config_lib  # pylint: disable=g-import-not-at-top
+
+  class Unhandled(Exception):
+    pass
+
+  def unhandled(signum, frame):  # pylint: disable=unused-argument
+    raise Unhandled(signum)
+
+  load = config_lib.load
+
+  def load_then_terminated(path):
+    cfg = load(path)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(1)  # delivered before this returns
+    return cfg
+
+  config = tmp_path / "tiny.toml"
+  config.write_text(TINY)
+  monkeypatch.setattr(config_lib, "load", load_then_terminated)
+  previous = signal.signal(signal.SIGTERM, unhandled)
+  try:
+    assert cli.main(["train", str(config), "--out", str(tmp_path / "out")]) == 130
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  assert "gmjax train: stopped (SIGTERM)" in capsys.readouterr().err
+  assert not (tmp_path / "out").exists()

@@ -75,10 +75,18 @@ def settings_line(cfg) -> str:
 
 
 def _train(args: argparse.Namespace) -> int:
-  config_lib, train = _import_app()
+  from gmjax.app import signals  # pylint: disable=g-import-not-at-top
+
+  # A signal while the job's modules load and its config is read stops it as later.
+  try:
+    with signals.stopped_by_signals():
+      config_lib, train = _import_app()
+      cfg = config_lib.load(args.config)
+  except KeyboardInterrupt as stop:
+    print(f"\ngmjax train: stopped ({stop or 'Ctrl-C'})", file=sys.stderr)
+    return 130
   from gmjax.app.train import LearnersFailed  # pylint: disable=g-import-not-at-top
 
-  cfg = config_lib.load(args.config)
   if args.out is not None and (not args.out.strip() or "://" in args.out):
     raise ValueError(f"--out {args.out!r}: must be a local folder (the job writes its"
                      " metrics, plots and run there), e.g. --out runs/mine")

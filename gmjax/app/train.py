@@ -11,14 +11,11 @@ under their names at the step of its newest committed round, metrics appended to
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +24,7 @@ from tqdm.auto import tqdm
 
 import gmjax
 from gmjax.app import config as config_lib
-from gmjax.app import model, outdir, plots
+from gmjax.app import model, outdir, plots, signals
 from gmjax.app.baseline import train_baseline
 from gmjax.mail.records import RoundRecord
 
@@ -101,27 +98,6 @@ def _latest(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 class LearnersFailed(RuntimeError):
   """A learner process of the job exited with an error (each one's log tail quoted)."""
-
-
-@contextlib.contextmanager
-def _stopped_by_signals():
-  """SIGTERM and SIGHUP stop the job as Ctrl-C does (``KeyboardInterrupt``), so that it
-  stops its learners rather than leave them running without it; one the job was started
-  to ignore (``nohup``) stays ignored."""
-  if threading.current_thread() is not threading.main_thread():
-    yield
-    return
-
-  def interrupt(signum, frame):  # pylint: disable=unused-argument
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-  previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)
-              if signal.getsignal(s) is not signal.SIG_IGN}
-  try:
-    yield
-  finally:
-    for s, handler in previous.items():
-      signal.signal(s, handler)
 
 
 def final_losses(metrics: list[dict[str, Any]], names: list[str], steps: int
@@ -241,21 +217,21 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
   if force and resume:
     raise ValueError("--force deletes the run and trains anew, --resume continues it;"
                      " pass one of them")
-  out = Path(cfg.out)
-  outdir.check_out(out)
-  config_lib.check_data(cfg)
-  _, params = model.build(cfg.model, seed=cfg.seed)
-  schema = cfg.diloco.cut(gmjax.Schema.from_tree(params))
-  cfg.diloco.check_parameters(schema)
-  if not resume:  # taken before anything in it is looked at: another job may be making it
-    out.mkdir(parents=True, exist_ok=True)
-  held = outdir.lock(out) if out.is_dir() else None
-  try:
-    with _stopped_by_signals():
+  with signals.stopped_by_signals():
+    out = Path(cfg.out)
+    outdir.check_out(out)
+    config_lib.check_data(cfg)
+    _, params = model.build(cfg.model, seed=cfg.seed)
+    schema = cfg.diloco.cut(gmjax.Schema.from_tree(params))
+    cfg.diloco.check_parameters(schema)
+    if not resume:  # taken before anything in it is looked at: another job may make it
+      out.mkdir(parents=True, exist_ok=True)
+    held = outdir.lock(out) if out.is_dir() else None
+    try:
       return _job(cfg, out, params, schema, held, show_progress, force, resume)
-  finally:
-    if held is not None:
-      os.close(held)
+    finally:
+      if held is not None:
+        os.close(held)
 
 
 def _job(cfg: config_lib.TrainConfig, out: Path, params: Any, schema: gmjax.Schema,

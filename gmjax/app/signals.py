@@ -1,0 +1,29 @@
+"""SIGTERM and SIGHUP as Ctrl-C for the job: imported by the command before anything
+heavy, so that a signal in the job's first seconds stops it as one later does."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+
+@contextlib.contextmanager
+def stopped_by_signals():
+  """SIGTERM and SIGHUP stop the job as Ctrl-C does (``KeyboardInterrupt``), so that it
+  stops its learners rather than leave them running without it; one the job was started
+  to ignore (``nohup``) stays ignored."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def interrupt(signum, frame):  # pylint: disable=unused-argument
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+  previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)
+              if signal.getsignal(s) is not signal.SIG_IGN}
+  try:
+    yield
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
