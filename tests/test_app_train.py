@@ -753,3 +753,31 @@ def test_a_signal_while_the_config_is_read_stops_the_job(tmp_path, monkeypatch, 
     signal.signal(signal.SIGTERM, previous)
   assert "gmjax train: stopped (SIGTERM)" in capsys.readouterr().err
   assert not (tmp_path / "out").exists()
+
+
+def test_links_and_runs_as_the_output_folder_are_named(tmp_path, capsys):
+  # --force on an <out>/run that is a link: a raw traceback (rmtree refuses links) after
+  # "deleting the previous run"; an --out that is a run itself: a second job's run,
+  # config and states written inside the first run; a link to nothing: "[Errno 17]".
+  from gmjax.app import cli  # pylint: disable=g-import-not-at-top
+
+  config = tmp_path / "tiny.toml"
+  config.write_text(TINY)
+  target = tmp_path / "elsewhere" / "run"
+  target.mkdir(parents=True)
+  (target / "manifest.json").write_text("{}")
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / "run").symlink_to(target)
+  assert cli.main(["train", str(config), "--out", str(out), "--force", "--quiet"]) == 2
+  err = capsys.readouterr()
+  assert f"{out / 'run'} is a link to {target}" in err.err and "deleting" not in err.out
+  assert (target / "manifest.json").read_text() == "{}" and (out / "run").is_symlink()
+  assert cli.main(["train", str(config), "--out", str(target), "--quiet"]) == 2
+  err = capsys.readouterr().err
+  assert f"output folder {target} (--out" in err and "is a run itself" in err, err
+  assert sorted(os.listdir(target)) == ["manifest.json"]
+  (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+  assert cli.main(["train", str(config), "--out", str(tmp_path / "dangling")]) == 2
+  err = capsys.readouterr().err
+  assert f"is a link to {tmp_path / 'nowhere'}, which does not exist" in err, err

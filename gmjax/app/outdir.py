@@ -97,8 +97,19 @@ def lock(out: Path) -> int | None:
 
 
 def check_out(out: Path) -> None:
-  """Raises FileExistsError if ``out``, or a folder it would be made in, is a file."""
+  """Raises FileExistsError if ``out``, or a folder it would be made in, is a file or a
+  link to nothing, or if ``out`` is a run itself (a job's run is ``<out>/run``)."""
+  if (out / layout.MANIFEST).is_file():
+    raise FileExistsError(
+        f"the output folder {out} (--out, or the config's [train] out) is a run itself;"
+        f" a job keeps its run in <out>/run: pass --out {out.parent} to continue this job's"
+        " run (with --resume), or another folder to train anew")
   for place in (out, *out.parents):
+    if place.is_symlink() and not place.exists():
+      raise FileExistsError(
+          f"the output folder {out} (--out, or the config's [train] out): {place} is a"
+          f" link to {os.readlink(place)}, which does not exist; pass a folder for the"
+          " run and its metrics (a missing one is created)")
     if place.exists():
       if place.is_dir():
         return
@@ -208,6 +219,11 @@ def check_new_run(out: Path, run_dir: Path, force: bool) -> None:
     raise FileExistsError(
         f"{out / CONFIG} is not a config that a gmjax train job wrote (or it is damaged),"
         " and a job writes its own there; move it, or pass --out DIR to train elsewhere")
+  if run_dir.is_symlink():
+    raise FileExistsError(
+        f"{run_dir} is a link to {os.readlink(run_dir)}; a job keeps its run in a folder"
+        f" of its own there: remove the link (nothing it points to is deleted), or pass"
+        " --out DIR to train elsewhere")
   if run_dir.exists() and not (run_dir.is_dir() and not any(run_dir.iterdir())):
     if not force:
       if (run_dir / layout.MANIFEST).is_file():
