@@ -135,6 +135,10 @@ def test_missing_file(tmp_path):
     ("[train]", "train = 1\n[other]", r"unknown tables \['other'\]"),
     # A thousand learner processes on one machine; a fix that named seq_len <= 0.
     ("learners = 2", "learners = 1000", r"\[train\] learners = 1000 must be at most 64:"),
+    ("steps = 4", "steps = 4\nstep_ms = 1e300", r"\[train\] step_ms = 1e\+300 must be at"
+     r" most 3600000 \(an hour a step"),
+    ("steps = 4", "steps = 4\npoll_interval = 1e9", r"\[train\] poll_interval = 1000000000\.0"
+     r" must be at most 60"),
     ("batch_size = 2", "batch_size = 1000000000", r"\[train\] batch_size = 1000000000 is too"
      r" large for the demo model.*at any seq_len; lower batch_size"),
     ("learners = 2", 'learners = 2\nlearner_speeds = [1, "a"]', r'learner_speeds = \[1, "a"\]:'
@@ -191,6 +195,8 @@ def test_train_refuses_before_starting_anything(tmp_path):
     ("[1, true]", r"\[1, true\]: true is not a finite number > 0"),  # spelled as in TOML
     ("[1, '0.5']", r'"0.5" is not a finite number > 0'),
     ("0.5", r"\[train\] learner_speeds = 0.5 must be a list"),
+    # A slowdown of 1e300: the learner's sleep overflowed (a traceback from each).
+    ("[1, 1e-300]", r"would take 1e\+300 times the fastest's step time, over 1000"),
 ])
 def test_learner_speeds_are_checked_with_a_fix(tmp_path, speeds, message):
   text = BASE.replace("steps = 4", f"steps = 4\nlearner_speeds = {speeds}")

@@ -137,6 +137,9 @@ _AT_LEAST_ONE = {
     "eval_batches": "batches per evaluation",
     "corpus_bytes": "bytes of the corpus to read; leave it out to read all of it",
 }
+MAX_STEP_MS = 3_600_000  # an hour: a learner sleeps its step time out
+MAX_SPEED_RATIO = 1000  # the slowest learner's step time over the fastest's
+MAX_POLL_SECONDS = 60
 _FLOAT_BOUNDS = {"learning_rate": "> 0", "weight_decay": ">= 0", "poll_interval": "> 0"}
 MAX_PARAMETERS = 2**30
 """The largest demo model a config may ask for."""
@@ -188,7 +191,14 @@ def _check_train(train: dict[str, Any]) -> None:
   if "://" in train["out"]:
     raise ValueError(f"config [train] out = {train['out']!r} must be a local folder (the job"
                      " writes its metrics, plots and run there); e.g. out = 'runs/mine'")
+  if train["poll_interval"] > MAX_POLL_SECONDS:
+    raise ValueError(f"config [train] poll_interval = {train['poll_interval']!r} must be at"
+                     f" most {MAX_POLL_SECONDS} (seconds between a learner's looks at the"
+                     " run's storage); e.g. poll_interval = 0.05")
   step_ms = train["step_ms"]
+  if step_ms is not None and step_ms > MAX_STEP_MS:
+    raise ValueError(f"config [train] step_ms = {step_ms!r} must be at most {MAX_STEP_MS}"
+                     " (an hour a step; a learner sleeps that long); e.g. step_ms = 100")
   if step_ms is not None and not (math.isfinite(step_ms) and step_ms > 0):
     raise ValueError(f"config [train] step_ms = {step_ms!r} must be a finite number > 0: the"
                      " milliseconds the fastest learner's inner step takes, compute included"
@@ -205,6 +215,11 @@ def _check_train(train: dict[str, Any]) -> None:
         raise ValueError(f"config [train] learner_speeds = {_toml(speeds)}: {_toml(speed)} is not a"
                          " finite number > 0; a learner at speed s takes 1/s of the"
                          " fastest's step time (e.g. 0.5 is twice as slow)")
+    if max(speeds) > MAX_SPEED_RATIO * min(speeds):
+      raise ValueError(f"config [train] learner_speeds = {_toml(speeds)}: the slowest"
+                       f" learner would take {max(speeds) / min(speeds):.3g} times the"
+                       f" fastest's step time, over {MAX_SPEED_RATIO}; keep the speeds"
+                       " within that ratio, e.g. learner_speeds = [1, 1, 0.5, 0.25]")
     train["learner_speeds"] = tuple(float(s) for s in speeds)
 
 
