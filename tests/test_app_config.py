@@ -60,7 +60,7 @@ def test_out_under_home_is_where_the_run_lies(tmp_path, monkeypatch):
         (BASE.replace("sync_every = 2", "sync_every = 2\nfragments = 3"), "fragments"),
         (BASE.replace("sync_every = 2", "sync_every = 2\ndelta_precision = 'F3'"), "delta_precision"),
         (BASE + "[extra]\n", "extra"),
-        (BASE.replace("sync_every = 2", ""), "sync_every"),
+        (BASE.replace("sync_every = 2", ""), r"needs sync_every .*e\.g\. sync_every = 20"),
         ("[train\n", "TOML"),
     ],
 )
@@ -85,6 +85,13 @@ def test_missing_file(tmp_path):
     config_lib.load("no/such/file.toml")
   with pytest.raises(ValueError, match="is a folder; pass a TOML file"):
     config_lib.load(tmp_path)  # was "not found"
+  # A raw UnicodeDecodeError, naming no file; a byte order mark, an unexplained error.
+  (tmp_path / "latin.toml").write_bytes(BASE.encode().replace(b"[train]", b"# \xff\n[train]"))
+  with pytest.raises(ValueError, match=r"latin\.toml' is not UTF-8 text .* save it as UTF-8"):
+    config_lib.load(tmp_path / "latin.toml")
+  (tmp_path / "bom.toml").write_bytes(b"\xef\xbb\xbf" + BASE.encode())
+  with pytest.raises(ValueError, match=r"is not valid TOML: .*byte order mark"):
+    config_lib.load(tmp_path / "bom.toml")
 
 
 @pytest.mark.parametrize("old, new, message", [

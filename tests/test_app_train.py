@@ -271,6 +271,23 @@ def test_status_exits_quietly_when_the_reader_closes_the_pipe(tmp_path):
   assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
 
 
+def test_status_of_a_job_folder_names_its_run(tmp_path, capsys):
+  # The --out folder, the natural thing to pass, was "no run ...; create one".
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  import gmjax  # pylint: disable=g-import-not-at-top
+  from gmjax.app import cli  # pylint: disable=g-import-not-at-top
+
+  gmjax.mail.create(str(tmp_path / "out" / "run"), {"w": jnp.ones(4)},
+                    gmjax.DiLoCo(sync_every=2))
+  assert cli.main(["status", str(tmp_path / "out")]) == 2
+  err = capsys.readouterr().err
+  assert f"but {tmp_path / 'out' / 'run'} holds one" in err, err
+  assert f"gmjax status {tmp_path / 'out' / 'run'}" in err and err.count("\n") == 1, err
+  assert cli.main(["status", str(tmp_path / "elsewhere")]) == 2
+  assert "no run at" in capsys.readouterr().err
+
+
 def test_status_reads_the_key_from_the_named_variable_or_names_it(tmp_path, capsys,
                                                                     monkeypatch):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top

@@ -147,6 +147,13 @@ def _status(args: argparse.Namespace) -> int:
     if error.key not in fixes:
       raise
     raise PermissionError(f"run {args.run} {fixes[error.key]}") from error
+  except gmjax.mail.RunNotFound as error:
+    job_run = os.path.join(args.run, "run")
+    if "://" not in args.run and os.path.isfile(os.path.join(job_run, "manifest.json")):
+      raise FileNotFoundError(  # a gmjax train job's folder: its run is <out>/run
+          f"no run at {args.run!r}, but {job_run} holds one (a gmjax train job keeps its"
+          f" run there): gmjax status {shlex.quote(job_run)}") from error
+    raise
   except gmjax.mail.StorageUnavailable as error:
     cause = error.__cause__ or error
     said = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__

@@ -324,11 +324,16 @@ def load(path: str | Path) -> TrainConfig:
                      " configs/quickstart.toml")
   if not path.is_file():
     raise FileNotFoundError(f"config {str(path)!r} not found; see configs/quickstart.toml")
-  with path.open("rb") as f:
-    try:
-      raw = tomllib.load(f)
-    except tomllib.TOMLDecodeError as error:
-      raise ValueError(f"config {str(path)!r} is not valid TOML: {error}") from None
+  content = path.read_bytes()
+  try:
+    raw = tomllib.loads(content.decode("utf-8"))
+  except UnicodeDecodeError as error:
+    raise ValueError(f"config {str(path)!r} is not UTF-8 text ({error}); save it as UTF-8"
+                     ) from None
+  except tomllib.TOMLDecodeError as error:
+    bom = " (it starts with a byte order mark: save it as UTF-8 without one)" if (
+        content.startswith(b"\xef\xbb\xbf")) else ""
+    raise ValueError(f"config {str(path)!r} is not valid TOML: {error}{bom}") from None
   unknown = sorted(set(raw) - {"train", "model", "diloco"})
   if unknown:
     raise ValueError(f"config {str(path)!r}: unknown tables {unknown}; use [train], [model], [diloco]")
@@ -366,7 +371,8 @@ def load(path: str | Path) -> TrainConfig:
   if bad:
     raise ValueError(_unknown("diloco", bad[0], diloco_fields))
   if "sync_every" not in diloco_raw:
-    raise ValueError("config [diloco] needs sync_every")
+    raise ValueError("config [diloco] needs sync_every (inner steps between a fragment's"
+                     " syncs); set it, e.g. sync_every = 20")
   if diloco_raw.get("outer") == CUSTOM:
     raise ValueError(
         f"config [diloco] outer = {CUSTOM!r} means an outer optimizer given in code, but"
