@@ -798,3 +798,20 @@ def test_links_and_runs_as_the_output_folder_are_named(tmp_path, capsys):
   assert cli.main(["train", str(config), "--out", str(tmp_path / "dangling")]) == 2
   err = capsys.readouterr().err
   assert f"is a link to {tmp_path / 'nowhere'}, which does not exist" in err, err
+
+
+def test_one_data_parallel_worker_sends_nothing(tmp_path):
+  # The baseline of a one-learner job was said to send a full gradient a step.
+  from gmjax.app import cli, config as config_lib, model, train  # pylint: disable=g-import-not-at-top
+
+  config = tmp_path / "one.toml"
+  config.write_text(TINY.replace("learners = 2", "learners = 1"))
+  cfg = config_lib.load(config)
+  _, params = model.build(cfg.model, seed=0)
+  sent = train.bytes_by_learner(cfg, params, [], ["learner-0"])
+  assert sent["baseline"] == 0
+  assert "| baseline | 5.0000 | 1.000 | 0.00 MiB | - |" in cli.results_table(
+      {"learner-0": 5.0, "baseline": 5.0}, sent)
+  config.write_text(TINY)
+  two = config_lib.load(config)
+  assert train.bytes_by_learner(two, params, [], ["learner-0", "learner-1"])["baseline"] > 0

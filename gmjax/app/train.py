@@ -56,12 +56,18 @@ def _bytes_sent(cfg: config_lib.TrainConfig, params: Any, rounds: list[RoundReco
     if record.participants:
       total += per_fragment[record.fragment]
       diloco.append((record.step, total))
-  m = cfg.learners
-  ring = 2 * (m - 1) / m if m > 1 else 1.0  # bytes a ring all-reduce sends per byte
-  grad_bytes = sum(p.size * 4 for p in schema.parameters) * ring
-  baseline = [(s, s * grad_bytes) for s in range(1, cfg.steps + 1)]
+  grad_bytes = sum(p.size * 4 for p in schema.parameters) * _ring(cfg.learners)
   label = f"DiLoCo, H={cfg.diloco.sync_every}, P={len(plan)}, {cfg.diloco.delta_precision or 'F32'}"
-  return {label: diloco[1:] or diloco, "data-parallel all-reduce (F32, ring)": baseline}
+  series = {label: diloco[1:] or diloco}
+  if grad_bytes:  # one data-parallel worker sends nothing (no line on a log scale)
+    series["data-parallel all-reduce (F32, ring)"] = [
+        (s, s * grad_bytes) for s in range(1, cfg.steps + 1)]
+  return series
+
+
+def _ring(learners: int) -> float:
+  """Bytes a ring all-reduce sends per byte reduced: none with one worker."""
+  return 2 * (learners - 1) / learners
 
 
 def bytes_by_learner(cfg: config_lib.TrainConfig, params: Any, rounds: list[RoundRecord],
@@ -78,9 +84,8 @@ def bytes_by_learner(cfg: config_lib.TrainConfig, params: Any, rounds: list[Roun
     for name in senders:
       if name in sent:
         sent[name] += per_fragment[record.fragment]
-  m = cfg.learners
-  ring = 2 * (m - 1) / m if m > 1 else 1.0
-  sent["baseline"] = int(sum(p.size * 4 for p in schema.parameters) * ring * cfg.steps)
+  sent["baseline"] = int(sum(p.size * 4 for p in schema.parameters) * _ring(cfg.learners)
+                         * cfg.steps)
   return sent
 
 
