@@ -123,3 +123,16 @@ def test_a_killed_learner_shows_as_silent(tmp_path):
     time.sleep(0.2)
   row = mail.format_status(mail.open(url)).splitlines()[-1].split()
   assert row[:3] == ["gone", "live,", "silent"], row
+
+
+def test_goodput_of_a_heartbeat_older_than_the_last_commit_is_at_most_one(tmp_path):
+  # Killed right after a commit, a learner's last heartbeat counted fewer steps than its
+  # committed contributions carried: 200% goodput.
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  ms.train(mail.open(url), "w0", 0, 4)
+  record = json.loads(run.store.get(layout.heartbeat("w0")))
+  record["trained"] = 2  # as written before its last two steps
+  run.store.put(layout.heartbeat("w0"), heartbeats.dumps(record, None))
+  (learner,) = run.status()["learners"]
+  assert learner["committed_steps"] == 4 and learner["goodput"] == 1.0

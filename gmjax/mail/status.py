@@ -59,7 +59,9 @@ def pace(name: str, record: Mapping[str, Any], rounds: Sequence[Any],
     its last ``RECENT_ROUNDS`` contributions that committed rounds aggregated, since it
     joined: rounds from its ``first_round`` on); ``committed_steps`` (their sum over
     every such round); ``goodput``: ``committed_steps / (trained · fragments)`` (each
-    fragment's contributions carry each step once), None when the run no longer keeps
+    fragment's contributions carry each step once; at most 1: a heartbeat older than
+    the learner's last contributions counts the steps they carry), None when the run no
+    longer keeps
     every round since the learner joined or it has trained nothing.
   """
   step_seconds = _nonnegative(record.get("step_seconds"))
@@ -75,7 +77,9 @@ def pace(name: str, record: Mapping[str, Any], rounds: Sequence[Any],
   kept_all = not rounds or rounds[0].round <= first
   goodput = None
   if trained and kept_all:
-    goodput = sum(steps) / (trained * max(1, fragments))
+    # The learner trained at least what its committed contributions carry: a heartbeat
+    # written before its last ones (a kill right after a commit) counts those.
+    goodput = sum(steps) / max(trained * max(1, fragments), sum(steps))
   return {
       "step_seconds": step_seconds,
       "steps_per_second": 1.0 / step_seconds if step_seconds else None,
