@@ -12,7 +12,9 @@ window count measures steps without any sync. Each ``gmjax.diloco`` variant also
 as ``..., between``: the host counts the updates and passes ``between_rounds=True`` on
 those that do no round work (``RoundSchedule.due``), so that they run the program
 without the round; its scratch is that program's. ``..., unchecked`` is the same with
-``drop_non_finite=False`` (no finiteness check, as plain optax). Two clocks: the wall clock, and the
+``drop_non_finite=False`` (no finiteness check, as plain optax); with one learner,
+``optax.apply_if_finite(adamw)`` is plain optax's own guard against non-finite steps
+(it keeps the state of a step it drops), for the cost of a check. Two clocks: the wall clock, and the
 process's CPU time (all its threads), to which other jobs on the machine add little;
 for each, "ratio" is the median of the windows' ratios to the reference and "least"
 the ratio of the least windows (other work only ever adds time). ``temp`` is the compiled step's scratch memory, which XLA on CPU
@@ -186,6 +188,9 @@ def variants(sync_every, learners, multisteps=1):
   found = {"optax.adamw": (inner, {})}
   if learners == 1:
     layouts, axis = [("", {})], {}
+    # Plain optax's own guard against a non-finite step, beside gmjax's check.
+    found["optax.apply_if_finite(adamw)"] = (
+        lambda: optax.apply_if_finite(inner(), max_consecutive_errors=10**9), {})
   else:
     found["data-parallel adamw"] = (inner, {"data_parallel": True})
     layouts, axis = [(f" {k}", v) for k, v in inmesh.layouts()], {"axis_name": "learner"}
