@@ -651,10 +651,7 @@ def test_sigterm_stops_the_job_and_its_learners(tmp_path):
   config.write_text(TINY.replace("steps = 8", "steps = 400").replace(
       "poll_interval = 0.02", "poll_interval = 0.02\nstep_ms = 50"))
   out = tmp_path / "out"
-  job = subprocess.Popen(  # pylint: disable=consider-using-with
-      [sys.executable, "-m", "gmjax.app.cli", "train", str(config), "--out", str(out),
-       "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-      start_new_session=True)
+  job = _start_job(config, out)
   try:
     deadline = time.monotonic() + 240
     while not (out / "config.json").exists():  # checked and recorded: the TOML may go
@@ -684,6 +681,14 @@ def test_sigterm_stops_the_job_and_its_learners(tmp_path):
     time.sleep(0.1)
 
 
+def _start_job(config, out):
+  """``gmjax train CONFIG --out OUT --quiet`` in a session of its own, stderr piped."""
+  return subprocess.Popen(  # pylint: disable=consider-using-with
+      [sys.executable, "-m", "gmjax.app.cli", "train", str(config), "--out", str(out),
+       "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+      start_new_session=True)
+
+
 def _alive(pid):
   from gmjax.app import outdir  # pylint: disable=g-import-not-at-top
   return outdir._alive(pid)  # pylint: disable=protected-access
@@ -691,11 +696,11 @@ def _alive(pid):
 
 def test_a_job_started_under_nohup_keeps_ignoring_hangups():
   # The job's handler replaced nohup's: closing the terminal stopped the job.
-  from gmjax.app import train  # pylint: disable=g-import-not-at-top
+  from gmjax.app import signals  # pylint: disable=g-import-not-at-top
 
   before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
   try:
-    with train._stopped_by_signals():  # pylint: disable=protected-access
+    with signals.stopped_by_signals():
       assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
       assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # stops the learners
     assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
@@ -712,10 +717,7 @@ def test_a_learner_that_fails_ends_the_job(tmp_path):
   config.write_text(TINY.replace("steps = 8", "steps = 2000").replace(
       "eval_every = 4", "eval_every = 1000").replace("[model]", "baseline = false\n[model]"))
   out = tmp_path / "out"
-  job = subprocess.Popen(  # pylint: disable=consider-using-with
-      [sys.executable, "-m", "gmjax.app.cli", "train", str(config), "--out", str(out),
-       "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-      start_new_session=True)
+  job = _start_job(config, out)
   try:
     deadline = time.monotonic() + 300
     metrics = out / "metrics-learner-1.jsonl"
