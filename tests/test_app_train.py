@@ -1,5 +1,6 @@
 """``gmjax train`` end to end: learner processes over a local run, metrics, plots, status."""
 
+import contextlib
 import json
 import os
 import pathlib
@@ -651,8 +652,7 @@ def test_sigterm_stops_the_job_and_its_learners(tmp_path):
   config.write_text(TINY.replace("steps = 8", "steps = 400").replace(
       "poll_interval = 0.02", "poll_interval = 0.02\nstep_ms = 50"))
   out = tmp_path / "out"
-  job = _start_job(config, out)
-  try:
+  with _running_job(config, out) as job:
     deadline = time.monotonic() + 240
     while not (out / "config.json").exists():  # checked and recorded: the TOML may go
       assert job.poll() is None and time.monotonic() < deadline, "no config.json"
@@ -669,10 +669,6 @@ def test_sigterm_stops_the_job_and_its_learners(tmp_path):
       time.sleep(0.1)
     job.send_signal(signal.SIGTERM)
     _, err = job.communicate(timeout=60)
-  finally:
-    if job.poll() is None:
-      os.killpg(job.pid, signal.SIGKILL)
-      job.wait()
   assert job.returncode == 130, err
   assert "stopped (SIGTERM)" in err and "--resume" in err and "Traceback" not in err, err
   deadline = time.monotonic() + 10
@@ -681,12 +677,20 @@ def test_sigterm_stops_the_job_and_its_learners(tmp_path):
     time.sleep(0.1)
 
 
-def _start_job(config, out):
-  """``gmjax train CONFIG --out OUT --quiet`` in a session of its own, stderr piped."""
-  return subprocess.Popen(  # pylint: disable=consider-using-with
+@contextlib.contextmanager
+def _running_job(config, out):
+  """``gmjax train CONFIG --out OUT --quiet`` in a session of its own (stderr piped),
+  killed with its learners if the test leaves it running."""
+  job = subprocess.Popen(  # pylint: disable=consider-using-with
       [sys.executable, "-m", "gmjax.app.cli", "train", str(config), "--out", str(out),
        "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
       start_new_session=True)
+  try:
+    yield job
+  finally:
+    if job.poll() is None:
+      os.killpg(job.pid, signal.SIGKILL)
+      job.wait()
 
 
 def _alive(pid):
@@ -717,8 +721,7 @@ def test_a_learner_that_fails_ends_the_job(tmp_path):
   config.write_text(TINY.replace("steps = 8", "steps = 2000").replace(
       "eval_every = 4", "eval_every = 1000").replace("[model]", "baseline = false\n[model]"))
   out = tmp_path / "out"
-  job = _start_job(config, out)
-  try:
+  with _running_job(config, out) as job:
     deadline = time.monotonic() + 300
     metrics = out / "metrics-learner-1.jsonl"
     while not (metrics.exists() and '"event": "step"' in metrics.read_text()):
@@ -731,10 +734,6 @@ def test_a_learner_that_fails_ends_the_job(tmp_path):
     os.kill(learner, signal.SIGKILL)
     killed = time.monotonic()
     _, err = job.communicate(timeout=120)
-  finally:
-    if job.poll() is None:
-      os.killpg(job.pid, signal.SIGKILL)
-      job.wait()
   assert job.returncode == 1, err
   assert "learners failed: [('learner-1', -9)] (stopped: learner-0)" in err, err
   assert time.monotonic() - killed < 60
