@@ -95,12 +95,13 @@ def test_an_observer_that_starts_during_a_replay_never_sees_the_learner_live(tmp
         time.sleep(ms.POLL)
 
 
-def _beats_of(run, incarnation, claim, seqs):
+def _beats_of(run, incarnation, claim, seqs, claimed_at=None):
+  dated = {} if claimed_at is None else {"claimed_at": claimed_at}
   return [heartbeats.dumps({
       "name": "w", "incarnation": incarnation, "claim": claim, "pid": 1, "host": "h",
       "status": heartbeats.LIVE, "seq": seq, "step": 0, "first_round": 0,
-      "final_rounds": [], "versions": {}, "last_seen": "2026-01-01T00:00:00+00:00"},
-      run.signing_key) for seq in seqs]
+      "final_rounds": [], "versions": {}, "last_seen": "2026-01-01T00:00:00+00:00",
+      **dated}, run.signing_key) for seq in seqs]
 
 
 def test_an_older_incarnations_heartbeats_in_order_do_not_supersede_a_live_one(tmp_path):
@@ -179,25 +180,51 @@ def test_a_loss_past_a_floats_range_is_a_bad_heartbeat(tmp_path):
   assert "learners/w.json: loss=" in mail.format_status(mail.open(run.url, key=KEY))
 
 
-def test_a_learner_whose_claims_the_closer_deleted_is_superseded_by_a_lower_claim(tmp_path):
+def test_a_learner_whose_claims_the_closer_deleted_is_superseded_by_a_later_claim(tmp_path):
   # Paused past the closer's judgement, a learner's name was compacted (heartbeat and
   # every claim), and a new join claimed 1: below the paused learner's 2, its rising
-  # heartbeats did not stop it, and both ran as one name for good.
+  # heartbeats did not stop it, and both ran as one name for good. The new claim is
+  # later by the storage's clock, which both heartbeats carry, signed.
   run = _run(tmp_path)
-  for incarnation in ("a" * 32, "b" * 32):  # b, the second join, is paused
-    names.claim(run.store, "w", incarnation=incarnation, liveness_timeout=0.0,
-                poll_interval=ms.POLL, key=run.signing_key)
+  dates = {}
+  for number, incarnation in enumerate(("a" * 32, "b" * 32), 1):  # b is paused
+    assert names.claim(run.store, "w", incarnation=incarnation, liveness_timeout=0.0,
+                       poll_interval=ms.POLL, key=run.signing_key) == number
+    dates[incarnation] = names.claimed_at(run.store, "w", number)
+  assert dates["a" * 32] < dates["b" * 32]
+  beats_of_a = _beats_of(run, "a" * 32, 1, range(1, names.ALIVE_BEATS + 2), dates["a" * 32])
+  # A replay of a's heartbeats, with b's claim deleted and a claim planted for a, does
+  # not stop b: a's claim is older by number and by date.
+  run.store.delete("learners/w.claims/2")
+  run.store.put("learners/w.claims/3", b"a" * 32)
+  seen = {}
+  for beat in beats_of_a:
+    run.store.put(layout.heartbeat("w"), beat)
+    assert names.superseded(run.store, "w", "b" * 32, run.signing_key, seen, 2,
+                            dates["b" * 32]) is None
   run.store.delete(layout.heartbeat("w"))
   run.store.delete("learners/w.claims")  # the closer's compaction of a dead name
+  time.sleep(0.01)
   assert names.claim(run.store, "w", incarnation="c" * 32, liveness_timeout=0.0,
                      poll_interval=ms.POLL, key=run.signing_key) == 1
+  dates["c" * 32] = names.claimed_at(run.store, "w", 1)
   seen, verdicts = {}, []
-  for beat in _beats_of(run, "c" * 32, 1, range(1, names.ALIVE_BEATS + 2)):
+  for beat in _beats_of(run, "c" * 32, 1, range(1, names.ALIVE_BEATS + 2), dates["c" * 32]):
     run.store.put(layout.heartbeat("w"), beat)
-    verdicts.append(names.superseded(run.store, "w", "b" * 32, run.signing_key, seen, 2))
+    verdicts.append(names.superseded(run.store, "w", "b" * 32, run.signing_key, seen, 2,
+                                     dates["b" * 32]))
   assert verdicts[-1] is not None and "taken by a newer join" in str(verdicts[-1])
-  # The new join itself, whose claim is its own, is not stopped by b's heartbeats.
+  # The new join itself is not stopped by b's heartbeats (b's claim is not the newest).
   seen = {}
-  for beat in _beats_of(run, "b" * 32, 2, range(1, names.ALIVE_BEATS + 2)):
+  for beat in _beats_of(run, "b" * 32, 2, range(1, names.ALIVE_BEATS + 2), dates["b" * 32]):
     run.store.put(layout.heartbeat("w"), beat)
-    assert names.superseded(run.store, "w", "c" * 32, run.signing_key, seen, 1) is None
+    assert names.superseded(run.store, "w", "c" * 32, run.signing_key, seen, 1,
+                            dates["c" * 32]) is None
+
+
+def test_a_learners_heartbeats_carry_its_claims_date(tmp_path):
+  run = _run(tmp_path)
+  learner = run.join("w", poll_interval=ms.POLL)
+  record = heartbeats.read_one(run.store, "w", run.signing_key)
+  assert record["claimed_at"] == names.claimed_at(run.store, "w", 1) is not None
+  learner.close(learner.pull(ms.params0()))

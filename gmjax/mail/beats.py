@@ -92,16 +92,18 @@ class HeartbeatWriter:
 
   @classmethod
   def joined(cls, store, name: str, incarnation: str, beat: Beat,
-             interval: float, key: bytes | None = None, claim: int | None = None
-             ) -> HeartbeatWriter:
+             interval: float, key: bytes | None = None, claim: int | None = None,
+             claimed_at: float | None = None) -> HeartbeatWriter:
     """The writer of a learner that just joined (``claim``: the number of its claim on
-    the name): its first beat is written (durably) before this returns, then the thread
-    starts."""
+    the name; ``claimed_at``: its date by the storage's clock): its first beat is written
+    (durably) before this returns, then the thread starts."""
     identity = {"name": name, "pid": os.getpid(), "host": socket.gethostname(),
                 "joined_at": utc_now(), "incarnation": incarnation,
                 "beat_seconds": interval}
     if claim is not None:
       identity["claim"] = claim
+    if claimed_at is not None:
+      identity["claimed_at"] = claimed_at
     writer = cls(store, identity, beat, interval, key)
     writer.write().result()
     writer.start()
@@ -182,7 +184,8 @@ class HeartbeatWriter:
     if self.superseded is None and self._silent():
       taken = names.superseded(self._store, self._identity["name"],
                                self._identity["incarnation"], self._key, self._foreign,
-                               self._identity.get("claim"))
+                               self._identity.get("claim"),
+                               self._identity.get("claimed_at"))
       if taken is not None:
         self.superseded = str(taken)
         log.error("learner %r: %s", self._identity["name"], taken)

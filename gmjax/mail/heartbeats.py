@@ -94,8 +94,8 @@ def parse(name: str, data: bytes, key: bytes | None) -> dict[str, Any]:
   ``closed`` or another word that counts as not live) and ``seq``; when present,
   ``first_round``, ``step``, ``trained``, ``claim`` (ints in ``[0, 2**53)``),
   ``final_rounds`` (a list of such ints), ``versions`` (fragment -> version), ``loss`` (a
-  number or null), ``step_seconds`` and ``idle_seconds`` (finite non-negative numbers or
-  null) and short strings for the times and host. Other fields are kept as they are.
+  number or null), ``step_seconds``, ``idle_seconds`` and ``claimed_at`` (finite
+  non-negative numbers or null) and short strings for the times and host. Other fields are kept as they are.
 
   Raises:
     BadHeartbeat: with the reason it is ignored.
@@ -120,7 +120,7 @@ def parse(name: str, data: bytes, key: bytes | None) -> dict[str, Any]:
   for field in ("seq", "first_round", "step", "trained", "claim"):
     if field in record:
       _count(record, field, name)
-  for field in ("step_seconds", "idle_seconds", "beat_seconds"):
+  for field in ("step_seconds", "idle_seconds", "beat_seconds", "claimed_at"):
     value = record.get(field)
     # Bounded below float's range: a JSON integer of 400 digits is no float.
     if value is not None and (type(value) not in (int, float) or not 0 <= value < MAX_SECONDS):

@@ -173,7 +173,8 @@ class Learner(Resuming, Rounds):
       self._beats = HeartbeatWriter.joined(
           self.store, self.name, incarnation,
           Beat(heartbeats.LIVE, self.step_count, self.first_round),
-          self.poll_interval * HEARTBEAT_POLLS, key=self.key, claim=claimed)
+          self.poll_interval * HEARTBEAT_POLLS, key=self.key, claim=claimed,
+          claimed_at=names.claimed_at(self.store, self.name, claimed))
     self._worker.start(warm=self.primary)
     learner_exit.OPEN.add(self)
 

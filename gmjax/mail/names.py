@@ -33,6 +33,7 @@ import os
 import re
 import socket
 import time
+from typing import Any
 
 from gmjax.mail import heartbeats
 from gmjax.mail import layout
@@ -64,19 +65,19 @@ def _newest_claim(store, name: str) -> tuple[int, str | None]:
 
 
 def superseded(store, name: str, incarnation: str, key: bytes | None,
-               seen: dict[str, tuple[int, int]], claim: int | None = None
-               ) -> NameTaken | None:
+               seen: dict[str, tuple[int, int]], claim: int | None = None,
+               claimed_at: float | None = None) -> NameTaken | None:
   """``NameTaken`` once a newer incarnation than ``incarnation`` holds ``name``, else None.
 
   Newer: the newest claim is its, its valid heartbeat has risen ``ALIVE_BEATS - 1``
   times across the calls (``seen``: its highest ``seq`` and rises so far, kept by the
-  caller), as a joiner watches a holder, and the claim its heartbeats name is above
-  ``claim``, this incarnation's, or ``claim`` is no longer this incarnation's (the closer
-  deleted the claims of the name, judged dead, and joins numbered theirs anew). One old
-  heartbeat written back, and a claim planted for it, never rise; an older incarnation's
-  heartbeats written back in order rise, but name an older claim (claims are not signed;
-  the heartbeats that name them are): a replay cannot stop a live learner, whose claim
-  stays. A heartbeat that names no claim (as a gmjax before the
+  caller), as a joiner watches a holder, and the claim its heartbeats name is newer than
+  this incarnation's: numbered above ``claim``, or made later by the storage's clock
+  (``claimed_at``, each claim's date as its joiner read it: the closer deletes the claims
+  of a name it judged dead, and joins then number theirs anew). One old heartbeat written
+  back, and a claim planted for it, never rise; an older incarnation's heartbeats written
+  back in order rise, but name an older claim, by number and date (claims are not
+  signed; the heartbeats that name them are): a replay cannot stop a live learner. A heartbeat that names no claim (as a gmjax before the
   field writes it) is not newer either: a run's learners run this gmjax or a later one.
   """
   record = _heartbeat(store, name, key)
@@ -84,7 +85,7 @@ def superseded(store, name: str, incarnation: str, key: bytes | None,
   if other is None or other == incarnation:
     return None
   if claim is not None and not (isinstance(record.get("claim"), int) and (
-      record["claim"] > claim or not _holds(store, name, claim, incarnation))):
+      record["claim"] > claim or _later(record.get("claimed_at"), claimed_at))):
     seen.pop(other, None)  # an older join's heartbeat, or one that names no claim
     return None
   _, holder = _newest_claim(store, name)
@@ -104,15 +105,13 @@ def superseded(store, name: str, incarnation: str, key: bytes | None,
       " publishing. Join again under another name (with its state_dir, if any).")
 
 
-def _holds(store, name: str, claim: int, incarnation: str) -> bool:
-  """Whether claim ``claim`` of ``name`` is still ``incarnation``'s. The closer deletes a
-  dead name's claims (``gmjax.mail.retention``), after which joins number theirs from 1
-  again: a learner paused that long meets a newer join under a lower number."""
-  try:
-    held = store.read(f"{_claims(name)}/{claim}", MAX_CLAIM_BYTES)
-  except (FileNotFoundError, BadObject):
-    return False
-  return held == incarnation.encode("ascii", "replace")
+def _later(date: Any, than: float | None) -> bool:
+  return than is not None and type(date) in (int, float) and date > than
+
+
+def claimed_at(store, name: str, number: int) -> float | None:
+  """The storage's date of claim ``number`` of ``name`` (None where it cannot tell)."""
+  return store.list_dated(_claims(name)).get(str(number))
 
 
 def _heartbeat(store, name: str, key: bytes | None) -> dict | None:
