@@ -366,12 +366,14 @@ def test_an_empty_leaf_on_an_fsdp_mesh_runs_as_unsharded(axis_type):
     return optax.apply_updates(params, updates), state
 
   w = jnp.arange(LEARNERS * 64 * 32, dtype=jnp.float32).reshape(LEARNERS, 64, 32) / 1e4
-  z = jnp.ones((LEARNERS, 0, 8))
+  # Split over the learners only, and over fsdp too along a dimension past the first.
+  z, y = jnp.ones((LEARNERS, 0, 8)), jnp.ones((LEARNERS, 0, 64))
 
   def run(mesh):
-    params, mapped = {"w": w, "z": z}, {"axis_name": "learner"}
+    params, mapped = {"w": w, "y": y, "z": z}, {"axis_name": "learner"}
     if mesh is not None:
       params = {"w": jax.device_put(w, NamedSharding(mesh, P("learner", "fsdp"))),
+                "y": jax.device_put(y, NamedSharding(mesh, P("learner", None, "fsdp"))),
                 "z": jax.device_put(z, NamedSharding(mesh, P("learner")))}
       mapped = spmd
     state = jax.vmap(optimizer.init, **mapped)(params)
@@ -385,6 +387,6 @@ def test_an_empty_leaf_on_an_fsdp_mesh_runs_as_unsharded(axis_type):
   with jax.set_mesh(mesh):
     got, got_rounds = run(mesh)
   np.testing.assert_array_equal(got["w"], expected["w"])
-  assert got["z"].shape == (LEARNERS, 0, 8)
+  assert got["z"].shape == (LEARNERS, 0, 8) and got["y"].shape == (LEARNERS, 0, 64)
   np.testing.assert_array_equal(got_rounds, rounds)
   assert rounds.min() == 4  # two fragments, each syncing every 2 steps

@@ -76,11 +76,12 @@ def _local_runs(x: jax.Array, learners: int) -> tuple[tuple[int, ...], tuple[str
   """The split dimensions of ``x`` and their mesh axes, when rows go device by device.
 
   None off explicit meshes, when only the leading dimension is split (the row-major
-  order is then already device by device), or when a device's runs of consecutive
-  elements are not whole codec blocks or its elements not whole rows of ``32·M``.
+  order is then already device by device), when a device's runs of consecutive
+  elements are not whole codec blocks or its elements not whole rows of ``32·M``, and
+  for an empty leaf (one row of padding, ``to_rows``).
   """
   entries = explicit.spec(x)
-  if entries is None:
+  if entries is None or x.size == 0:
     return None
   dims = tuple(d for d, e in enumerate(entries) if e is not None)
   if not dims or dims == (0,):
