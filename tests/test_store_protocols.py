@@ -33,3 +33,37 @@ def test_create_and_open_refuse_them():
 @pytest.mark.parametrize("url", ["memory://protocols-ok", "file:///tmp/gmjax-protocols-ok"])
 def test_supported_protocols_open(url):
   assert store_lib.open_store(url).url == url
+
+
+@pytest.mark.parametrize("url, meant", [("gs:/bucket/run", "gs://bucket/run"),
+                                        ("s3:/bucket", "s3://bucket"),
+                                        ("memory:/x", "memory://x")])
+def test_a_url_with_one_slash_is_named_not_made_a_local_folder(tmp_path, monkeypatch, url,
+                                                               meant):
+  # "s3:/bucket" made a local run under ./s3:/bucket; "gs:/bucket" half of one, then a
+  # raw KeyError from Orbax.
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(ValueError, match=f"url='{url}' is not a URL: did you mean {meant}"):
+    mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  with pytest.raises(ValueError, match=f"did you mean {meant}"):
+    mail.open(url)
+  with pytest.raises(ValueError, match=f"state_dir='{url}' is not a URL: did you mean"):
+    mail.create("memory://one-slash", ms.params0(), gmjax.DiLoCo(sync_every=2)).join(
+        "w", state_dir=url)
+  assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("url", ["", " ", "run\0"])
+def test_an_empty_url_is_refused(tmp_path, monkeypatch, url):
+  # "" made a run in the working directory, beside whatever was there.
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(ValueError, match="names no run"):
+    mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("value", [float("nan"), 0, -1, float("inf"), "30", True, None])
+def test_retry_seconds_must_be_a_positive_finite_number(tmp_path, value):
+  mail.create(str(tmp_path / "run"), ms.params0(), gmjax.DiLoCo(sync_every=2))
+  with pytest.raises(ValueError, match=r"retry_seconds=.* must be a positive, finite"):
+    mail.open(str(tmp_path / "run"), retry_seconds=value)

@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from gmjax.mail import store
 from gmjax.mail.errors import CorruptRecord, StateDirMismatch
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,8 @@ def check_state_dir(state_dir: Any) -> str:
   if not isinstance(path, str) or not path.strip():
     raise ValueError(f"state_dir must be a non-empty directory path or gs:// URL, got"
                      f" {state_dir!r}.")
+  if store.meant(path):  # "gs:/x" would be a local folder named "gs:"
+    raise ValueError(f"state_dir={path!r} is not a URL: did you mean {store.meant(path)}?")
   if "://" in path:
     protocol = path.split("://", 1)[0]
     if protocol != "gs":

@@ -16,6 +16,7 @@ commit one version.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from gmjax.mail.errors import UnsupportedStorage
@@ -30,6 +31,14 @@ __all__ = ["MIN_ATTEMPT_SECONDS", "MIN_BYTES_PER_SECOND", "SUPPORTED_PROTOCOLS",
 
 # URL schemes whose exclusive create is atomic and tested against a real server.
 SUPPORTED_PROTOCOLS = ("file", "memory", "gs", "gcs", "s3", "s3a")
+# The scheme of a URL with one slash (``gs:/bucket``), which would be a local folder.
+_MISTYPED = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):/(?!/)")
+
+
+def meant(url: str) -> str | None:
+  """The URL that ``url``, a scheme followed by one slash, was meant to be, else None."""
+  mistyped = _MISTYPED.match(url)
+  return mistyped and f"{mistyped[1]}://{url[mistyped.end():]}"
 
 
 def open_store(url: str, *, retry_seconds: float = 30.0,
@@ -52,6 +61,11 @@ def open_store(url: str, *, retry_seconds: float = 30.0,
   if not isinstance(url, (str, os.PathLike)):
     raise TypeError(f"url must be a path or URL string, got {type(url).__name__}: {url!r}")
   url = os.fspath(url)
+  if not url.strip() or "\0" in url:
+    raise ValueError(f"url={url!r} names no run: give a folder (e.g. runs/mine) or a URL"
+                     " (e.g. gs://bucket/run)")
+  if meant(url):  # "gs:/bucket" would be a local folder named "gs:"
+    raise ValueError(f"url={url!r} is not a URL: did you mean {meant(url)}?")
   if "://" not in url and "::" not in url or url.startswith("file://"):
     return LocalStore(url, retry_seconds=retry_seconds)
   protocol = url.split("://", 1)[0] if "://" in url else url.split("::", 1)[0]

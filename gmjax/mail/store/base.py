@@ -47,6 +47,7 @@ import abc
 import copy
 import hashlib
 import logging
+import math
 import random
 import threading
 import time
@@ -113,7 +114,13 @@ class Store(abc.ABC):
 
   def __init__(self, url: str, *, retry_seconds: float = 30.0):
     self.url = url
-    self.retry_seconds = float(retry_seconds)
+    try:
+      self.retry_seconds = float(retry_seconds)
+    except (TypeError, ValueError):
+      self.retry_seconds = math.nan
+    if isinstance(retry_seconds, (bool, str)) or not 0 < self.retry_seconds < math.inf:
+      raise ValueError(f"retry_seconds={retry_seconds!r} must be a positive, finite number"
+                       " of seconds (how long transient storage errors are retried), e.g. 30")
     self._retry_budget: Callable[[], float] | None = None
 
   def with_retry_budget(self, budget: Callable[[], float]) -> Store:
