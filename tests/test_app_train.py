@@ -700,11 +700,11 @@ def _alive(pid):
 
 def test_a_job_started_under_nohup_keeps_ignoring_hangups():
   # The job's handler replaced nohup's: closing the terminal stopped the job.
-  from gmjax.app import signals  # pylint: disable=g-import-not-at-top
+  from gmjax.app import stops  # pylint: disable=g-import-not-at-top
 
   before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
   try:
-    with signals.stopped_by_signals():
+    with stops.stopped_by_signals():
       assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
       assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # stops the learners
     assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
@@ -742,9 +742,12 @@ def test_a_learner_that_fails_ends_the_job(tmp_path):
   assert max(s for s in steps if s is not None) < 2000
 
 
-def test_a_signal_while_the_config_is_read_stops_the_job(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("signum, said", [(signal.SIGTERM, "SIGTERM"),
+                                          (signal.SIGINT, "Ctrl-C")])
+def test_a_signal_while_the_config_is_read_stops_the_job(tmp_path, monkeypatch, capsys,
+                                                         signum, said):
   # The handlers came after the config, corpus and model checks: a SIGTERM there ended
-  # the command with exit 143 and no word.
+  # the command with exit 143 and no word (and Ctrl-C there said "stopped ()").
   from gmjax.app import cli, config as config_lib  # pylint: disable=g-import-not-at-top
 
   class Unhandled(Exception):
@@ -757,7 +760,7 @@ def test_a_signal_while_the_config_is_read_stops_the_job(tmp_path, monkeypatch, 
 
   def load_then_terminated(path):
     cfg = load(path)
-    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signum)
     time.sleep(1)  # delivered before this returns
     return cfg
 
@@ -769,7 +772,7 @@ def test_a_signal_while_the_config_is_read_stops_the_job(tmp_path, monkeypatch, 
     assert cli.main(["train", str(config), "--out", str(tmp_path / "out")]) == 130
   finally:
     signal.signal(signal.SIGTERM, previous)
-  assert "gmjax train: stopped (SIGTERM)" in capsys.readouterr().err
+  assert f"gmjax train: stopped ({said})" in capsys.readouterr().err
   assert not (tmp_path / "out").exists()
 
 

@@ -75,32 +75,29 @@ def settings_line(cfg) -> str:
 
 
 def _train(args: argparse.Namespace) -> int:
-  from gmjax.app import signals  # pylint: disable=g-import-not-at-top
+  from gmjax.app import stops  # pylint: disable=g-import-not-at-top
 
-  # A signal while the job's modules load and its config is read stops it as later.
+  cfg = None
+  # From here on a signal stops the job as Ctrl-C does (the modules load, the config is
+  # read, then the job runs).
   try:
-    with signals.stopped_by_signals():
+    with stops.stopped_by_signals():
       config_lib, train = _import_app()
       cfg = config_lib.load(args.config)
-  except KeyboardInterrupt as stop:
-    print(f"\ngmjax train: stopped ({stop or 'Ctrl-C'})", file=sys.stderr)
-    return 130
-  from gmjax.app.train import LearnersFailed  # pylint: disable=g-import-not-at-top
+      if args.out is not None and (not args.out.strip() or "://" in args.out):
+        raise ValueError(f"--out {args.out!r}: must be a local folder (the job writes its"
+                         " metrics, plots and run there), e.g. --out runs/mine")
+      if args.out:
+        import dataclasses  # pylint: disable=g-import-not-at-top
 
-  if args.out is not None and (not args.out.strip() or "://" in args.out):
-    raise ValueError(f"--out {args.out!r}: must be a local folder (the job writes its"
-                     " metrics, plots and run there), e.g. --out runs/mine")
-  if args.out:
-    import dataclasses  # pylint: disable=g-import-not-at-top
-
-    cfg = dataclasses.replace(cfg, out=args.out)
-  try:
-    summary = train(cfg, show_progress=not args.quiet, force=args.force, resume=args.resume)
-  except (KeyboardInterrupt, LearnersFailed) as stop:
+        cfg = dataclasses.replace(cfg, out=args.out)
+      summary = train(cfg, show_progress=not args.quiet, force=args.force,
+                      resume=args.resume)
+  except (KeyboardInterrupt, stops.LearnersFailed) as stop:
     stopped = isinstance(stop, KeyboardInterrupt)
     print(f"\ngmjax train: {'stopped (' + (str(stop) or 'Ctrl-C') + ')' if stopped else stop}",
           file=sys.stderr)
-    if os.path.isfile(os.path.join(cfg.out, "run", "manifest.json")):
+    if cfg is not None and os.path.isfile(os.path.join(cfg.out, "run", "manifest.json")):
       print(f"gmjax train: the learners are stopped; continue the run with: gmjax train"
             f" {shlex.quote(args.config)} --out {shlex.quote(cfg.out)} --resume",
             file=sys.stderr)

@@ -24,7 +24,8 @@ from tqdm.auto import tqdm
 
 import gmjax
 from gmjax.app import config as config_lib
-from gmjax.app import model, outdir, plots, signals
+from gmjax.app import model, outdir, plots, stops
+from gmjax.app.stops import LearnersFailed
 from gmjax.app.baseline import train_baseline
 from gmjax.mail.records import RoundRecord
 
@@ -99,10 +100,6 @@ def _latest(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
   again replaces what the stopped one had logged."""
   latest = {(r.get("learner"), r.get("event"), r.get("step")): r for r in metrics}
   return list(latest.values())
-
-
-class LearnersFailed(RuntimeError):
-  """A learner process of the job exited with an error (each one's log tail quoted)."""
 
 
 def final_losses(metrics: list[dict[str, Any]], names: list[str], steps: int
@@ -222,7 +219,7 @@ def train(cfg: config_lib.TrainConfig, *, show_progress: bool = True,
   if force and resume:
     raise ValueError("--force deletes the run and trains anew, --resume continues it;"
                      " pass one of them")
-  with signals.stopped_by_signals():
+  with stops.stopped_by_signals():
     out = Path(cfg.out)
     outdir.check_out(out)
     config_lib.check_data(cfg)

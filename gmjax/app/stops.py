@@ -1,11 +1,16 @@
-"""SIGTERM and SIGHUP as Ctrl-C for the job: imported by the command before anything
-heavy, so that a signal in the job's first seconds stops it as one later does."""
+"""How a ``gmjax train`` job stops: SIGTERM and SIGHUP as Ctrl-C, and a learner that
+failed. Imported by the command before anything heavy, so that a signal in the job's
+first seconds stops it as one later does."""
 
 from __future__ import annotations
 
 import contextlib
 import signal
 import threading
+
+
+class LearnersFailed(RuntimeError):
+  """A learner process of the job exited with an error (each one's log tail quoted)."""
 
 
 @contextlib.contextmanager
