@@ -180,6 +180,18 @@ def test_force_deletes_only_what_a_job_wrote(tmp_path, capsys):
   assert capsys.readouterr().out.endswith(f"deleting state/learner-0/ in {out}\n")
   assert os.listdir(out / "state") == ["db.txt"]
   assert outdir.earlier_outputs(out) == []
+  # A state folder linked elsewhere (a scratch disk) holds a job's states as well; a
+  # learner's entry that is a link goes, not what it points to.
+  scratch = tmp_path / "scratch"
+  (scratch / "learner-0").mkdir(parents=True)
+  (tmp_path / "kept").mkdir()
+  (scratch / "learner-1").symlink_to(tmp_path / "kept")
+  (out / "state" / "db.txt").rename(scratch / "db.txt")
+  (out / "state").rmdir()
+  (out / "state").symlink_to(scratch)
+  assert outdir.earlier_outputs(out) == ["state/learner-0/", "state/learner-1/"]
+  outdir.check_new_run(out, out / "run", force=True)
+  assert os.listdir(scratch) == ["db.txt"] and (tmp_path / "kept").is_dir()
 
 
 def test_a_run_folder_without_a_manifest_is_named_as_no_run(tmp_path, capsys):

@@ -119,13 +119,22 @@ def check_out(out: Path) -> None:
 
 
 def learner_states(out: Path) -> list[Path]:
-  """The learners' ``state_dir`` folders of a job in ``out`` (``<out>/state/learner-<i>``);
-  nothing else in ``<out>/state`` is the job's."""
+  """The learners' ``state_dir`` entries of a job in ``out`` (``<out>/state/learner-<i>``,
+  ``state`` a folder or a link to one); nothing else in ``<out>/state`` is the job's."""
   folder = out / STATE
-  if not folder.is_dir() or folder.is_symlink():
+  if not folder.is_dir():
     return []
-  return sorted(p for p in folder.iterdir() if p.is_dir() and not p.is_symlink()
-                and p.name.startswith("learner-") and p.name[len("learner-"):].isdigit())
+  return sorted(p for p in folder.iterdir()
+                if p.name.startswith("learner-") and p.name[len("learner-"):].isdigit())
+
+
+def delete_learner_state(path: Path) -> None:
+  """Deletes one of ``learner_states``: a folder with what it holds, a file or a link
+  (not what the link points to)."""
+  if path.is_dir() and not path.is_symlink():
+    shutil.rmtree(path)
+  else:
+    path.unlink()
 
 
 def job_config(path: Path) -> bool:
@@ -263,4 +272,4 @@ def check_new_run(out: Path, run_dir: Path, force: bool) -> None:
     for old in out.glob("metrics*.jsonl"):
       old.unlink()
     for state in learner_states(out):  # nothing else in <out>/state is the job's
-      shutil.rmtree(state)
+      delete_learner_state(state)
