@@ -22,6 +22,8 @@ from gmjax.core import outer, outer_records
     [("sync_every", 0), ("sync_every", 2.5), ("fragments", 0), ("fragments", 9),
      ("outer_learning_rate", 0.0), ("outer_learning_rate", -1.0),
      ("outer_learning_rate", float("nan")), ("outer_learning_rate", float("inf")),
+     # Finite in Python, Inf in F32: every outer step was skipped, without a word.
+     ("outer_learning_rate", 1e39), ("outer_learning_rate", 10**400),
      ("outer_momentum", 1.0), ("outer_momentum", -0.1), ("nesterov", 1),
      ("delta_precision", "F8"), ("commit_precision", "int4"), ("mixing", 1.0),
      ("mixing", -0.5), ("overlap_steps", 8), ("overlap_steps", -1), ("in_flight", 0),
@@ -98,6 +100,8 @@ def test_plan(leaves, fragments):
      ("sgd", {"learning_rate": 0}, "outer_options.learning_rate must be a positive"),
      ("sgd", {"learning_rate": True}, "outer_options.learning_rate must be a positive"),
      ("sgd", {"momentum": 1.5}, r"outer_options.momentum must be a number in \[0, 1\)"),
+     ("sgd", {"learning_rate": 1e39}, "outer_options.learning_rate must be a positive"),
+     ("sgd", {"momentum": 0.9, "nesterov": "false"}, "outer_options.nesterov must be true"),
      ("adam", {"b2": -0.5}, r"outer_options.b2 must be a number in \[0, 1\)"),
      ("adam", {"eps": "small"}, "outer_options do not fit optax.adam: a step on a probe"),
     ],

@@ -21,7 +21,7 @@ import numpy as np
 from gmjax.core import eager as eager_updates
 from gmjax.core import feedback, robust
 from gmjax.core.frozen import FrozenDict
-from gmjax.core.wire import check_precision
+from gmjax.core.wire import F32_MAX, check_precision
 
 
 MAX_SYNC_EVERY = 2**31 - 1
@@ -55,10 +55,10 @@ def check_fields(config: Any) -> None:
         " steps, so lower fragments or raise sync_every."
     )
   lr = config.outer_learning_rate
-  if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0 or not np.isfinite(lr):
+  if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr <= F32_MAX:
     raise ValueError(
-        f"DiLoCo outer_learning_rate must be a positive number, got {lr!r}"
-        " (the paper uses 0.7)."
+        f"DiLoCo outer_learning_rate must be a positive number (at most F32's largest,"
+        f" as the outer step runs in F32), got {lr!r} (the paper uses 0.7)."
     )
   mu = config.outer_momentum
   if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0 <= mu < 1:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from gmjax.core.schema import ParameterSpec
-from gmjax.core.wire import JNP_DTYPES, Wire
+from gmjax.core.wire import F32_MAX, JNP_DTYPES, Wire
 
 Tree = Any
 
@@ -185,10 +185,13 @@ def _check_numbers(options: Mapping[str, Any]) -> None:
   for key, value in options.items():
     number = not isinstance(value, bool) and isinstance(value, (int, float))
     if key == "learning_rate" and not isinstance(value, Mapping) and not (
-        number and 0 < value < float("inf")):
+        number and 0 < value <= F32_MAX):
       raise ValueError(
-          f"DiLoCo outer_options.learning_rate must be a positive number or a schedule"
-          f" ({{'schedule': 'cosine_decay_schedule', ...}}), got {value!r}.")
+          f"DiLoCo outer_options.learning_rate must be a positive number (at most F32's"
+          f" largest) or a schedule ({{'schedule': 'cosine_decay_schedule', ...}}), got"
+          f" {value!r}.")
+    if key == "nesterov" and not isinstance(value, bool):  # "false" would mean True
+      raise ValueError(f"DiLoCo outer_options.nesterov must be true or false, got {value!r}.")
     if key in _RATES and value is not None and not (number and 0 <= value < 1):
       raise ValueError(f"DiLoCo outer_options.{key} must be a number in [0, 1), got {value!r}.")
 

@@ -31,6 +31,8 @@ from gmjax.core.schema import NUMPY_DTYPES, ParameterSpec, Schema, dtype_code, s
 
 # The JAX dtype of each parameter dtype code.
 JNP_DTYPES = {"F32": jnp.float32, "F16": jnp.float16, "BF16": jnp.bfloat16}
+# The largest F32 value: a number the outer step takes (in F32) must not pass it.
+F32_MAX = float(np.finfo(np.float32).max)
 
 
 def check_precision(precision: Any, argument: str = "precision") -> Precision:
