@@ -350,3 +350,15 @@ def test_custom_outer_refused_by_eager_and_by_mail(tmp_path):
     mail.create(str(tmp_path / "run"), {"w": np.zeros(3, np.float32)},
                 gmjax.DiLoCo(sync_every=4, outer="custom"))
   assert not (tmp_path / "run").exists()
+
+
+def test_methods_that_take_a_schema_name_it_when_given_params():
+  # A raw AttributeError ('dict' object has no attribute 'pieces'), or, from
+  # check_parameters, nothing checked at all.
+  config = gmjax.DiLoCo(sync_every=4)
+  params = {"w": np.zeros(3, np.float32)}
+  for method in (config.plan, config.check_parameters, config.delta_layout):
+    with pytest.raises(TypeError, match=r"takes a gmjax.Schema, got dict: pass"
+                                        r" gmjax.Schema.from_tree\(params\)"):
+      method(params)
+  assert config.plan(gmjax.Schema.from_tree(params)) == (("w",),)

@@ -193,7 +193,7 @@ class DiLoCo:
 
     Raises:
       ValueError: ``error_feedback`` with deltas that travel exactly (F32), or a
-        ``layer_axis`` that does not fit the leaves.
+        ``layer_axis`` that does not fit the leaves (``cut``, which also raises).
     """
     self.cut(schema)
     feedback.check_schema(self.error_feedback, self.delta_wire, schema)
@@ -204,9 +204,10 @@ class DiLoCo:
     (``gmjax.core.layers``). A schema already cut is returned as it is.
 
     Raises:
+      TypeError: ``schema`` is not a ``gmjax.Schema`` (params: ``Schema.from_tree``).
       ValueError: ``layer_axis`` does not fit ``schema`` (``layers.stacked_leaves``).
     """
-    if self.layer_axis is None or schema.source is not None:
+    if Schema.given(schema, "DiLoCo.plan").source is not None or self.layer_axis is None:
       return schema
     shapes = {p.name: p.shape for p in schema.parameters}
     axes = layers.stacked_leaves(shapes, self.layer_axis)

@@ -169,6 +169,14 @@ class Schema:
           )
 
   @classmethod
+  def given(cls, value: Any, where: str) -> Schema:
+    """``value``, a ``Schema`` passed to ``where``, or a TypeError naming the fix."""
+    if not isinstance(value, cls):
+      raise TypeError(f"{where} takes a gmjax.Schema, got {type(value).__name__}: pass"
+                      " gmjax.Schema.from_tree(params)")
+    return value
+
+  @classmethod
   def from_tree(cls, tree: Any) -> Schema:
     """The schema of a pytree of float arrays (dicts, lists, NamedTuples, nnx.State)."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)

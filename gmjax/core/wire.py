@@ -107,7 +107,7 @@ class Wire:
     ``<name>.index`` beside them.
     """
     specs = []
-    for spec in self._kept(schema.parameters):
+    for spec in self._kept(Schema.given(schema, "DiLoCo.delta_layout").parameters):
       if self.precision is None:
         specs.append(spec)
       elif self.precision in DTYPES:
