@@ -394,3 +394,12 @@ def test_without_the_check_finite_steps_are_the_same_bit_for_bit():
     runs.append((params, state.anchor))
   for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_python_float_gradient_is_checked_as_an_array():
+  # The gradient of a scalar parameter given as a Python float: a raw AttributeError
+  # ('float' object has no attribute 'astype') from the check, not from optax.
+  optimizer = gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=2))
+  params = {"s": jnp.float32(1.0)}
+  updates, _ = optimizer.update({"s": 0.5}, optimizer.init(params), params)
+  np.testing.assert_allclose(updates["s"], -0.05, rtol=1e-6)

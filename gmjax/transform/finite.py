@@ -64,7 +64,7 @@ def marked(updates: Any, grads: Any) -> Any:
   def mark(u, g):
     if not (_floating(u) and _floating(g)):
       return u
-    return u - (g - g).astype(u.dtype)
+    return u - (jnp.asarray(g) - g).astype(jnp.asarray(u).dtype)  # a Python float too
 
   return jax.tree.map(mark, updates, grads)
 
