@@ -84,9 +84,9 @@ class Learner(Resuming, Rounds):
                           else learner_args.process_number("process_index", process_index))
     self.process_count = (jax.process_count() if process_count is None
                           else learner_args.process_number("process_count", process_count))
-    if not 0 <= self.process_index < self.process_count:
-      raise ValueError(f"process_index must be in [0, process_count), got"
-                       f" {self.process_index} of {self.process_count}.")
+    if self.process_count < 1 or not 0 <= self.process_index < self.process_count:
+      raise ValueError(f"process_index must be in [0, process_count) and process_count at"
+                       f" least 1, got {self.process_index} of {self.process_count}.")
     self.primary = self.process_index == 0
     self.run = run
     self.name = layout.check_name(name)
