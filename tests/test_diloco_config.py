@@ -27,7 +27,8 @@ from gmjax.core import outer, outer_records
      ("outer_momentum", 1.0), ("outer_momentum", -0.1), ("nesterov", 1),
      ("delta_precision", "F8"), ("commit_precision", "int4"), ("mixing", 1.0),
      ("mixing", -0.5), ("overlap_steps", 8), ("overlap_steps", -1), ("in_flight", 0),
-     ("quorum_size", 0), ("global_batch_size", -4), ("flush_on_close", "yes")],
+     ("quorum_size", 0), ("global_batch_size", -4), ("flush_on_close", "yes"),
+     ("outer_delay", 1.0)],  # recorded as 1.0 in the manifest, where 1 is asked for
 )
 def test_bad_field_named(field, value):
   with pytest.raises(ValueError, match=field):

@@ -109,6 +109,11 @@ def test_keep_versions_is_checked(tmp_path, value):
   assert not os.path.exists(tmp_path / "run" / layout.MANIFEST)  # refused before writing
 
 
+def test_keep_versions_may_be_a_numpy_int(tmp_path):
+  run = mail.create(str(tmp_path / "run"), ms.params0(), CONFIG, keep_versions=np.int64(3))
+  assert run.manifest.keep_versions == 3 and type(run.manifest.keep_versions) is int
+
+
 def test_keep_versions_is_stored_and_older_manifests_keep_everything(tmp_path):
   url = str(tmp_path / "run")
   run = mail.create(url, ms.params0(), CONFIG)

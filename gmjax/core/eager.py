@@ -54,7 +54,7 @@ def check(config: Any) -> None:
       ``eager`` with an outer optimizer other than SGD at a constant learning rate.
   """
   delay = config.outer_delay
-  if isinstance(delay, bool) or delay not in (0, 1):
+  if type(delay) is not int or delay not in (0, 1):  # 1.0 would be recorded as 1.0
     raise ValueError(
         f"DiLoCo outer_delay must be 0 (DiLoCo) or 1 (delayed outer gradients), got"
         f" {delay!r}.")

@@ -35,6 +35,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
+
 from gmjax.mail import commits
 from gmjax.mail import heartbeats
 from gmjax.mail import layout
@@ -79,6 +81,8 @@ def check_keep_versions(value: Any) -> int | None:
   """
   if value is None:
     return None
+  if isinstance(value, np.integer):
+    value = int(value)  # an int as numpy holds it
   if isinstance(value, bool) or not isinstance(value, int):
     raise TypeError(f"keep_versions must be None (keep every version) or an int >="
                     f" {MIN_KEEP_VERSIONS}, got {type(value).__name__}: {value!r}.")
