@@ -231,6 +231,8 @@ def test_schedule_counts():
   for bad in (0, 5, 2.0, True, "2"):
     with pytest.raises(ValueError, match="DiLoCo.schedule"):
       config.schedule(bad)
+  assert config.schedule(np.int64(2)) == config.schedule(2)  # len() of a numpy plan
+  assert type(config.schedule(np.int64(2)).fragments) is int
 
 
 @pytest.mark.parametrize("beta", [0, 0.0, -0.5, 1.5, float("nan"), float("inf"), "0.5", True])

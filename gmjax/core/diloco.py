@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import json
+import numbers
 from collections.abc import Mapping
 from typing import Any, Self
 
@@ -309,21 +310,17 @@ class DiLoCo:
       count = self.fragments
     elif isinstance(fragments, Schema):
       count = len(self.plan(fragments))
-    elif isinstance(fragments, bool) or not isinstance(fragments, int) or not (
-        1 <= fragments <= self.fragments):
+    elif isinstance(fragments, bool) or not isinstance(fragments, numbers.Integral) or not (
+        1 <= fragments <= self.fragments):  # a numpy integer too
       raise ValueError(
           f"DiLoCo.schedule(fragments={fragments!r}): pass the Schema of the parameters,"
           f" or the number of fragments of the plan, an int in [1, {self.fragments}]"
           " (len(config.plan(schema)))."
       )
     else:
-      count = fragments
-    return RoundSchedule(
-        sync_every=self.sync_every,
-        fragments=count,
-        in_flight=self.in_flight,
-        overlap_steps=self.overlap_steps,
-    )
+      count = int(fragments)
+    return RoundSchedule(sync_every=self.sync_every, fragments=count,
+                         in_flight=self.in_flight, overlap_steps=self.overlap_steps)
 
   def plan(self, schema: Schema) -> tuple[tuple[str, ...], ...]:
     """Partitions the leaves into ``min(P, #leaves)`` fragments of near-equal bytes.
