@@ -69,8 +69,9 @@ def measure(m: int, delta, commit, diloco_kwargs) -> tuple[float, dict]:
   params = {k: jax.ShapeDtypeStruct((m, *s), jnp.float32, sharding=sharding)
             for k, s in SHAPES.items()}
   state = jax.eval_shape(inmesh.learner_init(optimizer, mesh), params)
+  # The state's count before the update at step t is t - 1: this update syncs.
   sync = config.schedule(1).step_of(0)
-  step = inmesh.learner_step(optimizer, mesh, count=sync)
+  step = inmesh.learner_step(optimizer, mesh, count=sync - 1)
   found = hlo.collective_bytes(step.lower(params, state, params).compile().as_text())
   n = sum(math.prod(s) for s in SHAPES.values())
   by_type = {}
