@@ -14,9 +14,11 @@ joined learner) and send, every round:
 * ``noise x9``: a random direction, fresh each round, 9 times as long as their honest
   first step's gradient times the phase's steps (colluding attackers share it).
 
-Every attack stays under the screening's outlier bound (10x the median norm), so the
-screening keeps every delta and only the aggregation rule stands between the attackers
-and Θ. Each row reports the final loss on the honest learners' data at Θ divided by the
+Every attack is built to stay under the screening's outlier bound (10x the reference
+norm, the lower median of the round's), so that the aggregation rule, not the
+screening, stands between the attackers and Θ; some deltas still pass the bound in some
+rounds (``flip x9`` of an attacker whose honest delta is long), and the screening
+rejects those. Each row reports the final loss on the honest learners' data at Θ divided by the
 loss of the honest run with the same aggregation (the attackers' data still in the run,
 trained honestly); the ``honest`` rows compare each rule's honest run with ``"mean"``'s.
 Trimming withstands ``f`` colluding attackers with ``trim=f``: with two attackers of

@@ -230,6 +230,9 @@ def main():
 
   chosen = variants()
   if args.variants:
+    unknown = [v for v in args.variants if v not in chosen]
+    if unknown:
+      parser.error(f"unknown --variants {unknown}; choose from {list(chosen)}")
     chosen = {k: v for k, v in chosen.items() if k in args.variants}
   print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({platform.machine()}),"
         f" GPT width {args.width}")

@@ -203,6 +203,7 @@ def worker(args: argparse.Namespace) -> None:
     time.sleep(max(0.0, step_seconds - (time.monotonic() - t)))
     record["steps"] += 1
     record["tokens"] += len(y)
+    save()  # trained before the step may publish it: a kill after that counts it
     params = blocked(learner.step, params, tokens=len(y))
     save()
   blocked(learner.close, params)
@@ -284,6 +285,8 @@ def run_scenario(args, scenario: Scenario, adaptive: bool) -> dict[str, Any]:
   from gmjax.mail import states  # pylint: disable=g-import-not-at-top
 
   name = scenario.name + ("+adaptive" if adaptive else "")
+  if args.work is not None:
+    os.makedirs(args.work, exist_ok=True)
   directory = tempfile.mkdtemp(prefix=f"goodput-{scenario.name}-", dir=args.work)
   url = os.path.join(directory, "run")
   run = mail.create(url, params0(), config(scenario, args.sync_every, adaptive,
