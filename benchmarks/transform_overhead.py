@@ -248,7 +248,8 @@ def main():
     programs = 1 if trainer.schedule is None else 2  # with and without the round
     if trainer.step._cache_size() > programs * (1 if mesh is None else 2):
       raise RuntimeError(f"{label}: the step compiled {trainer.step._cache_size()} times")
-  print(f"  {'':38s} {'':8s} {'wall ms/step':>13s}  {'ratio':>5s}  {'least':>5s}"
+  width = max(len(label) for label, _ in trainers)
+  print(f"  {'':{width}s} {'':8s} {'wall ms/step':>13s}  {'ratio':>5s}  {'least':>5s}"
         f"  {'cpu ms/step':>11s}  {'ratio':>5s}  {'least':>5s}  scratch")
   for (label, donate), times in seconds.items():
     base = seconds[reference, donate]
@@ -259,7 +260,7 @@ def main():
       columns.append(f"{statistics.median(t[clock] for t in times) * 1e3:{11 + 2 * (1 - clock)}.3f}"
                      f"  {ratio:.2f}x  {least:.2f}x")
     temp = trainers[label, donate].temp_bytes() / 2**20
-    print(f"  {label:38s} {'donated' if donate else 'copied ':8s} {columns[0]}  {columns[1]}"
+    print(f"  {label:{width}s} {'donated' if donate else 'copied ':8s} {columns[0]}  {columns[1]}"
           f"  {temp:6.1f} MiB")
 
 
