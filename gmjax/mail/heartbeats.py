@@ -95,7 +95,7 @@ def parse(name: str, data: bytes, key: bytes | None) -> dict[str, Any]:
   ``first_round``, ``step``, ``trained``, ``claim`` (ints in ``[0, 2**53)``),
   ``final_rounds`` (a list of such ints), ``versions`` (fragment -> version), ``loss`` (a
   number or null), ``step_seconds``, ``idle_seconds`` and ``claimed_at`` (finite
-  non-negative numbers or null) and short strings for the times and host. Other fields are kept as they are.
+  non-negative numbers or null), short strings for the times and host; others as they are.
 
   Raises:
     BadHeartbeat: with the reason it is ignored.

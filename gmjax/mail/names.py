@@ -77,8 +77,9 @@ def superseded(store, name: str, incarnation: str, key: bytes | None,
   of a name it judged dead, and joins then number theirs anew). One old heartbeat written
   back, and a claim planted for it, never rise; an older incarnation's heartbeats written
   back in order rise, but name an older claim, by number and date (claims are not
-  signed; the heartbeats that name them are): a replay cannot stop a live learner. A heartbeat that names no claim (as a gmjax before the
-  field writes it) is not newer either: a run's learners run this gmjax or a later one.
+  signed; the heartbeats that name them are): a replay cannot stop a live learner. A
+  heartbeat that names no claim (as a gmjax before the field writes it) is not newer
+  either: a run's learners run this gmjax or a later one.
   """
   record = _heartbeat(store, name, key)
   other = None if record is None else record.get("incarnation")
