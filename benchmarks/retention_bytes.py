@@ -69,7 +69,7 @@ def main() -> None:
   formula = k * n * per_parameter
   late = [b for v, _, b in samples if v >= 2 * (k + 1)]
   print(json.dumps({
-      "parameters": n, "learners": l, "keep_versions": k, "rounds": len(run.rounds()),
+      "parameters": n, "learners": l, "keep_versions": k, "rounds_kept": len(run.rounds()),
       "versions": run.newest_versions(), "seconds": round(time.monotonic() - started, 1),
       "formula_bytes": int(formula), "bytes_per_parameter_per_version": per_parameter,
       "max_bytes_once_pruning": max(late) if late else None,
