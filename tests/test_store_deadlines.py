@@ -133,8 +133,11 @@ def test_a_run_whose_server_stops_answering_raises_instead_of_blocking(moto):
     s3fs.S3FileSystem(skip_instance_cache=True, **options).mkdir(BUCKET)
     url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}"
     mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2), storage_options=options)
-    run = mail.open(url, storage_options=options, retry_seconds=1.0)
+    # Opened with room for a loaded machine's first connection (over the 2 s an attempt
+    # of a 1 s budget gets), then bounded by 1 s, as mail.open(..., retry_seconds=1.0).
+    run = mail.open(url, storage_options=options)
     assert run.rounds() == []  # answered: nothing closed yet
+    run.store = run.store.with_retry_budget(lambda: 1.0)
     proxy.stall()
     _bounded(run.rounds)
     _bounded(lambda: run.store.put("rounds/0/a.safetensors", os.urandom(1000)))
