@@ -212,3 +212,54 @@ def test_non_finite_flag_finds_every_nan_and_inf_under_jit(dtype):
     y = x.at[1, 7].set(bad)
     assert float(flag(y, None)) == 1.0
     assert flag(y, 1).tolist() == [0.0, 1.0, 0.0]
+
+
+
+def _scratch(optimizer, params, learners, mapped, data_parallel=False):
+  """Scratch of ``M`` learners' donated step on a mesh of ``M`` devices: ``vmap`` on an
+  explicit mesh, or ``shard_map`` (a learner a device)."""
+  mesh = jax.make_mesh((learners,), ("learner",), devices=jax.devices()[:learners])
+  sharding = NamedSharding(mesh, P("learner"))
+
+  def step(params, state):
+    grads = params
+    if data_parallel:
+      grads = jax.lax.pmean(grads, "learner")
+    updates, state = optimizer.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  if mapped == "vmap":
+    batched = lambda f: jax.vmap(f, axis_name="learner", spmd_axis_name="learner")
+  else:
+    first = lambda tree: jax.tree.map(lambda a: a[0], tree)
+    batched = lambda f: jax.shard_map(
+        lambda *args: jax.tree.map(lambda a: a[None], f(*map(first, args))), mesh=mesh,
+        in_specs=P("learner"), out_specs=P("learner"))
+  with jax.set_mesh(mesh):
+    params = jax.device_put(jax.tree.map(lambda x: jnp.stack([x] * learners), params),
+                            sharding)
+    state = jax.device_put(jax.jit(batched(optimizer.init))(params), sharding)
+    step = jax.jit(batched(step), donate_argnums=(0, 1)).lower(params, state).compile()
+  return step.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("mapped, learners", [("shard_map", 2), ("shard_map", 4),
+                                              ("vmap", 2), ("vmap", 4)])
+def test_a_sync_costs_data_parallel_adamws_scratch_plus_one_fragment(mapped, learners):
+  # bf16 parameters, the outer step sharded: a sync holds the fragment's F32 delta, its
+  # wire copy, the received deltas and the shards of the outer step. Before: over two
+  # more F32 copies of the parameters, XLA having hoisted their F32 conversion (and the
+  # anchor's) out of the round's loops, and the Gram matrix of the received deltas
+  # contracted as a ``dot`` over two transposed F32 copies of them.
+  params = {f"w{i:02d}": jnp.ones((64, 256), jnp.bfloat16) for i in range(12)}
+  params |= {"norm": jnp.ones((1000,), jnp.bfloat16), "bias": jnp.ones((132,), jnp.bfloat16)}
+  size = sum(v.size * 4 for v in params.values())  # one fragment's F32 bytes
+  adamw = lambda: optax.adamw(1e-3)
+  plain = _scratch(adamw(), params, learners, mapped, data_parallel=True)
+  diloco = _scratch(gmjax.diloco(adamw(), gmjax.DiLoCo(sync_every=4), axis_name="learner"),
+                    params, learners, mapped)
+  # Under vmap XLA:CPU lays every learner's received delta out learner by learner and
+  # copies it transposed for the round's reductions: one F32 shard (1/M) more.
+  shard = size // learners if mapped == "vmap" else 0
+  # The round's own scalars and padding: a few KiB.
+  assert diloco <= plain + size + shard + 2**16, (diloco, plain, size)

@@ -82,11 +82,13 @@ def gram(stacked: Sequence[jax.Array], axis: int, batch: int | None = None) -> j
   total = None
   for x in stacked:
     x = x.astype(jnp.float32)
-    others = [d for d in range(x.ndim) if d not in (axis, batch)]
-    batched = () if batch is None else (batch,)
-    dots = lax.dot_general(x, x, ((others, others), (batched, batched)),
-                           precision=lax.Precision.HIGHEST,
-                           preferred_element_type=jnp.float32)
+    # Products of every pair, reduced where they are formed: one fused reduction that
+    # reads the deltas where they lie. A ``dot_general`` contracting the elements around
+    # the learners' dimension makes XLA:CPU write two transposed F32 copies of them
+    # first (and it is no faster below a few dozen learners).
+    products = jnp.expand_dims(x, axis + 1) * jnp.expand_dims(x, axis)
+    dots = jnp.sum(products, axis=tuple(
+        d for d in range(products.ndim) if d not in (axis, axis + 1, batch)))
     if batch is not None:
       dots = jnp.sum(dots, axis=0)
     total = dots if total is None else total + dots

@@ -19,11 +19,19 @@ from jax import lax
 from jax.sharding import AxisType, PartitionSpec
 
 
-def when(condition: Any, fn: Callable[[Any], Any], operand: Any) -> Any:
+def when(condition: Any, fn: Callable[..., Any], operand: Any, *, reads: Any = None) -> Any:
   """``fn(operand)`` if the scalar ``condition`` holds, else ``operand``, in place.
 
   ``fn`` must return a value of ``operand``'s structure, shapes, dtypes and types.
+  With ``reads`` (values from outside that ``fn`` reads but does not change) it is
+  ``fn(operand, reads)``, and ``reads`` enter the loop behind an optimization barrier
+  with its carry: XLA's loop-invariant code motion would otherwise compute what ``fn``
+  derives from them alone before the loop, on every step, and hold it there (a bf16
+  leaf's F32 conversion: a whole F32 buffer per leaf in the step's scratch).
   """
+  if reads is not None:
+    return when(condition, lambda value: fn(*lax.optimization_barrier((value, reads))),
+                operand)
   if isinstance(condition, bool):
     return fn(operand) if condition else operand
   condition = jnp.asarray(condition, bool)

@@ -244,21 +244,20 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
       lambda u: vary_like({n: explicit.where(dropped, jnp.zeros_like(v), v)
                            for n, v in u.items()}, u), flat_updates)
 
-  def begin(x):
+  def begin(x, params):
     """Learner 0's parameters as anchor, master and outer state; with learners, the
     first update moves every learner onto them (``θ = learner 0's params + update``)."""
     state, updates = x
-    # Learner 0's parameters are read behind a barrier with the loop's state, so that
-    # XLA does not hoist their broadcast (a collective) out of the loop into every step.
-    params, updates = lax.optimization_barrier((inputs[0], updates))
+    # The parameters are read inside the loop (``reads``), so that XLA does not hoist
+    # their broadcast (a collective) out of the loop into every step.
     shared, state = start(layout, tx, axis_name, learner)(params, state)
     if axis_name is not None:
-      shared = layout.flatten(shared)
-      updates = {n: _difference((shared[n] + u).astype(shared[n].dtype), flat_params[n], u)
+      shared, own = layout.flatten(shared), layout.flatten(params)
+      updates = {n: _difference((shared[n] + u).astype(shared[n].dtype), own[n], u)
                  for n, u in updates.items()}
     return vary_like((state, updates), x)
 
-  state, flat_updates = control.when(first, begin, (state, flat_updates))
+  state, flat_updates = control.when(first, begin, (state, flat_updates), reads=inputs[0])
   # Without error feedback there is no residual ({}: nothing crosses the branches).
   delay = state.delay
   flat_of = lambda tree, on: layout.flatten(tree) if on else {}
@@ -270,18 +269,18 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
   rest = (state.master, state.outer_state, state.pending, state.tokens, state.stats,
           delay.weight if layout.eager else (), delay.outer if layout.eager else ())
 
-  def piece_theta(n, updates=flat_updates):
+  def piece_theta(n, updates, params):
     """``θ`` of piece ``n``, at the parameter dtype, as ``optax.apply_updates`` forms it."""
     piece = layout.pieces[n]
-    return finite_steps.applied(piece.take(flat_params[piece.leaf]),
+    return finite_steps.applied(piece.take(params[piece.leaf]),
                                 piece.take(updates[piece.leaf]))
 
+  # The loops read the parameters (and the merge the anchor) as ``reads``, so that XLA
+  # forms θ and the F32 conversions where they are read, not as whole buffers hoisted
+  # out of the loops.
   def sync_of(fragment, names):
-    def sync(flat, rest, updates):
+    def sync(flat, rest, updates, params):
       masters, outer_states, pending, counts, stats, weights, own_states = rest
-      # The updates cross the loop (unchanged) behind a barrier, so that XLA forms θ
-      # where the delta reads it instead of hoisting a whole θ out of the loop.
-      updates = lax.optimization_barrier(updates)
       whole = tuple(dict(x) for x in flat)
       # The fragment's pieces of the state shaped like the parameters (with layer
       # blocks, slices of whole leaves; written back below).
@@ -289,7 +288,7 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
           layout.view(x, names) if x else {} for x in whole)
       result = _sync(layout, config, tx, axis_name, learner, names, anchor,
                      masters[fragment], outer_states[fragment], counts[fragment],
-                     lambda n: piece_theta(n, updates), residual,
+                     lambda n: piece_theta(n, updates, params), residual,
                      start if layout.delay else anchor)
       commit, squared, finite, cosine, verdict, left, own = result
       # The residual is what this learner's wire did not carry, whatever the round's
@@ -361,15 +360,16 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
   for fragment, names in enumerate(layout.plan):
     sync = sync_of(fragment, names)
     flat, rest, flat_updates = control.when(
-        sync_index == fragment + 1, lambda x, sync=sync: sync(*x), (flat, rest, flat_updates))
+        sync_index == fragment + 1, lambda x, params, sync=sync: sync(*x, params),
+        (flat, rest, flat_updates), reads=flat_params)
   masters, outer_states, pending, counts, stats, weights, own_states = rest
   # With a delay a merge adopts the learner's new start, not the new Θ.
   flat_anchor = flat[2] if layout.delay else flat[0]
 
   def merge_of(fragment, names):
-    def merge(updates):
-      code = pending[fragment]
-      current = {n: piece_theta(n, updates) for n in names}
+    def merge(updates, reads):
+      code, (flat_params, flat_anchor) = pending[fragment], reads
+      current = {n: piece_theta(n, updates, flat_params) for n in names}
       target = layout.view(flat_anchor, names)
       mixed = outer.align(current, target, config.mixing)
       reset = outer.align(current, target, 0.0)
@@ -385,7 +385,7 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
 
   for fragment, names in enumerate(layout.plan):
     flat_updates = control.when(merge_index == fragment + 1, merge_of(fragment, names),
-                                flat_updates)
+                                flat_updates, reads=(flat_params, flat_anchor))
   pending = jnp.where(
       jnp.arange(pending.shape[0]) == merge_index - 1, NOTHING, pending).astype(pending.dtype)
   anchor = layout.unflatten(flat[0])
