@@ -8,7 +8,9 @@ for ``memory_analysis``. "array bytes" are the sizes of one learner's state arra
 field of the state; the outer state is everything but the inner state, the anchor Θ
 (which a learner needs to form its delta) and the counters. "compiled" is the
 compiled step's per-device arguments (parameters, state and gradients), outputs and
-scratch, from ``memory_analysis``.
+scratch, from ``memory_analysis``. The reference under the table is data-parallel
+adamw's step on the same model and mesh (its gradients ``pmean``-ed, the same
+``shard_map``): its scratch plus the model's F32 bytes is what a sync may add to.
 
 Run: .venv/bin/python benchmarks/outer_state_memory.py [--learners 2 8 64]
 """
@@ -61,7 +63,24 @@ def measure(m: int) -> list[dict]:
         arguments=memory.argument_size_in_bytes, outputs=memory.output_size_in_bytes,
         temp=memory.temp_size_in_bytes,
     ))
-  return rows
+  return rows, _data_parallel_temp(mesh, params)
+
+
+def _data_parallel_temp(mesh, params) -> int:
+  """Scratch bytes of data-parallel adamw's donated step (gradients ``pmean``-ed)."""
+  adamw = optax.adamw(1e-3)
+  first = lambda tree: jax.tree.map(lambda a: a[0], tree)
+  stacked = lambda f: jax.shard_map(
+      lambda *args: jax.tree.map(lambda a: a[None], f(*map(first, args))), mesh=mesh,
+      in_specs=P("learner"), out_specs=P("learner"))
+
+  def body(p, s, g):
+    updates, s = adamw.update(jax.lax.pmean(g, "learner"), s, p)
+    return optax.apply_updates(p, updates), s
+
+  state = jax.eval_shape(jax.jit(stacked(adamw.init)), params)
+  step = jax.jit(stacked(body), donate_argnums=(0, 1))
+  return step.lower(params, state, params).compile().memory_analysis().temp_size_in_bytes
 
 
 def main():
@@ -79,15 +98,20 @@ def main():
         " | outputs | temp |")
   print("| --- | --- | --- | --- | --- | --- | --- |")
   mib = lambda b: f"{b / 2**20:.1f}"
+  references = []
   for m in args.learners:
     out = subprocess.run([sys.executable, __file__, "--one", str(m)], check=True,
                          capture_output=True, text=True).stdout
-    for row in json.loads(out.strip().splitlines()[-1]):
+    rows, reference = json.loads(out.strip().splitlines()[-1])
+    references.append(f"M = {m}: {mib(reference)}")
+    for row in rows:
       outer = ", ".join(f"{k} {mib(v)}" for k, v in row["fields"].items()
                         if k not in NOT_OUTER and v)
       print(f"| {m} | {row['layout']} | {mib(row['outer'])} ({outer})"
             f" | {mib(row['fields']['anchor'])} | {mib(row['arguments'])}"
             f" | {mib(row['outputs'])} | {mib(row['temp'])} |")
+  print(f"\nData-parallel adamw's scratch (MiB per device): {', '.join(references)};"
+        f" the parameters' F32 bytes: {mib(4 * n)} MiB.")
 
 
 if __name__ == "__main__":
