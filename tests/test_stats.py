@@ -36,3 +36,14 @@ def test_cosine_edge_cases():
   zero = {"a": jnp.zeros(3)}
   assert gmjax.cosine([one, zero]) is None
   assert gmjax.cosine([one, zero, one]) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("axis, batch", [(0, None), (1, None), (2, 0), (0, 2), (1, 2)])
+def test_gram_matches_numpy_with_the_learners_and_the_batch_anywhere(axis, batch):
+  # gmjax.core.round.gram reduces the pairwise products (no dot_general); the batch
+  # dimension, contracted last, may come before or after the learners'.
+  from gmjax.core import round as round_ops
+  x = np.random.default_rng(axis).standard_normal((3, 4, 5)).astype(np.float32)
+  rows = np.moveaxis(x, axis, 0).reshape(x.shape[axis], -1).astype(np.float64)
+  got = np.asarray(round_ops.gram([jnp.asarray(x), jnp.asarray(2 * x)], axis, batch))
+  np.testing.assert_allclose(got, 5 * rows @ rows.T, rtol=1e-5, atol=1e-5)
