@@ -19,7 +19,11 @@ from jax import lax
 from jax.sharding import AxisType, PartitionSpec
 
 
-def when(condition: Any, fn: Callable[..., Any], operand: Any, *, reads: Any = None) -> Any:
+_NO_READS = object()
+
+
+def when(condition: Any, fn: Callable[..., Any], operand: Any, *,
+         reads: Any = _NO_READS) -> Any:
   """``fn(operand)`` if the scalar ``condition`` holds, else ``operand``, in place.
 
   ``fn`` must return a value of ``operand``'s structure, shapes, dtypes and types.
@@ -29,7 +33,7 @@ def when(condition: Any, fn: Callable[..., Any], operand: Any, *, reads: Any = N
   derives from them alone before the loop, on every step, and hold it there (a bf16
   leaf's F32 conversion: a whole F32 buffer per leaf in the step's scratch).
   """
-  if reads is not None:
+  if reads is not _NO_READS:
     return when(condition, lambda value: fn(*lax.optimization_barrier((value, reads))),
                 operand)
   if isinstance(condition, bool):
