@@ -271,3 +271,11 @@ def test_a_sync_costs_data_parallel_adamws_scratch_plus_one_fragment(mapped, lea
     extra += sum(v.size * v.dtype.itemsize for v in params.values())
   # The round's own scalars and padding: a few KiB.
   assert diloco <= plain + size + extra + 2**16, (diloco, plain, size, extra)
+
+
+def test_when_gives_its_body_the_reads_it_is_passed_none_included():
+  from gmjax.transform import control
+  run = jax.jit(lambda c, x, y: control.when(c, lambda v, r: v + r, x, reads=y))
+  assert float(run(True, 1.0, 2.0)) == 3.0 and float(run(False, 1.0, 2.0)) == 1.0
+  none = jax.jit(lambda c, x: control.when(c, lambda v, r: v + (r is None), x, reads=None))
+  assert float(none(True, 1.0)) == 2.0 and float(none(False, 1.0)) == 1.0
