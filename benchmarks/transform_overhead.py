@@ -35,8 +35,11 @@ steps, the same schedule); a window is then ``sync_every·K`` micro-steps. ``--w
 sets a window's length instead: with ``--sync-every`` far above the steps run, every
 window holds micro-steps alone (no round), which is what a micro-step costs.
 
+``--dtype bfloat16`` holds the parameters (and so the gradients, updates and anchor) in
+bf16.
+
 Run: .venv/bin/python benchmarks/transform_overhead.py [--repeats N] [--sync-every H]
-     [--learners M] [--multisteps K] [--window N]
+     [--learners M] [--multisteps K] [--window N] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -59,13 +62,14 @@ WIDTHS = (512, 1024, 1024, 512)
 BATCH = 64
 
 
-def init_mlp(key):
+def init_mlp(key, dtype=jnp.float32):
   params = {}
   for i, (fan_in, fan_out) in enumerate(zip(WIDTHS[:-1], WIDTHS[1:])):
     key, sub = jax.random.split(key)
     params[f"layer{i}"] = {
-        "w": jax.random.normal(sub, (fan_in, fan_out), jnp.float32) / fan_in**0.5,
-        "b": jnp.zeros((fan_out,), jnp.float32),
+        "w": (jax.random.normal(sub, (fan_in, fan_out), jnp.float32) / fan_in**0.5
+              ).astype(dtype),
+        "b": jnp.zeros((fan_out,), dtype),
     }
   return params
 
@@ -115,12 +119,13 @@ class Trainer:
   With ``mesh``, every argument is stacked over the mesh's learners, seeded apart.
   """
 
-  def __init__(self, optimizer, donate=True, mesh=None, data_parallel=False, rounds=None):
+  def __init__(self, optimizer, donate=True, mesh=None, data_parallel=False, rounds=None,
+               dtype=jnp.float32):
     learners = 1 if mesh is None else mesh.shape["learner"]
     # Seeds 0, 1, 2 for one learner's params, x and y (as before); 3m + those for m.
     keys = [jnp.stack([jax.random.PRNGKey(3 * m + i) for m in range(learners)])
             for i in range(3)]
-    self.params = jax.vmap(init_mlp)(keys[0])
+    self.params = jax.vmap(lambda k: init_mlp(k, dtype))(keys[0])
     self.x = jax.vmap(lambda k: jax.random.normal(k, (BATCH, WIDTHS[0])))(keys[1])
     self.y = jax.vmap(lambda k: jax.random.normal(k, (BATCH, WIDTHS[-1])))(keys[2])
     if mesh is None:
@@ -214,6 +219,8 @@ def main():
   parser.add_argument("--sync-every", type=int, default=50)
   parser.add_argument("--learners", type=int, default=1)
   parser.add_argument("--multisteps", type=int, default=1)
+  parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                      help="the parameters' dtype (the data and the loss stay F32)")
   parser.add_argument("--window", type=int, default=None,
                       help="steps a window (default sync_every x multisteps, so that a"
                       " window holds every fragment's sync once); with a --sync-every far"
@@ -227,11 +234,12 @@ def main():
   n = sum(p.size for p in jax.tree.leaves(init_mlp(jax.random.PRNGKey(0))))
   window = args.window or args.sync_every * args.multisteps
   print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({platform.machine()}),"
-        f" MLP {WIDTHS}, {n / 1e6:.2f}M params, batch {BATCH}, {args.learners} learner(s),"
+        f" MLP {WIDTHS}, {n / 1e6:.2f}M {args.dtype} params, batch {BATCH},"
+        f" {args.learners} learner(s),"
         f" window {window} steps, median of {args.repeats}")
   donations = (True, False) if mesh is None else (True,)
   trainers = {
-      (label, donate): Trainer(make(), donate, mesh, **options)
+      (label, donate): Trainer(make(), donate, mesh, dtype=jnp.dtype(args.dtype), **options)
       for donate in donations
       for label, (make, options) in variants(args.sync_every, args.learners,
                                              args.multisteps).items()
