@@ -71,18 +71,10 @@ def measure(m: int) -> tuple[list[dict], int]:
 
 def _data_parallel_temp(mesh, params) -> int:
   """Scratch bytes of data-parallel adamw's donated step (gradients ``pmean``-ed)."""
-  adamw = optax.adamw(1e-3)
-  first = lambda tree: jax.tree.map(lambda a: a[0], tree)
-  stacked = lambda f: jax.shard_map(
-      lambda *args: jax.tree.map(lambda a: a[None], f(*map(first, args))), mesh=mesh,
-      in_specs=P("learner"), out_specs=P("learner"))
-
-  def body(p, s, g):
-    updates, s = adamw.update(jax.lax.pmean(g, "learner"), s, p)
-    return optax.apply_updates(p, updates), s
-
-  state = jax.eval_shape(jax.jit(stacked(adamw.init)), params)
-  step = jax.jit(stacked(body), donate_argnums=(0, 1))
+  mean = optax.stateless(lambda grads, params: jax.lax.pmean(grads, "learner"))
+  adamw = optax.chain(mean, optax.adamw(1e-3))
+  state = jax.eval_shape(inmesh.learner_init(adamw, mesh), params)
+  step = inmesh.learner_step(adamw, mesh, donate=True)
   return step.lower(params, state, params).compile().memory_analysis().temp_size_in_bytes
 
 
