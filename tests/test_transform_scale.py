@@ -37,20 +37,36 @@ def _compiled(config, learners, leaves, shard_outer=True):
 def _compiled_text(config, learners, leaves, shard_outer=True):
   optimizer = gmjax.diloco(optax.adamw(1e-3), config, axis_name="learner",
                            shard_outer=shard_outer)
+  return _compiled_step(optimizer, _tree(leaves), learners).as_text()
+
+
+def _compiled_step(optimizer, params, learners, mapped="vmap", data_parallel=False,
+                   donate=False):
+  """``M`` learners' step on a mesh of ``M`` devices, compiled: ``vmap`` on an explicit
+  mesh, or ``shard_map`` (a learner a device); the parameters are the gradients."""
   mesh = jax.make_mesh((learners,), ("learner",), devices=jax.devices()[:learners])
   sharding = NamedSharding(mesh, P("learner"))
 
   def step(params, state):
-    updates, state = optimizer.update(params, state, params)
+    grads = params
+    if data_parallel:
+      grads = jax.lax.pmean(grads, "learner")
+    updates, state = optimizer.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
+  if mapped == "vmap":
+    batched = lambda f: jax.vmap(f, axis_name="learner", spmd_axis_name="learner")
+  else:
+    first = lambda tree: jax.tree.map(lambda a: a[0], tree)
+    batched = lambda f: jax.shard_map(
+        lambda *args: jax.tree.map(lambda a: a[None], f(*map(first, args))), mesh=mesh,
+        in_specs=P("learner"), out_specs=P("learner"))
   with jax.set_mesh(mesh):
-    params = jax.device_put(
-        jax.tree.map(lambda x: jnp.stack([x] * learners), _tree(leaves)), sharding)
-    init = jax.jit(jax.vmap(optimizer.init, axis_name="learner", spmd_axis_name="learner"))
-    state = jax.device_put(init(params), sharding)
-    return jax.jit(jax.vmap(step, axis_name="learner", spmd_axis_name="learner")).lower(
-        params, state).compile().as_text()
+    params = jax.device_put(jax.tree.map(lambda x: jnp.stack([x] * learners), params),
+                            sharding)
+    state = jax.device_put(jax.jit(batched(optimizer.init))(params), sharding)
+    return jax.jit(batched(step), donate_argnums=(0, 1) if donate else ()).lower(
+        params, state).compile()
 
 
 CONFIGS = {
@@ -215,31 +231,10 @@ def test_non_finite_flag_finds_every_nan_and_inf_under_jit(dtype):
 
 
 
+
 def _scratch(optimizer, params, learners, mapped, data_parallel=False):
-  """Scratch of ``M`` learners' donated step on a mesh of ``M`` devices: ``vmap`` on an
-  explicit mesh, or ``shard_map`` (a learner a device)."""
-  mesh = jax.make_mesh((learners,), ("learner",), devices=jax.devices()[:learners])
-  sharding = NamedSharding(mesh, P("learner"))
-
-  def step(params, state):
-    grads = params
-    if data_parallel:
-      grads = jax.lax.pmean(grads, "learner")
-    updates, state = optimizer.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  if mapped == "vmap":
-    batched = lambda f: jax.vmap(f, axis_name="learner", spmd_axis_name="learner")
-  else:
-    first = lambda tree: jax.tree.map(lambda a: a[0], tree)
-    batched = lambda f: jax.shard_map(
-        lambda *args: jax.tree.map(lambda a: a[None], f(*map(first, args))), mesh=mesh,
-        in_specs=P("learner"), out_specs=P("learner"))
-  with jax.set_mesh(mesh):
-    params = jax.device_put(jax.tree.map(lambda x: jnp.stack([x] * learners), params),
-                            sharding)
-    state = jax.device_put(jax.jit(batched(optimizer.init))(params), sharding)
-    step = jax.jit(batched(step), donate_argnums=(0, 1)).lower(params, state).compile()
+  """Scratch bytes of ``M`` learners' donated step (``_compiled_step``)."""
+  step = _compiled_step(optimizer, params, learners, mapped, data_parallel, donate=True)
   return step.memory_analysis().temp_size_in_bytes
 
 
