@@ -58,6 +58,9 @@ def test_due_refuses_what_it_cannot_answer():
   for bad in (True, 2.0, jnp.ones(2, jnp.int32), jnp.bool_(True)):
     with pytest.raises(ValueError, match=r"pass the state's step count, an int >= 0"):
       schedule.due(bad)
+  # Learners stacked on a leading axis: the message says how to read their count.
+  with pytest.raises(ValueError, match=r"int\(state.count\[0\]\) for the state of learners"):
+    schedule.due(jnp.zeros(2, jnp.int32))
   # An integer scalar of numpy or JAX (one learner's state.count) is a count too: it was
   # refused with a message asking for the state's step count.
   for count in range(9):

@@ -126,7 +126,8 @@ class RoundSchedule:
       raise ValueError(
           f"RoundSchedule.due(count={count!r}): pass the state's step count, an int >= 0"
           " (the number of updates the state has had), e.g. counted on the host as the"
-          " updates are made, or int(state.count) for one learner's state.")
+          " updates are made, int(state.count) for one learner's state, or"
+          " int(state.count[0]) for the state of learners stacked on a leading axis.")
     count = value
     if self.overlap_steps is None:
       raise ValueError(
