@@ -337,3 +337,31 @@ def test_the_between_rounds_programs_scratch_is_plain_optaxs():
   optimizer = gmjax.diloco(optax.adamw(1e-3), gmjax.DiLoCo(sync_every=8))
   largest = 4 * 256 * 512
   assert scratch(optimizer, between_rounds=True) <= plain + largest // 8
+
+
+def test_a_schedule_read_from_the_state_is_the_plans_and_keeps_training_going():
+  # Fewer layer blocks (2) than fragments (3): config.schedule() counts 3 fragments, whose
+  # due steps are not the plan's; a host that followed it between rounds called a due
+  # step "not due" and stalled (every later step dropped, the count still). The state
+  # holds the plan's count (a counter a fragment), stacked on learners or not.
+  config = gmjax.DiLoCo(sync_every=6, fragments=3, overlap_steps=0,
+                        layer_axis={"layers": 0})
+  params = {"layers": jnp.ones((2, 3, 3)) / 3}
+  optimizer = gmjax.diloco(optax.sgd(0.1), config)
+  state = optimizer.init(params)
+  stacked = jax.vmap(gmjax.diloco(optax.sgd(0.1), config, axis_name="learner").init,
+                     axis_name="learner")(jax.tree.map(lambda x: jnp.stack([x] * 2), params))
+  assert config.schedule(state) == config.schedule(stacked) == config.schedule(2)
+  assert config.schedule() != config.schedule(state)
+
+  @functools.partial(jax.jit, static_argnums=2)
+  def step(params, state, between_rounds):
+    updates, state = optimizer.update(jax.tree.map(jnp.ones_like, params), state, params,
+                                      between_rounds=between_rounds)
+    return optax.apply_updates(params, updates), state
+
+  schedule = config.schedule(state)
+  for _ in range(16):
+    params, state = step(params, state, not schedule.due(int(state.count)))
+  assert int(state.count) == 16 and int(state.stats.dropped) == 0
+  assert int(state.stats.rounds) == 5  # a fragment every 3 steps

@@ -290,22 +290,24 @@ class DiLoCo:
   def schedule(self, fragments: int | Schema | None = None) -> RoundSchedule:
     """The round schedule of a fragment plan.
 
-    The plan has ``min(P, #leaves)`` fragments, so a model with fewer leaves than
-    ``fragments`` syncs on fewer, more widely spaced, rounds: pass the schema (or the
-    plan's length) to get the schedule runtimes follow.
+    The plan has ``min(P, #leaves)`` fragments (or layer blocks), so a model with fewer
+    than ``fragments`` syncs on fewer, more widely spaced, rounds: pass the state, the
+    schema or the plan's length to get the schedule runtimes follow.
 
     Args:
-      fragments: a ``Schema``: the schedule of ``plan(schema)``; an int: the count of a
-        plan, in ``[1, fragments]`` (``len(plan)``); None: the configured ``fragments``
-        itself, which is the plan's count only for parameters with at least that many
-        leaves.
+      fragments: a ``gmjax.diloco`` state (learners stacked or not): the schedule of the
+        plan it holds; a ``Schema``: of ``plan(schema)``; an int: the count of a plan, in
+        ``[1, fragments]`` (``len(plan)``); None: the configured ``fragments`` itself,
+        which is the plan's count only for a model with at least that many.
 
     Returns:
       The ``RoundSchedule`` (``sync_every``, that count, ``in_flight``, ``overlap_steps``).
 
     Raises:
-      ValueError: a count outside ``[1, fragments]``, or neither a count nor a Schema.
+      ValueError: a count outside ``[1, fragments]``, or none of the above.
     """
+    pending = getattr(fragments, "pending", None)  # a DiLoCoState: a counter a fragment
+    fragments = fragments if pending is None else pending.shape[-1]
     if fragments is None:
       count = self.fragments
     elif isinstance(fragments, Schema):
@@ -313,10 +315,9 @@ class DiLoCo:
     elif isinstance(fragments, bool) or not isinstance(fragments, numbers.Integral) or not (
         1 <= fragments <= self.fragments):  # a numpy integer too
       raise ValueError(
-          f"DiLoCo.schedule(fragments={fragments!r}): pass the Schema of the parameters,"
-          f" or the number of fragments of the plan, an int in [1, {self.fragments}]"
-          " (len(config.plan(schema)))."
-      )
+          f"DiLoCo.schedule(fragments={fragments!r}): pass the gmjax.diloco state, the"
+          " Schema of the parameters, or the number of fragments of the plan, an int in"
+          f" [1, {self.fragments}] (len(config.plan(schema))).")
     else:
       count = int(fragments)
     return RoundSchedule(sync_every=self.sync_every, fragments=count,

@@ -124,7 +124,7 @@ def diloco(
   the predicate is not batched.
 
   **Steps between rounds.** Most updates do no round work, and the host knows which
-  from the step count (``config.schedule(state.pending.shape[-1]).due(count)``).
+  from the step count (``config.schedule(state).due(count)``).
   ``update(..., between_rounds=True)`` on those, passed as a static argument of the
   jitted step, traces the update without the round (``gmjax.transform.between``): the
   same results bit for bit, without the loops that make XLA write the updates out, and
