@@ -780,10 +780,14 @@ def test_a_signal_while_the_config_is_read_stops_the_job(tmp_path, monkeypatch, 
   config.write_text(TINY)
   monkeypatch.setattr(config_lib, "load", load_then_terminated)
   previous = signal.signal(signal.SIGTERM, unhandled)
+  # Ctrl-C as a terminal delivers it: a pytest started in the background ignores SIGINT,
+  # which the job then ignores too (as ``nohup`` asks).
+  previous_interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
   try:
     assert cli.main(["train", str(config), "--out", str(tmp_path / "out")]) == 130
   finally:
     signal.signal(signal.SIGTERM, previous)
+    signal.signal(signal.SIGINT, previous_interrupt)
   assert f"gmjax train: stopped ({said})" in capsys.readouterr().err
   assert not (tmp_path / "out").exists()
 
