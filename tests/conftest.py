@@ -7,9 +7,28 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import logging  # noqa: E402
 
+import jax  # noqa: E402,F401  (reads its environment now: see the cache below)
 import pytest  # noqa: E402
 
 S3_BUCKET = "gmjax-test"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compiled_programs_shared_by_child_processes(tmp_path_factory):
+  """One JAX compilation cache for the processes the tests start (CLI jobs, learners,
+  notebook kernels), shared by the session's workers: a job's learners and the jobs
+  that resume a run load the programs compiled before instead of compiling them again.
+
+  Set after JAX has read its environment (imported above), so the tests' own process
+  compiles every program it inspects. The folder lies under the session's base
+  temporary folder, which pytest removes with its old runs.
+  """
+  base = tmp_path_factory.getbasetemp()
+  root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+  with pytest.MonkeyPatch.context() as env:
+    env.setenv("JAX_COMPILATION_CACHE_DIR", str(root / "jax-compilation-cache"))
+    env.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # small test programs
+    yield
 
 
 @pytest.fixture(scope="session")
