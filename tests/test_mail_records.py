@@ -143,3 +143,18 @@ def test_commit_of_a_version_or_fragment_that_is_not_there_says_which(tmp_path):
   with pytest.raises(TypeError, match=r"fragment must be an int, got str '0'"):
     run.commit("0", 3)
   assert run.commit(np.int64(0), np.int64(3)).version == 3  # numpy integers are ints
+
+
+def test_commit_step_checks_its_fragment_and_version_as_commit_does(tmp_path):
+  # On a two-fragment run commit_step(2, 1) answered 6, the step of fragment 0's version
+  # 2, and commit_step(0, -1) a step of -6, with no word.
+  run = mail.create(f"memory://records-step-{tmp_path.name}", ms.params0(),
+                    gmjax.DiLoCo(sync_every=4, fragments=2), keep_versions=2)
+  assert [run.commit_step(f, v) for f in (0, 1) for v in (0, 1, 2)] == [0, 2, 6, 0, 4, 8]
+  assert run.commit_step(np.int64(1), np.int64(2)) == 8
+  with pytest.raises(ValueError, match=r"fragment=2 .*has 2 fragment"):
+    run.commit_step(2, 1)
+  with pytest.raises(ValueError, match=r"version=-1 .*non-negative"):
+    run.commit_step(0, -1)
+  with pytest.raises(TypeError, match=r"version must be an int, got float 1.0"):
+    run.commit_step(0, 1.0)

@@ -144,7 +144,14 @@ class Run:
     return newest
 
   def commit_step(self, fragment: int, version: int) -> int:
-    """The global step of the round that committed ``version`` (0 for version 0)."""
+    """The global step of the round that committed ``version`` of ``fragment`` (0 for
+    version 0), whether or not it is committed yet.
+
+    Raises:
+      TypeError: ``fragment`` or ``version`` is not an int.
+      ValueError: ``fragment`` is not one of the run's, or ``version`` is negative.
+    """
+    fragment, version = self._fragment_version(fragment, version)
     if version == 0:
       return 0
     return self.manifest.schedule.step_of((version - 1) * len(self.plan) + fragment)
@@ -160,6 +167,16 @@ class Run:
       TypeError: ``fragment`` or ``version`` is not an int.
       ValueError: ``fragment`` is not one of the run's, or ``version`` is negative.
     """
+    fragment, version = self._fragment_version(fragment, version)
+    try:
+      return states.read_commit(self.store, fragment, version, self.signing_key)
+    except FileNotFoundError as error:
+      if isinstance(error, DamagedCommit):  # there, but every record of it is damaged
+        raise
+      raise self._not_committed(fragment, version) from error
+
+  def _fragment_version(self, fragment: Any, version: Any) -> tuple[int, int]:
+    """``(fragment, version)`` as ints, checked against the run."""
     fragment, version = _integer("fragment", fragment), _integer("version", version)
     if not 0 <= fragment < len(self.plan):
       raise ValueError(
@@ -168,12 +185,7 @@ class Run:
     if version < 0:
       raise ValueError(f"version={version} is not a version: versions are non-negative"
                        " ints, from 0 (the run's start).")
-    try:
-      return states.read_commit(self.store, fragment, version, self.signing_key)
-    except FileNotFoundError as error:
-      if isinstance(error, DamagedCommit):  # there, but every record of it is damaged
-        raise
-      raise self._not_committed(fragment, version) from error
+    return fragment, version
 
   def _not_committed(self, fragment: int, version: int) -> FileNotFoundError:
     """The error for a ``version`` of ``fragment`` not on storage, naming those kept."""
