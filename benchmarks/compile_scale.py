@@ -17,6 +17,12 @@ the grid:
 With ``--learners 1`` the step is ``jit(step)`` with no mesh and ``axis_name=None``, and
 the ratios are against plain adamw.
 
+``--scanned`` stacks the layers instead, as flax ``nnx.scan`` and MaxText's
+``scan_layers`` do: each of the 12 parameter types of all ``L`` layers is one leaf with
+the layers on axis 0 (16 leaves whatever ``L``), and the forward pass is a
+``lax.scan`` over them. diloco P=4 then cuts fragments by blocks of layers
+(``layer_axis={"layers": 0}``), as Streaming DiLoCo and MaxText do.
+
 Each row is compiled ``--repeats`` times (``jit(...).lower(...).compile()``, nothing is
 run; compile times on a 2-core machine vary by up to 2x from one compile to the next,
 so the least is reported) and reports the compile time, the compiled HLO text's size,
@@ -24,12 +30,14 @@ the collectives in it (all-reduce, all-gather, all-to-all, collective-permute,
 reduce-scatter) and the step's scratch
 (``memory_analysis().temp_size_in_bytes``), with ratios against data-parallel adamw,
 and its kernels (the fusions in the compiled text: XLA:CPU generates one for each, and
-generating them is most of the compile time). ``--perf-windows`` prints each compile's
+generating them is most of the compile time), and in parentheses how many of them
+differ (XLA:CPU compiles identical fusions once: these are what compiling costs).
+``--perf-windows`` prints each compile's
 ``CLOCK_MONOTONIC`` start and end, to read the compile alone out of ``perf record -k mono
 -g -- ...`` with ``perf report --time START,END``.
 
 Run: .venv/bin/python benchmarks/compile_scale.py [--learners 1 2 8 32] [--layers 2 12 24]
-     [--width 64] [--variants NAME ...] [--repeats N] [--perf-windows]
+     [--width 64] [--scanned] [--variants NAME ...] [--repeats N] [--perf-windows]
 """
 
 from __future__ import annotations
@@ -69,6 +77,16 @@ def init_gpt(key, layers, width, vocab=256, context=32):
   return params
 
 
+def init_scanned(key, layers, width, vocab=256, context=32):
+  """``init_gpt``'s parameters with each parameter type of all layers stacked on axis 0."""
+  import jax
+
+  params = init_gpt(key, layers, width, vocab, context)
+  stacked = [params.pop(f"layer{i:02d}") for i in range(layers)]
+  params["layers"] = jax.tree.map(lambda *leaves: jax.numpy.stack(leaves), *stacked)
+  return params
+
+
 def loss_fn(params, tokens):
   import jax
   import jax.numpy as jnp
@@ -82,20 +100,25 @@ def loss_fn(params, tokens):
   length = inputs.shape[1]
   h = params["embed"][inputs] + params["position"][:length]
   mask = jnp.tril(jnp.ones((length, length), bool))
-  for name in sorted(k for k in params if k.startswith("layer")):
-    layer = params[name]
+
+  def block(h, layer):
     x = norm(h, layer["norm1"])
     q, k, v = jnp.split(x @ layer["qkv"]["w"] + layer["qkv"]["b"], 3, axis=-1)
     scores = jnp.where(mask, q @ jnp.swapaxes(k, -1, -2) / q.shape[-1] ** 0.5, -1e9)
     h = h + jax.nn.softmax(scores, -1) @ v @ layer["out"]["w"] + layer["out"]["b"]
     x = norm(h, layer["norm2"])
     x = jax.nn.gelu(x @ layer["fc"]["w"] + layer["fc"]["b"])
-    h = h + x @ layer["proj"]["w"] + layer["proj"]["b"]
+    return h + x @ layer["proj"]["w"] + layer["proj"]["b"], None
+
+  if "layers" in params:  # stacked (``init_scanned``)
+    h, _ = jax.lax.scan(block, h, params["layers"])
+  for name in sorted(k for k in params if k.startswith("layer") and k != "layers"):
+    h, _ = block(h, params[name])
   logits = norm(h, params["final_norm"]) @ params["embed"].T
   return jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1))
 
 
-def variants():
+def variants(scanned=False):
   import optax
 
   import gmjax
@@ -103,8 +126,9 @@ def variants():
   inner = lambda axis="learner": optax.adamw(1e-3)
   one = lambda axis="learner": gmjax.diloco(inner(), gmjax.DiLoCo(sync_every=50),
                                             axis_name=axis)
+  blocks = {"layer_axis": {"layers": 0}} if scanned else {}
   four = lambda axis="learner": gmjax.diloco(
-      inner(), gmjax.DiLoCo(sync_every=50, fragments=4, delta_precision="I4"),
+      inner(), gmjax.DiLoCo(sync_every=50, fragments=4, delta_precision="I4", **blocks),
       axis_name=axis)
   between = {"between_rounds": True}
   return {
@@ -119,6 +143,12 @@ def variants():
 
 REPEATS = 1
 PERF_WINDOWS = False
+SCANNED = False
+
+
+def init_params(key, layers, width):
+  """The model's parameters: ``init_scanned``'s with ``--scanned``, else ``init_gpt``'s."""
+  return (init_scanned if SCANNED else init_gpt)(key, layers, width)
 
 
 def compile_timed(lower):
@@ -147,6 +177,24 @@ def kernels(text):
   return len(re.findall(r" fusion\(", text))
 
 
+def distinct_kernels(text):
+  """The fusions of a compiled module's text whose computations differ once names and
+  metadata are left out: XLA:CPU compiles identical ones once, so these are what
+  compiling costs."""
+  bodies, name = {}, None
+  for line in text.splitlines():
+    start = re.match(r"^%(\S+) .*\{$", line)
+    if start:
+      name = start.group(1)
+      bodies[name] = []
+    elif line.startswith("}"):
+      name = None
+    elif name is not None:
+      bodies[name].append(re.sub(r"%[\w.\-]+", "%", re.sub(r"metadata=\{[^}]*\}", "", line)))
+  called = re.findall(r" fusion\([^\n]*calls=%([\w.\-]+)", text)
+  return len({"\n".join(bodies[c]) for c in called if c in bodies})
+
+
 def measure(make, data_parallel, mesh, layers, width, extra):
   import jax
   import jax.numpy as jnp
@@ -159,7 +207,7 @@ def measure(make, data_parallel, mesh, layers, width, extra):
   learners = mesh.shape["learner"]
   optimizer = make()
   keys = jnp.stack([jax.random.PRNGKey(m) for m in range(learners)])
-  params = jax.vmap(lambda k: init_gpt(k, layers, width))(keys)
+  params = jax.vmap(lambda k: init_params(k, layers, width))(keys)
   tokens = jnp.zeros((learners, 4, 33), jnp.int32)
   sharding = NamedSharding(mesh, P("learner"))
   params, tokens = jax.device_put((params, tokens), sharding)
@@ -183,7 +231,7 @@ def measure(make, data_parallel, mesh, layers, width, extra):
   leaves = len(jax.tree.leaves(params))
   size = sum(p.size for p in jax.tree.leaves(params)) // learners
   return dict(seconds=seconds, chars=len(text), collectives=collectives,
-              kernels=kernels(text),
+              kernels=kernels(text), distinct=distinct_kernels(text),
               temp=compiled.memory_analysis().temp_size_in_bytes, leaves=leaves, size=size)
 
 
@@ -194,7 +242,7 @@ def measure_one(make, layers, width, extra):
   import optax
 
   optimizer = make(None)
-  params = init_gpt(jax.random.PRNGKey(0), layers, width)
+  params = init_params(jax.random.PRNGKey(0), layers, width)
   tokens = jnp.zeros((4, 33), jnp.int32)
 
   def step(params, state, tokens):
@@ -207,6 +255,7 @@ def measure_one(make, layers, width, extra):
   compiled, seconds = compile_timed(lambda: jitted.lower(params, state, tokens))
   text = compiled.as_text()
   return dict(seconds=seconds, chars=len(text), collectives=0, kernels=kernels(text),
+              distinct=distinct_kernels(text),
               temp=compiled.memory_analysis().temp_size_in_bytes,
               leaves=len(jax.tree.leaves(params)),
               size=sum(p.size for p in jax.tree.leaves(params)))
@@ -217,27 +266,30 @@ def main():
   parser.add_argument("--learners", type=int, nargs="+", default=[2, 8, 32])
   parser.add_argument("--layers", type=int, nargs="+", default=[2, 12, 24])
   parser.add_argument("--width", type=int, default=64)
+  parser.add_argument("--scanned", action="store_true",
+                      help="stack the layers in one leaf a parameter type (lax.scan), and"
+                      " cut diloco P=4's fragments by blocks of layers")
   parser.add_argument("--variants", nargs="+", default=None)
   parser.add_argument("--repeats", type=int, default=1,
                       help="compile each step this many times and report the least time")
   parser.add_argument("--perf-windows", action="store_true",
                       help="print each compile's CLOCK_MONOTONIC start and end to stderr")
   args = parser.parse_args()
-  global REPEATS, PERF_WINDOWS
-  REPEATS, PERF_WINDOWS = args.repeats, args.perf_windows
+  global REPEATS, PERF_WINDOWS, SCANNED
+  REPEATS, PERF_WINDOWS, SCANNED = args.repeats, args.perf_windows, args.scanned
   inmesh.fake_cpu_devices(max(max(args.learners), 2))
   import jax
 
-  chosen = variants()
+  chosen = variants(args.scanned)
   if args.variants:
     unknown = [v for v in args.variants if v not in chosen]
     if unknown:
       parser.error(f"unknown --variants {unknown}; choose from {list(chosen)}")
     chosen = {k: v for k, v in chosen.items() if k in args.variants}
   print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({platform.machine()}),"
-        f" GPT width {args.width}")
+        f" GPT width {args.width}{', layers scanned' if args.scanned else ''}")
   print("| M | L | leaves | params | step | compile s | / base | HLO chars | / base"
-        " | kernels | collectives | scratch MiB | / base |")
+        " | kernels (distinct) | collectives | scratch MiB | / base |")
   print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
   for learners in args.learners:
     mesh = None if learners == 1 else jax.make_mesh((learners,), ("learner",),
@@ -251,7 +303,8 @@ def main():
         ratio = lambda key: "-" if base is None else f"{row[key] / max(base[key], 1):.2f}"
         print(f"| {learners} | {layers} | {row['leaves']} | {row['size'] / 1e6:.2f}M"
               f" | {label} | {row['seconds']:.1f} | {ratio('seconds')}"
-              f" | {row['chars'] / 1e6:.2f}M | {ratio('chars')} | {row['kernels']}"
+              f" | {row['chars'] / 1e6:.2f}M | {ratio('chars')}"
+              f" | {row['kernels']} ({row['distinct']})"
               f" | {row['collectives']}"
               f" | {row['temp'] / 2**20:.1f} | {ratio('temp')} |", flush=True)
 
