@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 import gmjax
 from gmjax import mail
 from gmjax.mail import heartbeats
@@ -87,7 +89,9 @@ def test_goodput_is_unknown_once_rounds_since_the_join_are_pruned(tmp_path):
   run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2), keep_versions=2)
   ms.train(mail.open(url), "w0", 0, 12)
   status = run.status()
-  assert status["rounds"] < 6  # rounds 0..5 committed, the oldest pruned
+  # Rounds 0..5 committed, all but two pruned: the count said 2, "rounds committed: 2".
+  assert status["rounds"] == 6 and status["rounds_kept"] == 2
+  assert "rounds committed: 6 (the last 2 kept, latest step 12)" in mail.format_status(run)
   (learner,) = status["learners"]
   assert learner["trained"] == 12 and learner["goodput"] is None
   assert learner["steps_per_round_last"] == 2
@@ -136,3 +140,24 @@ def test_goodput_of_a_heartbeat_older_than_the_last_commit_is_at_most_one(tmp_pa
   run.store.put(layout.heartbeat("w0"), heartbeats.dumps(record, None))
   (learner,) = run.status()["learners"]
   assert learner["committed_steps"] == 4 and learner["goodput"] == 1.0
+
+
+def test_format_status_lists_the_rounds_asked_for_and_names_bad_arguments(tmp_path):
+  # last=0 listed every round, last=-1 all but the oldest "(the last 2 of 3 rounds)",
+  # last=True one; a URL for the run was an AttributeError, and a string of problems
+  # was listed character by character.
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  ms.train(mail.open(url), "w0", 0, 6)
+  table = lambda text: [l for l in text.splitlines() if l.lstrip("| ").split(" ")[0].isdigit()]
+  assert len(table(mail.format_status(run, last=None))) == 3
+  assert len(table(mail.format_status(run, last=2))) == 2
+  text = mail.format_status(run, last=0)
+  assert not table(text) and "(none of the 3 rounds kept listed: last=0)" in text
+  for bad in (-1, True, 2.5, "3"):
+    with pytest.raises(ValueError, match=r"last=.* must be None .* or an int >= 0"):
+      mail.format_status(run, last=bad)
+  with pytest.raises(TypeError, match=r"run must be a gmjax.mail.Run, got str .*mail.open"):
+    mail.format_status(url)
+  with pytest.raises(TypeError, match=r"problems must be a list .*got a string"):
+    mail.format_status(run, problems="bad")

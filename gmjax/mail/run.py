@@ -232,8 +232,14 @@ class Run:
 
   def status(self) -> dict[str, Any]:
     """A summary: fragments and their versions, rounds, estimates and learners (each
-    with its heartbeat's fields and its pace: ``gmjax.mail.status.pace``)."""
+    with its heartbeat's fields and its pace: ``gmjax.mail.status.pace``).
+
+    ``rounds`` counts the rounds committed (each fragment's versions from 1 to its
+    newest), ``rounds_kept`` those whose records storage still holds (``keep_versions``
+    prunes the oldest).
+    """
     rounds = self.rounds()
+    versions = self.newest_versions()
     estimates = rounds[-1].estimates.to_json() if rounds else {}
     from gmjax.core.schedule import Estimates  # pylint: disable=g-import-not-at-top
     from gmjax.mail.status import pace  # pylint: disable=g-import-not-at-top
@@ -272,8 +278,9 @@ class Run:
         "sync_every": schedule.sync_every,
         "signed": self.manifest.auth is not None,
         "keep_versions": self.manifest.keep_versions,
-        "versions": self.newest_versions(),
-        "rounds": len(rounds),
+        "versions": versions,
+        "rounds": sum(versions.values()),
+        "rounds_kept": len(rounds),
         "latest_round": rounds[-1].round if rounds else None,
         "latest_step": rounds[-1].step if rounds else 0,
         "estimates": estimates,

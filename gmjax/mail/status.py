@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import datetime
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gmjax.core import guards
 from gmjax.mail.errors import CorruptRecord
 
 RECENT_ROUNDS = 10
@@ -128,9 +130,9 @@ def format_status(run, *, last: int | None = 50, problems: Sequence[str] | None 
 
   Args:
     run: a ``gmjax.mail.Run`` (``gmjax.mail.open(url)``).
-    last: how many of the newest rounds to list.
-    problems: what ``gmjax.mail.verify`` found; None runs its quick check (records, and
-      the newest version's files). A damaged run says so first.
+    last: how many of the newest rounds kept to list: an int >= 0, or None for all.
+    problems: what ``gmjax.mail.verify`` found (a list); None runs its quick check
+      (records, and the newest version's files). A damaged run says so first.
 
   Returns:
     Text: a header, a rounds table (round, fragment, version, step, participants with
@@ -140,7 +142,22 @@ def format_status(run, *, last: int | None = 50, problems: Sequence[str] | None 
     versions, loss, seconds since the last heartbeat, steps per second, steps per round
     (the mean of the last ten, and the last), the share of time waiting for commits, and
     goodput: see ``pace``).
+
+  Raises:
+    TypeError: ``run`` is not a run (a URL: open it first), or ``problems`` a string.
+    ValueError: ``last`` is not None or an int >= 0.
   """
+  if not hasattr(run, "status"):
+    raise TypeError(f"format_status: run must be a gmjax.mail.Run, got"
+                    f" {type(run).__name__} {guards.quote(run)}; open it first:"
+                    f" format_status(gmjax.mail.open(url)).")
+  if last is not None and (isinstance(last, bool) or not isinstance(last, numbers.Integral)
+                           or last < 0):
+    raise ValueError(f"format_status: last={guards.quote(last)} must be None (every round)"
+                     " or an int >= 0 (that many of the newest rounds).")
+  if isinstance(problems, (str, bytes)):
+    raise TypeError(f"format_status: problems must be a list of problems, as"
+                    f" gmjax.mail.verify(run) returns, got a string {guards.quote(problems)}.")
   if problems is None:
     from gmjax.mail.verify import verify  # pylint: disable=g-import-not-at-top
 
@@ -150,14 +167,16 @@ def format_status(run, *, last: int | None = 50, problems: Sequence[str] | None 
     rounds = run.rounds()
   except CorruptRecord:
     rounds = []  # the problems above say which record
-  shown = rounds if last is None else rounds[-last:]
+  shown = rounds if last is None else rounds[len(rounds) - min(int(last), len(rounds)):]
+  kept = ("" if status["rounds_kept"] == status["rounds"]
+          else f"the last {status['rounds_kept']} kept, ")
   lines = [f"DAMAGED: {len(problems)} problem(s)"] + [f"  {p}" for p in problems] + [
       ""] if problems else []
   lines += [
       f"run {status['run']}: {status['parameters']:,} parameters in {status['leaves']}"
       f" leaves, {status['fragments']} fragment(s), sync every {status['sync_every']}"
       f" steps{', signed' if status['signed'] else ''}",
-      f"rounds committed: {status['rounds']} (latest step {status['latest_step']}),"
+      f"rounds committed: {status['rounds']} ({kept}latest step {status['latest_step']}),"
       f" versions {status['versions']}",
       "",
   ]
@@ -177,10 +196,12 @@ def format_status(run, *, last: int | None = 50, problems: Sequence[str] | None 
     ])
   if rows:
     if len(shown) < len(rounds):
-      lines.append(f"(the last {len(shown)} of {len(rounds)} rounds)")
+      lines.append(f"(the last {len(shown)} of the {len(rounds)} rounds kept)")
     lines += _table(["round", "frag", "ver", "step", "n", "weights", "rejected", "cosine",
                      "quorum_s", "grace_s", "takeover_s", "wait_s", "sync_s", "closer",
                      "committed_at"], rows)
+  elif rounds:
+    lines.append(f"(none of the {len(rounds)} rounds kept listed: last=0)")
   else:
     lines.append("no rounds committed yet")
   lines.append("")
