@@ -1,7 +1,10 @@
 """The round schedule and the timing estimates (SPEC section 2)."""
 
+import re
+
 import hypothesis
 import hypothesis.strategies as st
+import numpy as np
 import pytest
 
 import gmjax
@@ -56,6 +59,27 @@ def test_seed_examples():
   assert [s.fragment_of(r) for r in range(4)] == [0, 1, 2, 0]
   assert [s.version_after(r) for r in range(4)] == [1, 1, 1, 2]
   assert [s.gap(r) for r in range(4)] == [3, 3, 4, 3]
+
+
+def test_rounds_and_steps_must_be_ints():
+  # Accepted before, each answering something no round or step is: step_of(2.5) 7.0,
+  # fragment_of(2.5) 0.5, round_at(2.0) 0.0, step_of(True) 4, step_of(-5) -8,
+  # version_after(-5) -2; first_round_after(inf) never returned.
+  s = gmjax.RoundSchedule(sync_every=4, fragments=2)
+  assert (s.step_of(np.int64(2)), s.round_at(np.int32(6)), s.step_of(-1)) == (6, 2, 0)
+  calls = [(s.step_of, 2.5, "step_of(round=2.5) needs an int >= -1"),
+           (s.step_of, -5, "step_of(round=-5) needs an int >= -1"),
+           (s.step_of, True, "step_of(round=True)"),
+           (s.fragment_of, 2.5, "fragment_of(round=2.5) needs an int >= 0"),
+           (s.fragment_of, -1, "fragment_of(round=-1)"),
+           (s.version_after, -5, "version_after(round=-5) needs an int >= 0"),
+           (s.gap, -1, "gap(round=-1)"),
+           (s.round_at, 2.0, "round_at(step=2.0) needs an int"),
+           (s.round_at, np.array([2, 4]), "round_at(step=array"),
+           (s.first_round_after, float("inf"), "first_round_after(step=inf) needs an int")]
+  for method, value, said in calls:
+    with pytest.raises(ValueError, match=re.escape(f"RoundSchedule.{said}")):
+      method(value)
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,8 @@ from typing import Any, Self
 
 import numpy as np
 
+from gmjax.core import guards
+
 _EMA_DECAY = 0.1
 # An observation counts for at most _RISE_FACTOR times the estimate plus _RISE_SECONDS:
 # each estimate grows by at most 10% (and 10 ms) a round, whatever is observed.
@@ -83,21 +85,30 @@ class RoundSchedule:
           f" {tau!r} with sync_every={self.sync_every}: the next round of a fragment needs"
           " the merged anchor.")
 
+  # Rounds and steps are ints (numpy integers too); each method names a bad one
+  # (``_index``): a float or bool round would give a step or fragment that is none.
   def fragment_of(self, round: int) -> int:  # pylint: disable=redefined-builtin
-    return round % self.fragments
+    """The fragment round ``round`` (>= 0) synchronizes."""
+    return _index("fragment_of", "round", round, 0) % self.fragments
 
   def step_of(self, round: int) -> int:  # pylint: disable=redefined-builtin
-    cycle, position = divmod(round, self.fragments)
+    """The global step of round ``round``'s sync; ``step_of(-1)`` is 0, the start."""
+    cycle, position = divmod(_index("step_of", "round", round, -1), self.fragments)
     return cycle * self.sync_every + (position + 1) * self.sync_every // self.fragments
 
   def version_after(self, round: int) -> int:  # pylint: disable=redefined-builtin
-    return round // self.fragments + 1
+    """The version of its fragment that round ``round`` (>= 0) commits."""
+    return _index("version_after", "round", round, 0) // self.fragments + 1
 
   def gap(self, round: int) -> int:  # pylint: disable=redefined-builtin
+    """Global steps from round ``round − 1``'s sync (the start, for round 0) to
+    round ``round``'s."""
+    round = _index("gap", "round", round, 0)  # pylint: disable=redefined-builtin
     return self.step_of(round) - self.step_of(round - 1)
 
   def round_at(self, step: int) -> int | None:
     """The round whose sync happens at global ``step``, or None if no round does."""
+    step = _index("round_at", "step", step, None)
     if step < 1:
       return None
     cycle, offset = divmod(step, self.sync_every)
@@ -140,6 +151,7 @@ class RoundSchedule:
 
   def first_round_after(self, step: int) -> int:
     """The first round whose sync step is strictly after global ``step``."""
+    step = _index("first_round_after", "step", step, None)
     r = max(0, (step // self.sync_every) * self.fragments - 1)
     while self.step_of(r) <= step:
       r += 1
@@ -202,6 +214,18 @@ class Estimates:
     record = record if isinstance(record, dict) else {}
     return cls(**{k: (None if record.get(k) is None else _clamp(record[k]))
                   for k in ("step", "quorum", "sync")})
+
+
+def _index(method: str, argument: str, value: Any, least: int | None) -> int:
+  """``value`` as an int (at least ``least`` unless None), or a ValueError that names
+  ``RoundSchedule.<method>``, its argument and the value."""
+  whole = _whole(value)
+  if whole is None or (least is not None and whole < least):
+    wanted = "an int" if least is None else f"an int >= {least}"
+    raise ValueError(f"RoundSchedule.{method}({argument}={guards.quote(value)}) needs {wanted}"
+                     f" ({'rounds count' if argument == 'round' else 'global steps count'}"
+                     " from 0).")
+  return whole
 
 
 def _whole(count: Any) -> int | None:
