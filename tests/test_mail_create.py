@@ -70,6 +70,15 @@ def test_keys(tmp_path):
     mail.open(plain, key="k1")
 
 
+@pytest.mark.parametrize("key", ["", b""])
+def test_an_empty_key_is_named_as_empty(tmp_path, key):
+  # key="" said "must be non-empty bytes or str, got bytes": the str was encoded first.
+  with pytest.raises(ValueError, match=r"key=(''|b'') is empty: pass a non-empty str or"):
+    mail.create(str(tmp_path / "run"), ms.params0(), gmjax.DiLoCo(sync_every=4), key=key)
+  with pytest.raises(TypeError, match=r"key must be non-empty bytes or str, got int"):
+    mail.create(str(tmp_path / "run"), ms.params0(), gmjax.DiLoCo(sync_every=4), key=5)
+
+
 @pytest.mark.parametrize("name", ["", "-lead", ".hidden", "a/b", "a b", "x" * 65, "é"])
 def test_bad_learner_names(tmp_path, name):
   run = mail.create(str(tmp_path / "run"), ms.params0(), gmjax.DiLoCo(sync_every=4))

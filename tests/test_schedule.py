@@ -129,3 +129,18 @@ def test_estimates_first_observation_taken_as_is():
   assert e.updated(step=1e4).step == pytest.approx(2.21)  # at most 2·2 + 0.1 counts
   assert gmjax.Estimates().timeout(0.5) == 15.0
   assert e.timeout(0.01) == pytest.approx(6.0)
+
+
+def test_schedule_of_something_else_names_it_in_a_line():
+  # Parameters passed for their Schema: the message held their whole repr (14,362
+  # characters for 50 leaves of 64x64).
+  config = gmjax.DiLoCo(sync_every=8, fragments=2)
+  params = {f"w{i}": np.zeros((64, 64), np.float32) for i in range(50)}
+  with pytest.raises(ValueError, match=r"Schema.from_tree\(params\)") as caught:
+    config.schedule(params)
+  assert len(str(caught.value)) < 600  # whatever the size of the parameters
+  for bad in (0, 3, True, 2.0, "2"):
+    with pytest.raises(ValueError, match=r"an int in \[1, 2\]"):
+      config.schedule(bad)
+  assert config.schedule(np.int64(1)).fragments == 1
+  assert config.schedule(gmjax.Schema.from_tree(params)).fragments == 2

@@ -67,3 +67,20 @@ def test_retry_seconds_must_be_a_positive_finite_number(tmp_path, value):
   mail.create(str(tmp_path / "run"), ms.params0(), gmjax.DiLoCo(sync_every=2))
   with pytest.raises(ValueError, match=r"retry_seconds=.* must be a positive, finite"):
     mail.open(str(tmp_path / "run"), retry_seconds=value)
+
+
+def test_storage_options_must_be_a_dict_for_a_url(tmp_path):
+  # "abc" failed inside fsspec ("dictionary update sequence element #0 has length 1"),
+  # and options given for a local folder were dropped without a word.
+  for bad in ("abc", []):
+    with pytest.raises(TypeError, match=r"storage_options must be None or a dict"):
+      mail.create("memory://options-run", ms.params0(), gmjax.DiLoCo(sync_every=2),
+                  storage_options=bad)
+  with pytest.raises(ValueError, match=r"is a local folder, which takes no storage_options"
+                                       r" \(got \['token'\]\)"):
+    mail.create(str(tmp_path / "run"), ms.params0(), gmjax.DiLoCo(sync_every=2),
+                storage_options={"token": "x"})
+  assert not (tmp_path / "run").exists()
+  mail.create(str(tmp_path / "run"), ms.params0(), gmjax.DiLoCo(sync_every=2),
+              storage_options={})
+  mail.open(str(tmp_path / "run"), storage_options=None)

@@ -315,9 +315,10 @@ class DiLoCo:
     elif isinstance(fragments, bool) or not isinstance(fragments, numbers.Integral) or not (
         1 <= fragments <= self.fragments):  # a numpy integer too
       raise ValueError(
-          f"DiLoCo.schedule(fragments={fragments!r}): pass the gmjax.diloco state, the"
-          " Schema of the parameters, or the number of fragments of the plan, an int in"
-          f" [1, {self.fragments}] (len(config.plan(schema))).")
+          f"DiLoCo.schedule(fragments={guards.quote(fragments)}): pass the gmjax.diloco"
+          " state, the Schema of the parameters (gmjax.Schema.from_tree(params)), or the"
+          f" number of fragments of the plan, an int in [1, {self.fragments}]"
+          " (len(config.plan(schema))).")
     else:
       count = int(fragments)
     return RoundSchedule(sync_every=self.sync_every, fragments=count,

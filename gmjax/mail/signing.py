@@ -38,11 +38,12 @@ def as_key(key: bytes | str | None) -> bytes | None:
   """The key as bytes (a str is UTF-8 encoded); None stays None."""
   if key is None:
     return None
-  if isinstance(key, str):
-    key = key.encode("utf-8")
-  if not isinstance(key, (bytes, bytearray)) or not key:
+  if not isinstance(key, (str, bytes, bytearray)):
     raise TypeError(f"key must be non-empty bytes or str, got {type(key).__name__}")
-  return bytes(key)
+  if not key:
+    raise ValueError(f"key={key!r} is empty: pass a non-empty str or bytes, or None for"
+                     " a run without a key.")
+  return key.encode("utf-8") if isinstance(key, str) else bytes(key)
 
 
 def new_auth(key: bytes) -> dict[str, str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from gmjax.mail.errors import UnsupportedStorage
@@ -52,7 +53,8 @@ def open_store(url: str, *, retry_seconds: float = 30.0,
     storage_options: passed to the fsspec filesystem (e.g. ``{"token": ...}`` for gcsfs).
 
   Raises:
-    TypeError: ``url`` is not a string.
+    TypeError: ``url`` is not a string, or ``storage_options`` not a dict.
+    ValueError: ``storage_options`` given for a local folder (they would be ignored).
     UnsupportedStorage: the URL's protocol has no atomic exclusive create
       (``SUPPORTED_PROTOCOLS`` lists those that do).
     StorageNotInstalled: the package for the URL's protocol (gcsfs, s3fs) is not
@@ -66,7 +68,15 @@ def open_store(url: str, *, retry_seconds: float = 30.0,
                      " (e.g. gs://bucket/run)")
   if meant(url):  # "gs:/bucket" would be a local folder named "gs:"
     raise ValueError(f"url={url!r} is not a URL: did you mean {meant(url)}?")
+  if storage_options is not None and not isinstance(storage_options, Mapping):
+    raise TypeError(f"storage_options must be None or a dict of the fsspec filesystem's"
+                    f" options (e.g. {{'token': ...}} for gcsfs), got"
+                    f" {type(storage_options).__name__} {storage_options!r:.80}.")
   if "://" not in url and "::" not in url or url.startswith("file://"):
+    if storage_options:
+      raise ValueError(f"url={url!r} is a local folder, which takes no storage_options"
+                       f" (got {sorted(storage_options)!r:.80}); they are for gs:// and"
+                       " s3:// URLs: drop them, or give the bucket's URL.")
     return LocalStore(url, retry_seconds=retry_seconds)
   protocol = url.split("://", 1)[0] if "://" in url else url.split("::", 1)[0]
   if protocol not in SUPPORTED_PROTOCOLS:
