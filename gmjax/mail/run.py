@@ -301,10 +301,6 @@ def _integer(argument: str, value: Any) -> int:
   return int(value)
 
 
-def _key(key):
-  return signing.as_key(key)
-
-
 def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = None,
            keep_versions: int | None = 4,
            storage_options: dict[str, Any] | None = None) -> Run:
@@ -373,7 +369,7 @@ def open(url: str, *, key: bytes | str | None = None,  # pylint: disable=redefin
     AuthenticationError: ``key`` is missing, wrong, or given for an unsigned run.
     StorageUnavailable: the storage did not answer within ``retry_seconds``.
   """
-  key = _key(key)
+  key = signing.as_key(key)
   store = open_store(url, retry_seconds=retry_seconds, storage_options=storage_options)
   manifest = read_manifest(store, url)
   manifest.check_key(key, url)
