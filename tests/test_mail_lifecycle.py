@@ -161,6 +161,36 @@ def test_close_leaves_rounds_that_do_not_commit_and_returns(tmp_path, caplog):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("wait_timeout", [60.0, 1.0])
+def test_close_waits_for_its_final_round_as_step_waits(tmp_path, monkeypatch, caplog,
+                                                       wait_timeout):
+  # close waited one run timeout (about 1 s here) for its final round, not wait_timeout,
+  # and said so at INFO: a final commit slower than that was left out of what it returned.
+  import time  # pylint: disable=g-import-not-at-top
+  from gmjax.mail import states  # pylint: disable=g-import-not-at-top
+
+  save = states.save_state
+  def slow_final_commit(store, fragment, state, nonce):
+    if state.version == 2:  # round 1, the final round of one step
+      time.sleep(3.0)
+    return save(store, fragment, state, nonce)
+  monkeypatch.setattr(states, "save_state", slow_final_commit)
+  run = mail.create(str(tmp_path / "run"), ms.params0(), gmjax.DiLoCo(sync_every=2))
+  _, closed = ms.train(run, "w0", 0, 3, wait_timeout=wait_timeout)
+  rounds = run.rounds()
+  assert [r.round for r in rounds] == [0, 1] and rounds[1].final == ("w0",)
+  newest = states.load_theta(run.store, run.commit(0, 2), 1 << 30)
+  before = states.load_theta(run.store, run.commit(0, 1), 1 << 30)
+  unmerged = ms.inner(before, ms.target(0))  # the one step past version 1
+  expected = newest if wait_timeout > 3.0 else unmerged
+  for name, value in expected.items():
+    np.testing.assert_allclose(np.asarray(closed[name]), value, rtol=1e-6)
+  warned = [r for r in caplog.records if r.levelname == "WARNING"
+            and "final round 1 not committed" in r.getMessage()]
+  assert len(warned) == (wait_timeout < 3.0), caplog.text
+
+
+@pytest.mark.timeout(120)
 def test_an_interrupted_close_stops_the_threads_and_a_second_one_finishes(tmp_path):
   # Ctrl-C in close()'s cleanup left its threads running and its heartbeat "closing"
   # for good (the name taken until the process ended); a second close did nothing.

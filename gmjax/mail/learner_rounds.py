@@ -312,21 +312,21 @@ class Rounds:
     if self._beats is not None:
       self._beats.write().result()
     # A leaving learner waits for its final rounds (closing them if it is designated)
-    # for one run timeout, then goes: the others include its contributions anyway.
-    deadline = time.monotonic() + self._worker.timeout()
+    # as step waits (wait_timeout), then goes: the others include its contributions.
+    deadline = self._deadline()
     for r in finals:
       try:
         self._publish_round(flat, r, final=True, deadline=deadline)
       except RoundTimeout:
-        log.info("learner %r: base version of final round %d not committed in time;"
-                 " leaving without it", self.name, r)
+        log.warning("learner %r: base version of final round %d not committed in time;"
+                    " leaving without it", self.name, r)
     for r, version, _ in list(self._outstanding):
       fragment = self.schedule.fragment_of(r)
       try:
         commit = self._wait(fragment, version, deadline)
       except RoundTimeout:
-        log.info("learner %r: final round %d not committed within the timeout; leaving",
-                 self.name, r)
+        log.warning("learner %r: final round %d not committed within wait_timeout;"
+                    " leaving without it", self.name, r)
         continue
       if commit.record.version > self._versions[fragment]:
         self._align(flat, fragment, commit.record.version, commit.theta)
