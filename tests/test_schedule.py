@@ -96,6 +96,19 @@ def test_invalid_schedules(kwargs):
     gmjax.RoundSchedule(**kwargs)
 
 
+def test_numpy_integers_make_the_same_schedule():
+  # RoundSchedule(np.int64(8), 4) was refused ("must be a positive int, got np.int64(8)"),
+  # where DiLoCo and every RoundSchedule method take numpy integers.
+  made = gmjax.RoundSchedule(np.int64(8), np.int32(4), np.int64(2), np.int64(1))
+  assert made == gmjax.RoundSchedule(8, 4, 2, 1)
+  assert all(type(getattr(made, f)) is int
+             for f in ("sync_every", "fragments", "in_flight", "overlap_steps"))
+  with pytest.raises(ValueError, match=r"fragments must be a positive int, got np.float64"):
+    gmjax.RoundSchedule(8, np.float64(4.0))
+  with pytest.raises(ValueError, match=r"overlap_steps must be None or an int .* got np.True_"):
+    gmjax.RoundSchedule(8, 4, overlap_steps=np.bool_(True))
+
+
 positive = st.one_of(st.none(), st.floats(0, 1e4, allow_nan=False))
 
 

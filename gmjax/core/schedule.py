@@ -69,21 +69,25 @@ class RoundSchedule:
 
   def __post_init__(self):
     for field in ("sync_every", "fragments", "in_flight"):
-      value = getattr(self, field)
-      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"RoundSchedule {field} must be a positive int, got {value!r}.")
+      value = _whole(getattr(self, field))
+      if value is None or value < 1:
+        raise ValueError(f"RoundSchedule {field} must be a positive int, got"
+                         f" {guards.quote(getattr(self, field))}.")
+      object.__setattr__(self, field, value)  # a numpy integer as a Python int
     if self.fragments > self.sync_every:
       raise ValueError(
           f"RoundSchedule needs fragments <= sync_every, got fragments={self.fragments} and"
           f" sync_every={self.sync_every}; use fewer fragments or sync less often."
       )
     tau = self.overlap_steps
-    if tau is not None and (isinstance(tau, bool) or not isinstance(tau, int)
-                            or not 0 <= tau < self.sync_every):
-      raise ValueError(
-          f"RoundSchedule overlap_steps must be None or an int in [0, sync_every), got"
-          f" {tau!r} with sync_every={self.sync_every}: the next round of a fragment needs"
-          " the merged anchor.")
+    if tau is not None:
+      whole = _whole(tau)
+      if whole is None or not 0 <= whole < self.sync_every:
+        raise ValueError(
+            f"RoundSchedule overlap_steps must be None or an int in [0, sync_every), got"
+            f" {guards.quote(tau)} with sync_every={self.sync_every}: the next round of a"
+            " fragment needs the merged anchor.")
+      object.__setattr__(self, "overlap_steps", whole)
 
   # Rounds and steps are ints (numpy integers too); each method names a bad one
   # (``_index``): a float or bool round would give a step or fragment that is none.
@@ -135,7 +139,7 @@ class RoundSchedule:
     value = _whole(count)
     if value is None or value < 0:
       raise ValueError(
-          f"RoundSchedule.due(count={count!r}): pass the state's step count, an int >= 0"
+          f"RoundSchedule.due(count={guards.quote(count)}): pass the state's step count, an int >= 0"
           " (the number of updates the state has had), e.g. counted on the host as the"
           " updates are made, int(state.count) for one learner's state, or"
           " int(state.count[0]) for the state of learners stacked on a leading axis.")
