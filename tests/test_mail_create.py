@@ -38,9 +38,10 @@ def test_create_twice(tmp_path):
   mail.create(url, ms.params0(), config)
   again = mail.create(url, ms.params0(), config)  # same configuration: the run itself
   assert again.config == config
-  with pytest.raises(mail.RunExists, match="algorithm"):
+  # Each difference is named with both values (only the field's name before).
+  with pytest.raises(mail.RunExists, match=r"algorithm \(sync_every: stored 4, given 8\)"):
     mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=8))
-  with pytest.raises(mail.RunExists, match="schema"):
+  with pytest.raises(mail.RunExists, match=r"schema \(leaf '\S+': stored F32\[\d.*given absent"):
     mail.create(url, {"other": np.zeros(3, np.float32)}, config)
   with pytest.raises(mail.RunExists, match="key"):
     mail.create(url, ms.params0(), config, key="secret")

@@ -119,7 +119,7 @@ def test_keep_versions_is_stored_and_older_manifests_keep_everything(tmp_path):
   run = mail.create(url, ms.params0(), CONFIG)
   assert run.manifest.keep_versions == 4  # the default
   assert mail.open(url).manifest.keep_versions == 4
-  with pytest.raises(mail.RunExists, match="keep_versions"):
+  with pytest.raises(mail.RunExists, match=r"keep_versions \(stored 4, given 8\)"):
     mail.create(url, ms.params0(), CONFIG, keep_versions=8)
   # A manifest written before the field existed: every version is kept.
   record = json.loads(run.store.get(layout.MANIFEST))

@@ -113,16 +113,27 @@ class Manifest:
       raise CorruptRecord(f"manifest.json does not parse: {quote(repr(error))}") from None
 
   def same_run(self, other: Manifest, key: bytes | None) -> list[str]:
-    """What differs between this stored manifest and a new one keyed with ``key``."""
+    """What differs between this stored manifest and a new one keyed with ``key``, each
+    with the stored and the given value (the first leaf that differs, for the schema)."""
     differences = []
     if self.schema != other.schema:
-      differences.append("schema")
+      stored = {p.name: p for p in self.schema.parameters}
+      given = {p.name: p for p in other.schema.parameters}
+      name = min(n for n in stored.keys() | given.keys() if stored.get(n) != given.get(n))
+      show = lambda p: "absent" if p is None else f"{p.dtype}{list(p.shape)}"
+      differences.append(f"schema (leaf {name!r}: stored {show(stored.get(name))}, given"
+                         f" {show(given.get(name))})")
     if self.config != other.config:
-      differences.append("algorithm")
+      fields = [f.name for f in dataclasses.fields(self.config)
+                if getattr(self.config, f.name) != getattr(other.config, f.name)]
+      differences.append("algorithm (" + "; ".join(
+          f"{f}: stored {getattr(self.config, f)!r}, given {getattr(other.config, f)!r}"
+          for f in fields) + ")")
     if self.plan != other.plan:
       differences.append("plan")
     if self.keep_versions != other.keep_versions:
-      differences.append("keep_versions")
+      differences.append(f"keep_versions (stored {self.keep_versions!r}, given"
+                         f" {other.keep_versions!r})")
     if (self.auth is None) != (key is None) or (
         key is not None and not self.key_matches(key)):
       differences.append("key")
