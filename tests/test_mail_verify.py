@@ -60,6 +60,8 @@ def test_zeroed_checkpoint_file_of_an_old_version(url, capsys):
   captured = capsys.readouterr()
   assert "DAMAGED: 1 problem(s)" in captured.out and "damaged" in captured.err
   assert mail.verify(url, key=KEY, deep=False) == []  # an old version: --verify finds it
+  with pytest.raises(TypeError, match=r"deep='no' must be a bool"):  # it ran the deep check
+    mail.verify(url, key=KEY, deep="no")
 
 
 def test_zeroed_newest_checkpoint_shows_in_plain_status(url, capsys):

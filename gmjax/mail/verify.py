@@ -19,7 +19,7 @@ import json
 import math
 from typing import Any
 
-from gmjax.core import payload
+from gmjax.core import guards, payload
 from gmjax.mail import heartbeats
 from gmjax.mail import layout
 from gmjax.mail import retention
@@ -42,9 +42,15 @@ def verify(url: Any, key: bytes | str | None = None, *,
 
   Returns:
     One line per problem, naming the record and what is wrong.
+
+  Raises:
+    TypeError: ``deep`` is not a bool.
   """
   from gmjax.mail import run as run_lib  # pylint: disable=g-import-not-at-top
 
+  if not isinstance(deep, bool):  # "no" would be true
+    raise TypeError(f"gmjax.mail.verify: deep={guards.quote(deep)} must be a bool (False"
+                    " checks the records and each fragment's newest files, True every file).")
   if isinstance(url, run_lib.Run):
     run = url
   else:
