@@ -1,4 +1,5 @@
-"""Pure guards against hostile or broken input: short quotes and the outlier rule.
+"""Pure guards against hostile or broken input: short quotes, positive seconds and the
+outlier rule.
 
 Both runtimes judge what learners report by the same rules: the mail closer before it
 aggregates a round, and the in-mesh transformation can call ``reference``/``outliers``
@@ -7,6 +8,8 @@ inside a jitted step (pass ``xp=jax.numpy``).
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import numpy as np
@@ -44,6 +47,36 @@ def _short_repr(value: Any, limit: int) -> str:
   short = reprlib.Repr()
   short.maxstring = short.maxother = short.maxlong = limit
   return short.repr(value)
+
+
+def seconds(argument: str, value: Any, *, finite: bool = False, none: str = "",
+            example: str = "60.0") -> float:
+  """``value`` as positive seconds (numpy numbers included): a timeout, a poll interval.
+
+  Args:
+    argument: the argument's name, for the message.
+    value: what was passed.
+    finite: refuse infinity too (a poll interval times queue waits, which overflow).
+    none: how the message says None is allowed, if it is.
+    example: the value the message suggests.
+
+  Returns:
+    ``value`` as a float.
+
+  Raises:
+    TypeError: ``value`` is a str.
+    ValueError: ``value`` is not a positive number (or, with ``finite``, is infinite).
+  """
+  what = f"{argument} must be {none}a positive{', finite' if finite else ''} number of seconds"
+  if isinstance(value, (str, bytes)):
+    raise TypeError(f"{what}, got {type(value).__name__} {quote(value)}; pass a"
+                    " number.")
+  good = (not isinstance(value, bool) and isinstance(value, numbers.Real)
+          and float(value) > 0 and not (finite and math.isinf(float(value))))
+  if not good:
+    raise ValueError(f"{what}, got {quote(value)}; pass e.g. {argument}="
+                     f"{example}.")
+  return float(value)
 
 
 def reference(values: Any, *, xp: Any = np) -> Any:

@@ -30,6 +30,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from gmjax.core import guards
 from gmjax.core.schema import Schema
 from gmjax.mail import delayed
 from gmjax.mail import heartbeats
@@ -75,11 +76,12 @@ class Learner(Resuming, Rounds):
                wait_timeout: float | None = None, startup_timeout: float = 60.0,
                process_index: int | None = None, process_count: int | None = None,
                state_dir: Any = None):
-    poll_interval = learner_args.seconds("poll_interval", poll_interval, finite=True)
-    startup_timeout = learner_args.seconds("startup_timeout", startup_timeout)
+    poll_interval = guards.seconds("poll_interval", poll_interval, finite=True,
+                                   example="0.05")
+    startup_timeout = guards.seconds("startup_timeout", startup_timeout)
     if wait_timeout is not None:
-      wait_timeout = learner_args.seconds("wait_timeout", wait_timeout,
-                              none="None (the run's timeout, at least 120 s) or ")
+      wait_timeout = guards.seconds("wait_timeout", wait_timeout,
+                                    none="None (the run's timeout, at least 120 s) or ")
     self.process_index = (jax.process_index() if process_index is None
                           else learner_args.process_number("process_index", process_index))
     self.process_count = (jax.process_count() if process_count is None

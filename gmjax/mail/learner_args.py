@@ -5,7 +5,6 @@ the fix, raised before anything counts or is written."""
 from __future__ import annotations
 
 import json
-import math
 import numbers
 from typing import Any
 
@@ -81,34 +80,6 @@ def loss_value(loss: Any) -> float | None:
   raise ValueError(
       f"step(loss=...): loss must be None or a real number, got {described}; pass one"
       " number for the step (e.g. float(losses.mean()) for per-example losses).")
-
-
-def seconds(argument: str, value: Any, *, finite: bool = False, none: str = "") -> float:
-  """``value`` as positive seconds (numpy numbers included), for ``join``.
-
-  Args:
-    argument: the argument's name, for the message.
-    value: what was passed.
-    finite: refuse infinity too (a poll interval times queue waits, which overflow).
-    none: how the message says None is allowed, if it is.
-
-  Returns:
-    ``value`` as a float.
-
-  Raises:
-    TypeError: ``value`` is a str.
-    ValueError: ``value`` is not a positive number (or, with ``finite``, is infinite).
-  """
-  what = f"{argument} must be {none}a positive{', finite' if finite else ''} number of seconds"
-  if isinstance(value, (str, bytes)):
-    raise TypeError(f"{what}, got {type(value).__name__} {guards.quote(value)}; pass a"
-                    " number.")
-  good = (not isinstance(value, bool) and isinstance(value, numbers.Real)
-          and float(value) > 0 and not (finite and math.isinf(float(value))))
-  if not good:
-    raise ValueError(f"{what}, got {guards.quote(value)}; pass e.g. {argument}="
-                     f"{'0.05' if argument == 'poll_interval' else '60.0'}.")
-  return float(value)
 
 
 def process_number(argument: str, value: Any) -> int:

@@ -47,13 +47,13 @@ import abc
 import copy
 import hashlib
 import logging
-import math
 import random
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from gmjax.core import guards
 from gmjax.mail.errors import CorruptRecord, StorageUnavailable
 from gmjax.mail.store.transient import is_transient
 
@@ -114,13 +114,9 @@ class Store(abc.ABC):
 
   def __init__(self, url: str, *, retry_seconds: float = 30.0):
     self.url = url
-    try:
-      self.retry_seconds = float(retry_seconds)
-    except (TypeError, ValueError):
-      self.retry_seconds = math.nan
-    if isinstance(retry_seconds, (bool, str)) or not 0 < self.retry_seconds < math.inf:
-      raise ValueError(f"retry_seconds={retry_seconds!r} must be a positive, finite number"
-                       " of seconds (how long transient storage errors are retried), e.g. 30")
+    # Finite: the retries of a storage outage end, and a call that hangs is abandoned.
+    self.retry_seconds = guards.seconds("retry_seconds", retry_seconds, finite=True,
+                                        example="30")
     self._retry_budget: Callable[[], float] | None = None
 
   def with_retry_budget(self, budget: Callable[[], float]) -> Store:
