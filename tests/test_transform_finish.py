@@ -5,7 +5,9 @@ pending; it comes back at the parameters' dtype and sharding, inside the learner
 (every learner the same Θ) and outside it (one Θ without the learners' dimension).
 """
 
+import contextlib
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -84,6 +86,43 @@ def test_finish_outside_the_mesh_context_lays_theta_out_alike():
   theta = gmjax.finish(*one)
   for name, leaf in theta.items():
     np.testing.assert_array_equal(np.asarray(leaf), np.asarray(state.anchor[name])[0])
+
+
+def test_finish_compiles_once_and_takes_host_params_or_another_mesh_set():
+  # On an explicit mesh each call compiled one program per leaf (a new jit each time);
+  # host params (jax.device_get) beside a state on the mesh failed in an indexing
+  # (ShardingTypeError), and a serving mesh set around the call in a KeyError.
+  setup, mesh, params, state = _train()
+  expected = reference.run(setup, STEPS)["anchor"]
+  gmjax.finish(state, params, learner_axis=0)
+  compiled = []
+  with jax.log_compiles(), _logged(lambda message: compiled.append(message)
+                                   if message.startswith("Finished XLA compilation") else None):
+    again = gmjax.finish(state, params, learner_axis=0)
+  assert compiled == []
+  host = gmjax.finish(state, jax.device_get(params), learner_axis=0)
+  with jax.set_mesh(jax.make_mesh((8,), ("serving",), axis_types=(AxisType.Explicit,))):
+    served = gmjax.finish(state, params, learner_axis=0)
+  for theta in (again, host, served):
+    harness.assert_tree_close(jax.device_get(theta), expected, what="Θ")
+    for name, leaf in theta.items():  # the run's mesh, split as the state is
+      assert leaf.sharding.mesh == mesh, name
+      assert tuple(leaf.sharding.spec)[:1] == (("fsdp",) if SHARDED[name] else (None,)), name
+
+
+@contextlib.contextmanager
+def _logged(record):
+  """Calls ``record(message)`` for each message JAX logs while in the block."""
+  handler = logging.Handler()
+  handler.emit = lambda entry: record(entry.getMessage())
+  logger = logging.getLogger("jax")
+  level, logger.level = logger.level, logging.WARNING
+  logger.addHandler(handler)
+  try:
+    yield
+  finally:
+    logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 def test_finish_takes_the_parameters_dtype():

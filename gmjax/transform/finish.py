@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
@@ -41,7 +43,9 @@ def finish(state: DiLoCoState, params: Any, *, learner_axis: int | None = None) 
     it, still split over the others, e.g. FSDP).
 
   Parameters placed on an explicit mesh carry it: no ``jax.set_mesh`` is needed around
-  the call.
+  the call, and Θ is laid out on it under another mesh too. Parameters that carry no
+  sharding (host copies) get Θ laid out as the state's anchor is (outside the learners'
+  axis, without their dimension).
 
   Args:
     state: the ``gmjax.DiLoCoState`` of the run, as ``update`` returned it (for
@@ -112,7 +116,7 @@ def finish(state: DiLoCoState, params: Any, *, learner_axis: int | None = None) 
           f" are stacked on), got {learner_axis!r}.")
     learner_axis = operator.index(learner_axis)
     _check_stacked(state, learner_axis)
-  with _their_mesh(params):
+  with _their_mesh((params, anchor)):
     return jax.tree.map(lambda a, p: _one(a, p, learner_axis), anchor, params)
 
 
@@ -158,19 +162,21 @@ def not_a_state(state: Any, where: str = "gmjax.finish") -> str:
           " target, or it returns plain dicts).")
 
 
-def _their_mesh(params: Any) -> contextlib.AbstractContextManager:
-  """The explicit mesh ``params`` lie on, set for Θ's layout where no mesh is set.
+def _their_mesh(arrays: Any) -> contextlib.AbstractContextManager:
+  """The explicit mesh the first of ``arrays`` that lies on one lies on, set for Θ's
+  layout (the parameters', else the state's).
 
   Laying Θ out on an explicit mesh (``auto_axes``, ``reshard``) needs the mesh in
   context; arrays placed on one carry it in their type, so ``finish`` works outside
-  ``jax.set_mesh`` too.
+  ``jax.set_mesh`` too, and under another mesh (one to serve on): Θ is laid out on the
+  run's.
   """
-  if not jax.sharding.get_abstract_mesh().empty:
-    return contextlib.nullcontext()
-  for leaf in jax.tree.leaves(params):
+  for leaf in jax.tree.leaves(arrays):
     mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
     if mesh is None or mesh.empty or AxisType.Explicit not in tuple(mesh.axis_types):
       continue
+    if mesh == jax.sharding.get_abstract_mesh():
+      return contextlib.nullcontext()
     concrete = getattr(leaf, "sharding", None)
     if isinstance(concrete, NamedSharding) and not isinstance(leaf, jax.core.Tracer):
       return jax.set_mesh(concrete.mesh)
@@ -191,12 +197,13 @@ def _one(theta: jax.Array, param: jax.Array, learner_axis: int | None) -> jax.Ar
   theta = jnp.asarray(theta, dtype)
   # Every learner holds the same Θ (the round publishes it to all): learner 0's copy.
   index = (slice(None),) * axis + (0,)
+  # Traced or placed on an explicit mesh, the parameter's type says where Θ goes; for
+  # one that says nothing (a host copy), the state's.
   entries = explicit.spec(param)
-  if entries is not None:  # traced or placed on an explicit mesh: its type says where
-    # Explicit sharding has no rule for one index of a sharded dimension; XLA places it
-    # (a copy from learner 0's devices) with the mesh's axes made Auto.
-    want = PartitionSpec(*(entries[:axis] + entries[axis + 1:]))
-    return jax.jit(jax.sharding.auto_axes(lambda t: t[index], out_sharding=want))(theta)
+  entries = explicit.spec(theta) if entries is None else entries
+  if entries is not None:
+    return _learner_0(theta, axis=axis,
+                      spec=PartitionSpec(*(entries[:axis] + entries[axis + 1:])))
   out = theta[index]
   sharding = getattr(param, "sharding", None)
   if isinstance(sharding, NamedSharding) and not isinstance(out, jax.core.Tracer):
@@ -204,3 +211,15 @@ def _one(theta: jax.Array, param: jax.Array, learner_axis: int | None) -> jax.Ar
     return jax.device_put(out, NamedSharding(sharding.mesh,
                                              PartitionSpec(*(spec[:axis] + spec[axis + 1:]))))
   return out
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "spec"))
+def _learner_0(theta: jax.Array, *, axis: int, spec: PartitionSpec) -> jax.Array:
+  """Learner 0's copy of ``theta``, stacked on ``axis`` of an explicit mesh, laid out as
+  ``spec``: compiled once for each shape, not again on each call.
+
+  Explicit sharding has no rule for one index of a sharded dimension; XLA places it (a
+  copy from learner 0's devices) with the mesh's axes made Auto.
+  """
+  take = lambda t: lax.index_in_dim(t, 0, axis, keepdims=False)
+  return jax.sharding.auto_axes(take, out_sharding=spec)(theta)
