@@ -135,7 +135,8 @@ def test_finish_takes_the_parameters_dtype():
 
 
 def test_finish_names_what_is_wrong():
-  optimizer = gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=2, overlap_steps=0))
+  config = gmjax.DiLoCo(sync_every=2, overlap_steps=0)
+  optimizer = gmjax.diloco(optax.sgd(0.1), config)
   params = {"w": jnp.ones(3)}
   state = optimizer.init(params)
   with pytest.raises(TypeError, match=r"gmjax.DiLoCoState.*got tuple.*at state\[1\]"):
@@ -145,6 +146,11 @@ def test_finish_names_what_is_wrong():
   with pytest.raises(TypeError, match=r"got MultiStepsState.*gmjax.finish\(state"
                                       r"\.inner_opt_state, params"):
     gmjax.finish(accumulated, params)
+  # The schedule of such a state said only "pass the gmjax.diloco state".
+  with pytest.raises(ValueError, match=r"this one holds it at state\.inner_opt_state"):
+    config.schedule(accumulated)
+  with pytest.raises(ValueError, match=r"this one holds it at state\[1\]"):
+    config.schedule((optax.EmptyState(), state))
   with pytest.raises(TypeError, match=r"got dict.*no gmjax.DiLoCoState in it"):
     gmjax.finish({"count": 1}, params)
   with pytest.raises(ValueError, match=r"params\['w'\] has shape \(4,\)"):

@@ -316,7 +316,7 @@ class DiLoCo:
         1 <= fragments <= self.fragments):  # a numpy integer too
       raise ValueError(
           f"DiLoCo.schedule(fragments={guards.quote(fragments)}): pass the gmjax.diloco"
-          " state, the Schema of the parameters (gmjax.Schema.from_tree(params)), or the"
+          f" state{diloco_checks.state_inside(fragments)}, the Schema of the parameters (gmjax.Schema.from_tree(params)), or the"
           f" number of fragments of the plan, an int in [1, {self.fragments}]"
           " (len(config.plan(schema))).")
     else:

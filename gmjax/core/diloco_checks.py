@@ -16,6 +16,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import numpy as np
 
 from gmjax.core import eager as eager_updates
@@ -195,3 +196,13 @@ def _check_layer_axis(config: Any) -> None:
         f" the non-negative axis its layers are stacked on, got {axes!r}; e.g."
         " {'layers': 0} for nnx.scan, {'decoder/layers': 1} for MaxText.")
   object.__setattr__(config, "layer_axis", FrozenDict(axes))
+
+
+def state_inside(value: Any) -> str:
+  """Where in ``value`` (an optimizer state that wraps one, e.g. ``optax.chain``'s or
+  ``optax.MultiSteps``') a ``gmjax.diloco`` state lies, as a hint for a message; "" if
+  none does."""
+  is_state = lambda x: hasattr(x, "pending") and hasattr(x, "anchor")
+  found = [jax.tree_util.keystr(path) for path, leaf in
+           jax.tree_util.tree_flatten_with_path(value, is_leaf=is_state)[0] if is_state(leaf)]
+  return f" (this one holds it at state{found[0]}: pass that)" if found else ""
