@@ -127,15 +127,15 @@ def one_vmap_axis(axis_name: Any) -> None:
 def _check_like(what: str, tree: Any, like: Any, structured: str, shaped: str,
                 fix: str) -> None:
   """Raises unless ``tree`` (named ``what``) has the structure and leaf shapes of
-  ``like``. ``structured`` and ``shaped`` say what ``like`` is (``shaped`` may name the
-  leaf's ``{path}``); ``fix`` ends the message."""
-  found = structure.mismatch(tree, like)
+  ``like``. ``structured`` names ``like`` and ``shaped`` says what it is (it may name
+  the leaf's ``{path}``); ``fix`` ends the message."""
+  found = structure.mismatch(tree, like, (what, structured))
   if found is None:
     return
   kind, path, got, want = found
   if kind == "structure":
-    raise ValueError(f"gmjax.diloco: update got {what} structured as {got}, but"
-                     f" {structured} {want}; {fix}.")
+    raise ValueError(f"gmjax.diloco: update got {what} structured otherwise than"
+                     f" {structured} ({path}); {fix}.")
   raise ValueError(f"gmjax.diloco: update got {what}{path} of shape {got}, but"
                    f" {shaped.format(path=path)} {want}; {fix}.")
 
@@ -144,7 +144,7 @@ def params(params: Any, anchor: Any) -> None:
   """Raises unless ``params`` has the structure, shapes and dtypes the state was built
   for (float64 is taken as float32, as ``init`` takes it)."""
   fix = "build the state with optimizer.init on the parameters as they are now"
-  _check_like("params", params, anchor, "the state was built for",
+  _check_like("params", params, anchor, "the state's anchor",
               "the state was built for shape", fix)
   # The state's layout follows the dtypes (a master is kept beside 16-bit parameters):
   # named here, rather than as a state that does not fit.
@@ -162,7 +162,7 @@ def params(params: Any, anchor: Any) -> None:
 def updates(updates: Any, params: Any) -> None:
   """Raises unless ``updates`` (the gradients) have the structure and shapes of
   ``params``: the inner optimizer and the step combine them leaf by leaf."""
-  _check_like("updates", updates, params, "params are structured as",
+  _check_like("updates", updates, params, "params",
               "params{path} has shape",
               "pass the gradients of these params, shaped and structured like them:"
               " update(grads, state, params)")

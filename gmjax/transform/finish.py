@@ -85,13 +85,13 @@ def finish(state: DiLoCoState, params: Any, *, learner_axis: int | None = None) 
   if not isinstance(state, DiLoCoState):
     raise TypeError(not_a_state(state))
   anchor = state.anchor
-  found = structure.mismatch(params, anchor)
+  found = structure.mismatch(params, anchor, ("params", "the state's anchor"))
   if found is not None and found[0] == "structure":
     same_leaves = [jnp.shape(p) for p in jax.tree.leaves(params)] == [
         jnp.shape(a) for a in jax.tree.leaves(anchor)]
     raise ValueError(
-        f"gmjax.finish: params are structured as {found[2]}, but the state's anchor as"
-        f" {found[3]}; pass the parameters the optimizer was updating"
+        f"gmjax.finish: params are structured otherwise than the state's anchor"
+        f" ({found[1]}); pass the parameters the optimizer was updating"
         + (", in the containers the optimizer saw (their leaves match the anchor's: for"
            " an nnx.Optimizer, pass nnx.as_pure(optimizer.opt_state) and"
            " nnx.as_pure(params))"

@@ -26,20 +26,44 @@ from gmjax.transform.buckets import Buckets
 from gmjax.transform.state import DelayState
 
 
-def mismatch(params: Any, anchor: Any) -> tuple[str, str, tuple, tuple] | None:
+def mismatch(params: Any, anchor: Any, names: tuple[str, str] = ("params", "the anchor")
+             ) -> tuple[str, str, Any, Any] | None:
   """How ``params`` differs from the state's ``anchor``, or None if it does not.
 
-  Returns ``("structure", "", got, want)`` for another tree structure, else
-  ``("shape", path, got, want)`` for the first leaf of another shape (``path`` as
-  ``jax.tree_util.keystr`` writes it), for the callers' messages.
+  Returns ``("structure", said, None, None)`` for another tree structure, where
+  ``said`` says where, calling the two trees ``names`` (a leaf one has at a path the
+  other lacks, or the first node of another type), else ``("shape", path, got,
+  want)`` for the first leaf of another shape (``path`` as ``jax.tree_util.keystr``
+  writes it), for the callers' messages.
   """
   got, want = jax.tree.structure(params), jax.tree.structure(anchor)
   if got != want:
-    return "structure", "", got, want
+    paths = [[jax.tree_util.keystr(p) or "the root"
+              for p, _ in jax.tree_util.tree_flatten_with_path(t)[0]] for t in (params, anchor)]
+    for (one, other), (here, there) in ((names, paths), (names[::-1], paths[::-1])):
+      extra = [p for p in here if p not in set(there)]
+      if extra:
+        return "structure", f"a leaf at {extra[0]} in {one}, not in {other}", None, None
+    g, w = _first_other_node(got, want)
+    return ("structure", f"the same leaves, in {g} nodes in {names[0]} and {w} nodes in"
+            f" {names[1]}", None, None)
   for (path, p), a in zip(jax.tree_util.tree_flatten_with_path(params)[0],
                           jax.tree.leaves(anchor)):
     if jnp.shape(p) != jnp.shape(a):
       return "shape", jax.tree_util.keystr(path), jnp.shape(p), jnp.shape(a)
+  return None
+
+
+def _first_other_node(got: Any, want: Any) -> tuple[str, str] | None:
+  """The type names of the first nodes (depth first) where two tree structures with
+  the same leaf paths differ, e.g. ``nnx.Param`` against ``nnx.OptVariable``."""
+  if got.node_data() != want.node_data() or len(got.children()) != len(want.children()):
+    name = lambda t: "leaf" if t.node_data() is None else t.node_data()[0].__name__
+    return name(got), name(want)
+  for g, w in zip(got.children(), want.children()):
+    found = _first_other_node(g, w)
+    if found is not None:
+      return found
   return None
 
 
