@@ -13,7 +13,7 @@ import numpy as np
 
 from gmjax.app import config as config_lib
 from gmjax.app import data, model
-from gmjax.app.worker import evaluate, inner_optimizer
+from gmjax.app.worker import evaluate, held_out, inner_optimizer
 
 
 def train_baseline(cfg: config_lib.TrainConfig, metrics_path: str, progress=None) -> None:
@@ -21,8 +21,7 @@ def train_baseline(cfg: config_lib.TrainConfig, metrics_path: str, progress=None
   train_tokens, valid_tokens = data.load_corpus(cfg.corpus_bytes)
   shards = [data.Batches(train_tokens, seq_len=cfg.model.seq_len, batch_size=cfg.batch_size,
                          shard=i, shards=cfg.learners, seed=cfg.seed) for i in range(cfg.learners)]
-  valid = data.Batches(valid_tokens, seq_len=cfg.model.seq_len, batch_size=cfg.batch_size,
-                       seed=cfg.seed + 1)
+  valid = held_out(cfg, valid_tokens)
   graphdef, params = model.build(cfg.model, seed=cfg.seed)
   optimizer = inner_optimizer(cfg)
   train_step, evaluate_fn = model.make_train_step(graphdef, optimizer)
@@ -31,13 +30,13 @@ def train_baseline(cfg: config_lib.TrainConfig, metrics_path: str, progress=None
     def log(**record):
       out.write(json.dumps({"learner": "baseline", "time": time.time(), **record}) + "\n")
 
-    log(event="start", step=0, val_loss=evaluate(evaluate_fn, params, valid, cfg.eval_batches))
+    log(event="start", step=0, val_loss=evaluate(evaluate_fn, params, valid))
     for step in range(1, cfg.steps + 1):
       batch = np.concatenate([s.next() for s in shards])
       params, opt_state, loss = train_step(params, opt_state, batch)
       record = {"event": "step", "step": step, "loss": float(loss)}
       if step % cfg.eval_every == 0 or step == cfg.steps:
-        record["val_loss"] = evaluate(evaluate_fn, params, valid, cfg.eval_batches)
+        record["val_loss"] = evaluate(evaluate_fn, params, valid)
       log(**record)
       if progress is not None:
         progress.update(1)

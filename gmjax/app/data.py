@@ -75,5 +75,16 @@ class Batches:
     return self.tokens[index].astype(np.int32)
 
 
+def held_out(tokens: np.ndarray, *, seq_len: int, batch_size: int, count: int, seed: int
+             ) -> list[np.ndarray]:
+  """The job's held-out set: ``count`` batches of random windows of the validation
+  ``tokens``, drawn once. Every evaluation, of every learner and of the baseline, at
+  every step and after a resume, reads these same windows, so their losses compare (new
+  windows at each evaluation would move a loss by more than a run's gap to the
+  baseline)."""
+  windows = Batches(tokens, seq_len=seq_len, batch_size=batch_size, seed=seed)
+  return [windows.next() for _ in range(count)]
+
+
 def corpus_root() -> str:
   return os.path.dirname(str(stdlib_files()[0]))

@@ -137,8 +137,16 @@ def _open_metrics(path: str):
   return out
 
 
-def evaluate(evaluate_fn, params, batches: data.Batches, count: int) -> float:
-  return float(np.mean([float(evaluate_fn(params, batches.next())) for _ in range(count)]))
+def held_out(cfg: config_lib.TrainConfig, tokens: np.ndarray) -> list[np.ndarray]:
+  """The job's held-out batches (``data.held_out``), the same for its learners and its
+  baseline."""
+  return data.held_out(tokens, seq_len=cfg.model.seq_len, batch_size=cfg.batch_size,
+                       count=cfg.eval_batches, seed=cfg.seed + 1)
+
+
+def evaluate(evaluate_fn, params, batches: list[np.ndarray]) -> float:
+  """The mean loss of ``params`` over the held-out ``batches``."""
+  return float(np.mean([float(evaluate_fn(params, batch)) for batch in batches]))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -160,8 +168,7 @@ def main(argv: list[str] | None = None) -> None:
   train_tokens, valid_tokens = data.load_corpus(cfg.corpus_bytes)
   batches = data.Batches(train_tokens, seq_len=cfg.model.seq_len, batch_size=cfg.batch_size,
                          shard=args.index, shards=cfg.learners, seed=cfg.seed)
-  valid = data.Batches(valid_tokens, seq_len=cfg.model.seq_len, batch_size=cfg.batch_size,
-                       seed=cfg.seed + 1)
+  valid = held_out(cfg, valid_tokens)
   graphdef, params = model.build(cfg.model, seed=cfg.seed + 1 + args.index)
 
   joined_at, joining = time.time(), time.perf_counter()
@@ -200,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     kept = {} if restored is None else {"restored": "exact" if restored.exact else "moved on"}
     log(event="resume" if args.resume else "start", step=start, joined=joined_at,
         blocked=joined_seconds, **kept,
-        val_loss=evaluate(evaluate_fn, params, valid, cfg.eval_batches))
+        val_loss=evaluate(evaluate_fn, params, valid))
     # The job ends at the run's step cfg.steps: with adaptive steps a slower learner's
     # step count jumps at each round it publishes, and it stops with the others.
     step = start
@@ -224,12 +231,12 @@ def main(argv: list[str] | None = None) -> None:
       record = {"event": "step", "step": step, "loss": loss,
                 "seconds": time.perf_counter() - started, "slept": slept, "blocked": blocked}
       if step % cfg.eval_every == 0 or learner.step_count >= cfg.steps:
-        record["val_loss"] = evaluate(evaluate_fn, params, valid, cfg.eval_batches)
+        record["val_loss"] = evaluate(evaluate_fn, params, valid)
       log(**record)
     closing = time.perf_counter()
     params = learner.close(params)
     log(event="closed", step=cfg.steps, blocked=time.perf_counter() - closing,
-        val_loss=evaluate(evaluate_fn, params, valid, cfg.eval_batches))
+        val_loss=evaluate(evaluate_fn, params, valid))
 
 
 if __name__ == "__main__":
