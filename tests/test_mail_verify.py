@@ -92,6 +92,22 @@ def test_record_without_a_field_is_reported_not_a_traceback(tmp_path, capsys):
   assert [p for p in mail.verify(url) if "1.commit.json" in p and "participants" in p]
 
 
+def test_a_heartbeat_readers_ignore_is_named_on_an_unkeyed_run(tmp_path, capsys):
+  # Only a keyed run's heartbeats were parsed: with versions=[1, 2] the learner left the
+  # status table, and status and --verify said nothing (exit 0).
+  url = str(tmp_path / "run")
+  ms.train(mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2)), "w0", 0, 2)
+  path = tmp_path / "run" / "learners" / "w0.json"
+  record = json.loads(path.read_text())
+  path.write_text(json.dumps({**record, "versions": [1, 2]}))
+  problems = mail.verify(url)
+  assert problems == ["learners/w0.json: versions=[1, 2] is not fragment -> version"]
+  assert cli.main(["status", url]) == 1
+  assert "versions=[1, 2]" in capsys.readouterr().out
+  path.write_text(json.dumps(record))
+  assert mail.verify(url) == []
+
+
 def test_gap_bad_heartbeat_and_wrong_key(url):
   run = mail.open(url, key=KEY)
   run.store.delete(layout.commit(0, 1))
