@@ -92,6 +92,27 @@ def test_record_without_a_field_is_reported_not_a_traceback(tmp_path, capsys):
   assert [p for p in mail.verify(url) if "1.commit.json" in p and "participants" in p]
 
 
+@pytest.mark.parametrize("damage", ["fragments removed", "every commit of a fragment"])
+def test_a_run_with_no_readable_version_of_a_fragment_lists_its_problems(url, capsys, damage):
+  # status exited 2 with one line from run.status() ("create it again"), dropping what
+  # verify had found; the docs say a damaged run exits 1 with its problems.
+  if damage == "fragments removed":
+    shutil.rmtree(f"{url}/fragments")
+  else:
+    for version in range(3):
+      with open(f"{url}/{layout.commit(0, version)}", "w") as f:
+        f.write("garbage")
+  problems = mail.verify(url, key=KEY)
+  assert problems
+  assert _status(url) == 1
+  out = capsys.readouterr().out
+  assert f"DAMAGED: {len(problems)} problem(s)" in out and problems[0] in out
+  assert "no summary" in out
+  assert _status(url, "--json") == 1
+  report = json.loads(capsys.readouterr().out)
+  assert report["problems"] == problems and report["status"] is None and report["error"]
+
+
 def test_a_heartbeat_readers_ignore_is_named_on_an_unkeyed_run(tmp_path, capsys):
   # Only a keyed run's heartbeats were parsed: with versions=[1, 2] the learner left the
   # status table, and status and --verify said nothing (exit 0).

@@ -161,8 +161,13 @@ def _status(args: argparse.Namespace) -> int:
     ) from error
   problems = gmjax.mail.verify(run, deep=args.verify)
   if args.json:
-    print(json.dumps({"status": run.status(), "rounds": [r.to_json() for r in run.rounds()], "problems": problems},
-                     indent=2, default=str))
+    try:
+      summary = {"status": run.status(), "rounds": [r.to_json() for r in run.rounds()]}
+    except (gmjax.mail.RunNotFound, gmjax.mail.CorruptRecord) as error:
+      if not problems:
+        raise
+      summary = {"status": None, "rounds": None, "error": str(error)}  # see the problems
+    print(json.dumps({**summary, "problems": problems}, indent=2, default=str))
   else:
     print(format_status(run, problems=problems))
   if problems:

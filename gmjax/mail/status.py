@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gmjax.core import guards
-from gmjax.mail.errors import CorruptRecord
+from gmjax.mail.errors import CorruptRecord, RunNotFound
 
 RECENT_ROUNDS = 10
 """``steps_per_round_mean`` is over a learner's last this many committed contributions."""
@@ -162,7 +162,15 @@ def format_status(run, *, last: int | None = 50, problems: Sequence[str] | None 
     from gmjax.mail.verify import verify  # pylint: disable=g-import-not-at-top
 
     problems = verify(run, deep=False)
-  status = run.status()
+  lines = [f"DAMAGED: {len(problems)} problem(s)"] + [f"  {p}" for p in problems] + [
+      ""] if problems else []
+  try:
+    status = run.status()
+  except (RunNotFound, CorruptRecord) as error:
+    if not problems:
+      raise
+    # No version of some fragment is readable: the problems are the report.
+    return "\n".join(lines + [f"run {run.url}: no summary ({error})"])
   try:
     rounds = run.rounds()
   except CorruptRecord:
@@ -170,8 +178,6 @@ def format_status(run, *, last: int | None = 50, problems: Sequence[str] | None 
   shown = rounds if last is None else rounds[len(rounds) - min(int(last), len(rounds)):]
   kept = ("" if status["rounds_kept"] == status["rounds"]
           else f"the last {status['rounds_kept']} kept, ")
-  lines = [f"DAMAGED: {len(problems)} problem(s)"] + [f"  {p}" for p in problems] + [
-      ""] if problems else []
   lines += [
       f"run {status['run']}: {status['parameters']:,} parameters in {status['leaves']}"
       f" leaves, {status['fragments']} fragment(s), sync every {status['sync_every']}"
