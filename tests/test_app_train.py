@@ -175,10 +175,15 @@ def test_force_deletes_only_what_a_job_wrote(tmp_path, capsys):
     assert f"{out / 'config.json'} is not a config that a gmjax train job wrote" in err, err
   assert (out / "config.json").read_text() == '{"the user\'s": 1}'
   (out / "config.json").unlink()
-  assert outdir.earlier_outputs(out) == ["state/learner-0/"]
+  # Metrics of the user's: any metrics*.jsonl was called the job's, and deleted.
+  (out / "metrics_eval_final.jsonl").write_text("the user's")
+  (out / "metrics-learner-3.jsonl").write_text("")
+  assert outdir.earlier_outputs(out) == ["metrics-learner-3.jsonl", "state/learner-0/"]
   outdir.check_new_run(out, out / "run", force=True)
-  assert capsys.readouterr().out.endswith(f"deleting state/learner-0/ in {out}\n")
+  assert capsys.readouterr().out.endswith(
+      f"deleting metrics-learner-3.jsonl, state/learner-0/ in {out}\n")
   assert os.listdir(out / "state") == ["db.txt"]
+  assert sorted(os.listdir(out)) == ["metrics_eval_final.jsonl", "state"]
   assert outdir.earlier_outputs(out) == []
   # A state folder linked elsewhere (a scratch disk) holds a job's states as well; a
   # learner's entry that is a link goes, not what it points to.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -25,6 +26,7 @@ CONFIG = "config.json"
 """The config a run was started with, in ``<out>``: ``--resume`` must match it."""
 STATE = "state"
 """``<out>/state/<learner>``: each learner's own ``state_dir`` (Adam state, data position)."""
+_JOB_METRICS = re.compile(r"metrics(-baseline|-learner-[0-9]+)?\.jsonl")
 _NOT_SETTINGS = ("name", "out", "source")  # where a config came from, not what it runs
 
 
@@ -146,10 +148,18 @@ def job_config(path: Path) -> bool:
   return isinstance(record, dict) and {"name", "out", "model", "diloco"} <= record.keys()
 
 
+def job_metrics(out: Path) -> list[Path]:
+  """The metrics files a job writes in ``out`` (``metrics.jsonl``, ``metrics-baseline.jsonl``,
+  ``metrics-learner-<i>.jsonl``), sorted; no other file, whatever its name."""
+  if not out.is_dir():
+    return []
+  return sorted(p for p in out.glob("metrics*.jsonl") if _JOB_METRICS.fullmatch(p.name))
+
+
 def earlier_outputs(out: Path) -> list[str]:
   """An earlier job's metrics, learners' states and config in ``out``, which a new job
   would delete or overwrite."""
-  found = sorted(p.name for p in out.glob("metrics*.jsonl")) if out.is_dir() else []
+  found = [p.name for p in job_metrics(out)]
   found += [f"{STATE}/{p.name}/" for p in learner_states(out)]
   return found + [CONFIG] * (out / CONFIG).exists()
 
@@ -269,7 +279,7 @@ def check_new_run(out: Path, run_dir: Path, force: bool) -> None:
         " --out DIR to train elsewhere, or --force to delete them and train anew")
   if earlier:
     print(f"gmjax train: --force: deleting {', '.join(earlier)} in {out}")
-    for old in out.glob("metrics*.jsonl"):
+    for old in job_metrics(out):
       old.unlink()
     for state in learner_states(out):  # nothing else in <out>/state is the job's
       delete_learner_state(state)
