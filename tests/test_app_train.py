@@ -450,6 +450,10 @@ def test_resume_needs_a_run_and_refuses_force(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"--resume: {out / 'config.json'}, the config the run" in err, err
     assert "is damaged" in err and "put it back" in err, err
+    # It said to pass --force, which refuses such a config.json too.
+    assert "or move it away and pass --force instead of --resume" in err, err
+    assert cli.main(["train", str(config), "--out", str(out), "--force"]) == 2
+    assert "is not a config that a gmjax train job wrote" in capsys.readouterr().err
 
 
 def _newest_step(run_dir):

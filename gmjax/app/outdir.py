@@ -195,8 +195,9 @@ def resume_point(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
     raise ValueError(
         f"--resume: {saved}, the config the run in {run_dir} was started with, is"
         " damaged (not a config that a gmjax train job wrote), so its [train] settings"
-        " cannot be checked against this config's; put it back, or pass --force instead"
-        " of --resume to delete the run and train anew")
+        " cannot be checked against this config's; put it back, or move it away and pass"
+        " --force instead of --resume to delete the run and train anew (a job does not"
+        " delete a config.json it cannot tell its own)")
   try:
     run = gmjax.mail.open(str(run_dir))
     newest = run.newest_versions()
