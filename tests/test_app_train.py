@@ -280,13 +280,21 @@ def test_status_exits_quietly_when_the_reader_closes_the_pipe(tmp_path):
   gmjax.mail.create(str(run), {"w": jnp.ones(4)}, gmjax.DiLoCo(sync_every=2))
   # The reader is gone before the command writes (as `gmjax status --json | head` once
   # head has its lines): its first write fails with EPIPE.
-  process = subprocess.Popen(
-      [sys.executable, "-m", "gmjax.app.cli", "status", str(run), "--json"],
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-  process.stdout.close()
-  _, err = process.communicate(timeout=120)
-  assert process.returncode == 0, err.decode()
-  assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
+  def status():
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gmjax.app.cli", "status", str(run), "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()
+    _, err = process.communicate(timeout=120)
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
+    return process.returncode, err.decode()
+
+  assert status()[0] == 0
+  # A damaged run still exits 1 (it exited 0: the damage was lost with the pipe).
+  (run / "learners").mkdir(exist_ok=True)
+  (run / "learners" / "x.json").write_text("{}")
+  code, err = status()
+  assert code == 1 and "is damaged: 1 problem(s)" in err, err
 
 
 def test_status_of_a_job_folder_names_its_run(tmp_path, capsys):

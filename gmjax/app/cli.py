@@ -160,6 +160,24 @@ def _status(args: argparse.Namespace) -> int:
         " network (or STORAGE_EMULATOR_HOST), or wait longer with --retry-seconds"
     ) from error
   problems = gmjax.mail.verify(run, deep=args.verify)
+  try:
+    _print_status(run, problems, args)
+  except BrokenPipeError:
+    # The reader went away (``gmjax status --json | head``): the exit status still says
+    # whether the run is damaged. Quiet the interpreter's final flush.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+  if problems:
+    print(f"gmjax status: run {args.run} is damaged: {len(problems)} problem(s)"
+          f"{' (checked every file)' if args.verify else ''}", file=sys.stderr)
+    return 1
+  return 0
+
+
+def _print_status(run, problems: list[str], args) -> None:
+  """Prints the run's status (``--json``: as JSON) with ``problems``."""
+  import gmjax  # pylint: disable=g-import-not-at-top
+  from gmjax.mail.status import format_status  # pylint: disable=g-import-not-at-top
+
   if args.json:
     try:
       summary = {"status": run.status(), "rounds": [r.to_json() for r in run.rounds()]}
@@ -170,11 +188,6 @@ def _status(args: argparse.Namespace) -> int:
     print(json.dumps({**summary, "problems": problems}, indent=2, default=str))
   else:
     print(format_status(run, problems=problems))
-  if problems:
-    print(f"gmjax status: run {args.run} is damaged: {len(problems)} problem(s)"
-          f"{' (checked every file)' if args.verify else ''}", file=sys.stderr)
-    return 1
-  return 0
 
 
 def main(argv: list[str] | None = None) -> int:
