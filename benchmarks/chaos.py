@@ -21,7 +21,8 @@ The run keeps its newest ``--keep-versions`` versions of each fragment (4, as
 ``gmjax.mail.create``; 0 keeps every version), so the driver reads every commit record
 as it appears (``Ledger``) and samples the objects and bytes on storage as it goes.
 Afterwards ``check`` asserts: one commit per version and versions contiguous (from the
-ledger), the run verifies (``gmjax.mail.verify``), no hostile payload was aggregated,
+ledger), the run verifies (``gmjax.mail.verify``: nothing but the planted bad heartbeat,
+while it lies there), no hostile payload was aggregated,
 every learner that survived ends on the Θ committed at the end step, no learner failed
 or waited past the run's timeouts, the replayed learner is not live in rounds committed
 more than ``REPLAY_GRACE`` seconds after its death, the run's quorum estimate stayed
@@ -630,7 +631,10 @@ def check(report: Report) -> list[str]:
 
   problems = list(report.failures)
   run = mail.open(report.url)
-  problems += [f"verify: {p}" for p in mail.verify(report.url)]
+  # The planted bad heartbeat is listed (readers ignore it) while it lies there; any
+  # other problem is the run's.
+  planted = f"learners/{HOSTILE}-bad-heartbeat.json: "
+  problems += [f"verify: {p}" for p in mail.verify(report.url) if not p.startswith(planted)]
   ledger = report.ledger
   for fragment in range(len(run.plan)):
     versions = ledger.versions(fragment)

@@ -132,9 +132,9 @@ def diloco(
   and leaves the count as it was.
 
   Between merges the returned updates are exactly the inner optimizer's; on a merge
-  those of the merged fragment are ``θ_new − params`` at the updates' dtype, so with
-  16-bit parameters ``params + updates`` matches Θ up to one rounding, which the next
-  delta absorbs.
+  those of the merged fragment are ``θ_new − params`` at the updates' dtype, so
+  ``params + updates`` matches Θ up to one rounding at the parameters' dtype (in F32 too:
+  ``p + (Θ − p)`` need not be ``Θ``), which the next delta absorbs.
 
   **Non-finite steps** (``gmjax.transform.finite``). A step never makes finite
   parameters non-finite: where a learner's gradients, or ``params + updates`` at the
