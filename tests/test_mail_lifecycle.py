@@ -10,7 +10,6 @@ import pytest
 
 import gmjax
 from gmjax import mail
-from gmjax.mail import layout
 
 import mail_faulty
 import mail_support as ms

@@ -316,9 +316,9 @@ class DiLoCo:
         1 <= fragments <= self.fragments):  # a numpy integer too
       raise ValueError(
           f"DiLoCo.schedule(fragments={guards.quote(fragments)}): pass the gmjax.diloco"
-          f" state{diloco_checks.state_inside(fragments)}, the Schema of the parameters (gmjax.Schema.from_tree(params)), or the"
-          f" number of fragments of the plan, an int in [1, {self.fragments}]"
-          " (len(config.plan(schema))).")
+          f" state{diloco_checks.state_inside(fragments)}, the Schema of the parameters"
+          " (gmjax.Schema.from_tree(params)), or the number of fragments of the plan, an"
+          f" int in [1, {self.fragments}] (len(config.plan(schema))).")
     else:
       count = int(fragments)
     return RoundSchedule(sync_every=self.sync_every, fragments=count,

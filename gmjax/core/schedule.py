@@ -139,9 +139,9 @@ class RoundSchedule:
     value = _whole(count)
     if value is None or value < 0:
       raise ValueError(
-          f"RoundSchedule.due(count={guards.quote(count)}): pass the state's step count, an int >= 0"
-          " (the number of updates the state has had), e.g. counted on the host as the"
-          " updates are made, int(state.count) for one learner's state, or"
+          f"RoundSchedule.due(count={guards.quote(count)}): pass the state's step count,"
+          " an int >= 0 (the number of updates the state has had), e.g. counted on the"
+          " host as the updates are made, int(state.count) for one learner's state, or"
           " int(state.count[0]) for the state of learners stacked on a leading axis.")
     count = value
     if self.overlap_steps is None:

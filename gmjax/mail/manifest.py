@@ -119,10 +119,10 @@ class Manifest:
     if self.schema != other.schema:
       stored = {p.name: p for p in self.schema.parameters}
       given = {p.name: p for p in other.schema.parameters}
-      name = min(n for n in stored.keys() | given.keys() if stored.get(n) != given.get(n))
+      names = sorted(n for n in stored.keys() | given.keys() if stored.get(n) != given.get(n))
       show = lambda p: "absent" if p is None else f"{p.dtype}{list(p.shape)}"
-      differences.append(f"schema (leaf {name!r}: stored {show(stored.get(name))}, given"
-                         f" {show(given.get(name))})")
+      differences.append("schema" + (f" (leaf {names[0]!r}: stored {show(stored.get(names[0]))},"
+                                     f" given {show(given.get(names[0]))})" if names else ""))
     if self.config != other.config:
       fields = [f.name for f in dataclasses.fields(self.config)
                 if getattr(self.config, f.name) != getattr(other.config, f.name)]

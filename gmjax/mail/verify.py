@@ -15,7 +15,6 @@ has not reached yet is checked but not its files (they may be deleted first).
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 

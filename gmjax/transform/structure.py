@@ -44,7 +44,7 @@ def mismatch(params: Any, anchor: Any, names: tuple[str, str] = ("params", "the 
       extra = [p for p in here if p not in set(there)]
       if extra:
         return "structure", f"a leaf at {extra[0]} in {one}, not in {other}", None, None
-    g, w = _first_other_node(got, want)
+    g, w = _first_other_node(got, want) or ("other", "other")
     return ("structure", f"the same leaves, in {g} nodes in {names[0]} and {w} nodes in"
             f" {names[1]}", None, None)
   for (path, p), a in zip(jax.tree_util.tree_flatten_with_path(params)[0],
