@@ -36,8 +36,13 @@ differ (XLA:CPU compiles identical fusions once: these are what compiling costs)
 ``CLOCK_MONOTONIC`` start and end, to read the compile alone out of ``perf record -k mono
 -g -- ...`` with ``perf report --time START,END``.
 
+``--loops`` then prints each step's kernels (distinct) outside its loops and inside each
+``while`` loop of its entry computation: a ``gmjax.diloco`` step's round parts (the
+dropped step's zeroing, the first update, each fragment's sync, each merge).
+
 Run: .venv/bin/python benchmarks/compile_scale.py [--learners 1 2 8 32] [--layers 2 12 24]
      [--width 64] [--scanned] [--variants NAME ...] [--repeats N] [--perf-windows]
+     [--loops]
 """
 
 from __future__ import annotations
@@ -177,22 +182,62 @@ def kernels(text):
   return len(re.findall(r" fusion\(", text))
 
 
-def distinct_kernels(text):
-  """The fusions of a compiled module's text whose computations differ once names and
-  metadata are left out: XLA:CPU compiles identical ones once, so these are what
-  compiling costs."""
+def _computations(text):
+  """Each computation of a compiled module's text: its name -> its instruction lines."""
   bodies, name = {}, None
   for line in text.splitlines():
-    start = re.match(r"^%(\S+) .*\{$", line)
+    start = re.match(r"^(?:ENTRY )?%(\S+) .*\{$", line)
     if start:
       name = start.group(1)
       bodies[name] = []
     elif line.startswith("}"):
       name = None
     elif name is not None:
-      bodies[name].append(re.sub(r"%[\w.\-]+", "%", re.sub(r"metadata=\{[^}]*\}", "", line)))
+      bodies[name].append(line)
+  return bodies
+
+
+def _same(lines):
+  """A fusion's body with names and metadata left out: equal for identical kernels."""
+  return "\n".join(re.sub(r"%[\w.\-]+", "%", re.sub(r"metadata=\{[^}]*\}", "", line))
+                   for line in lines)
+
+
+def distinct_kernels(text):
+  """The fusions of a compiled module's text whose computations differ once names and
+  metadata are left out: XLA:CPU compiles identical ones once, so these are what
+  compiling costs."""
+  bodies = _computations(text)
   called = re.findall(r" fusion\([^\n]*calls=%([\w.\-]+)", text)
-  return len({"\n".join(bodies[c]) for c in called if c in bodies})
+  return len({_same(bodies[c]) for c in called if c in bodies})
+
+
+def loop_kernels(text):
+  """``[(kernels, distinct), ...]``: outside every loop of the entry computation first,
+  then inside each of its ``while`` loops (with what they call), in program order. A
+  ``gmjax.diloco`` step's loops are its round's parts that run once or not at all
+  (``gmjax.transform.control``)."""
+  bodies = _computations(text)
+
+  def fusions(name, found):
+    for line in bodies.get(name, []):
+      fused = re.search(r" fusion\(.*calls=%([\w.\-]+)", line)
+      if fused:
+        found.append(fused.group(1))
+      for called in re.findall(r"(?:condition|body|to_apply|true_computation|"
+                               r"false_computation)=%([\w.\-]+)", line):
+        fusions(called, found)
+      for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+        for called in re.findall(r"%([\w.\-]+)", group):
+          fusions(called, found)
+    return found
+
+  entry = re.search(r"^ENTRY %(\S+)", text, re.M).group(1)
+  loops = [fusions(body, []) for body in
+           re.findall(r" while\(.*body=%([\w.\-]+)", "\n".join(bodies[entry]))]
+  inside = {f for loop in loops for f in loop}
+  parts = [[f for f in fusions(entry, []) if f not in inside]] + loops
+  return [(len(part), len({_same(bodies[f]) for f in part if f in bodies})) for part in parts]
 
 
 def measure(make, data_parallel, mesh, layers, width, extra):
@@ -231,7 +276,7 @@ def measure(make, data_parallel, mesh, layers, width, extra):
   leaves = len(jax.tree.leaves(params))
   size = sum(p.size for p in jax.tree.leaves(params)) // learners
   return dict(seconds=seconds, chars=len(text), collectives=collectives,
-              kernels=kernels(text), distinct=distinct_kernels(text),
+              kernels=kernels(text), distinct=distinct_kernels(text), loops=loop_kernels(text),
               temp=compiled.memory_analysis().temp_size_in_bytes, leaves=leaves, size=size)
 
 
@@ -255,7 +300,7 @@ def measure_one(make, layers, width, extra):
   compiled, seconds = compile_timed(lambda: jitted.lower(params, state, tokens))
   text = compiled.as_text()
   return dict(seconds=seconds, chars=len(text), collectives=0, kernels=kernels(text),
-              distinct=distinct_kernels(text),
+              distinct=distinct_kernels(text), loops=loop_kernels(text),
               temp=compiled.memory_analysis().temp_size_in_bytes,
               leaves=len(jax.tree.leaves(params)),
               size=sum(p.size for p in jax.tree.leaves(params)))
@@ -274,6 +319,9 @@ def main():
                       help="compile each step this many times and report the least time")
   parser.add_argument("--perf-windows", action="store_true",
                       help="print each compile's CLOCK_MONOTONIC start and end to stderr")
+  parser.add_argument("--loops", action="store_true",
+                      help="after the table, each step's kernels (distinct) outside its loops"
+                      " and in each loop (the round's parts)")
   args = parser.parse_args()
   global REPEATS, PERF_WINDOWS, SCANNED
   REPEATS, PERF_WINDOWS, SCANNED = args.repeats, args.perf_windows, args.scanned
@@ -291,6 +339,7 @@ def main():
   print("| M | L | leaves | params | step | compile s | / base | HLO chars | / base"
         " | kernels (distinct) | collectives | scratch MiB | / base |")
   print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+  loops = []
   for learners in args.learners:
     mesh = None if learners == 1 else jax.make_mesh((learners,), ("learner",),
                                                     devices=jax.devices()[:learners])
@@ -307,6 +356,11 @@ def main():
               f" | {row['kernels']} ({row['distinct']})"
               f" | {row['collectives']}"
               f" | {row['temp'] / 2**20:.1f} | {ratio('temp')} |", flush=True)
+      loops.extend((learners, layers, label, row["loops"]) for label, row in rows.items())
+  for learners, layers, label, parts in loops if args.loops else ():
+    (outside, distinct), *inside = parts
+    print(f"M={learners} L={layers} {label}: outside the loops {outside} ({distinct});"
+          f" {len(inside)} loops: {', '.join(f'{k} ({d})' for k, d in inside) or '-'}")
 
 
 if __name__ == "__main__":
