@@ -281,3 +281,18 @@ def test_create_at_a_file_names_it(tmp_path, where):
   with pytest.raises(ValueError, match=rf"url '.*{where}': .*afile is a file; pass a folder"):
     mail.create(str(tmp_path / where), ms.params0(), gmjax.DiLoCo(sync_every=2))
   assert (tmp_path / "afile").read_text() == "kept"
+
+
+def test_a_path_for_the_url_is_the_runs_url_as_a_str(tmp_path):
+  # A pathlib.Path was kept as the run's url: the first state save in step failed
+  # ("PosixPath is not JSON serializable") after the step had counted, and so did
+  # json.dumps(run.status()).
+  run = mail.create(tmp_path / "run", ms.params0(), gmjax.DiLoCo(sync_every=2))
+  assert run.url == str(tmp_path / "run") == mail.open(tmp_path / "run").url
+  json.dumps(run.status())
+  learner = run.join("a", poll_interval=ms.POLL, state_dir=tmp_path / "state")
+  params = learner.pull(ms.params0())
+  for step in range(2):  # the second applies round 0's commit and saves the state
+    params = learner.step(params, state={"count": np.int32(step)}, position=step)
+  learner.close(params)
+  assert mail.open(str(tmp_path / "run")).rounds()[0].round == 0

@@ -348,7 +348,7 @@ def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = N
   """
   created = run_create.write_run(url, params, config, key=key, keep_versions=keep_versions,
                                  storage_options=storage_options)
-  return Run(url, created.store, created.manifest, created.key)
+  return Run(created.store.url, created.store, created.manifest, created.key)  # str, a Path too
 
 
 def open(url: str, *, key: bytes | str | None = None,  # pylint: disable=redefined-builtin
@@ -374,7 +374,7 @@ def open(url: str, *, key: bytes | str | None = None,  # pylint: disable=redefin
   manifest = read_manifest(store, url)
   manifest.check_key(key, url)
   _check_manifest_signs_records(store, url, signing.run_key(key, manifest.auth))
-  return Run(url, store, manifest, key)
+  return Run(store.url, store, manifest, key)  # the URL as a str, for a Path too
 
 
 def _check_manifest_signs_records(store: Store, url: str, signer: bytes | None) -> None:
