@@ -160,6 +160,23 @@ def test_close_leaves_rounds_that_do_not_commit_and_returns(tmp_path, caplog):
 
 
 @pytest.mark.timeout(120)
+def test_close_with_wrong_params_leaves_the_learner_open_for_a_right_close(tmp_path):
+  # The learner was marked closed before the params were checked: the corrected close
+  # returned at once and its trained steps were never published.
+  run = mail.create(str(tmp_path / "run"), ms.params0(), gmjax.DiLoCo(sync_every=4))
+  learner = run.join("a", poll_interval=ms.POLL)
+  params = learner.pull(ms.params0())
+  for _ in range(3):
+    params = learner.step(ms.inner(params, ms.target(0)))
+  with pytest.raises(ValueError, match="shape"):
+    learner.close({n: np.zeros(7, np.float32) for n in params})
+  assert run.learners()["a"].status == "live"
+  learner.close(params)
+  assert [(r.round, [(p.learner, p.steps) for p in r.participants])
+          for r in run.rounds()] == [(0, [("a", 3)])]
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("wait_timeout", [60.0, 1.0])
 def test_close_waits_for_its_final_round_as_step_waits(tmp_path, monkeypatch, caplog,
                                                        wait_timeout):

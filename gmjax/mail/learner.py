@@ -325,11 +325,14 @@ class Learner(Resuming, Rounds):
       self._clean_up()  # once more, if an interrupt stopped the first
       return params
     flat = None
+    superseded = self._beats is not None and self._beats.superseded is not None
+    if self._pulled and params is not None and not superseded:  # nothing under its name
+      # Checked first, as step checks them: the learner stays open for a close with
+      # the right parameters (it closed, and that close published nothing).
+      flat = self._tree_schema.check(params)
     try:
       self._worker.check()
-      superseded = self._beats is not None and self._beats.superseded is not None
-      if self._pulled and params is not None and not superseded:  # nothing under its name
-        flat = self._tree_schema.check(params)
+      if flat is not None:
         try:
           self._finish(flat, flush=flush)
         except RoundTimeout as error:
