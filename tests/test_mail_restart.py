@@ -412,9 +412,14 @@ def test_a_state_orbax_cannot_save_is_refused_before_the_step_counts(tmp_path):
   run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
   learner = run.join("a", poll_interval=ms.POLL, state_dir=state_dir)
   params = learner.pull(ms.params0())
-  for bad, shown in (({"m": "abc"}, r"state\['m'\] is str 'abc'"),
-                     ({"m": [np.zeros(2), object()]}, r"state\['m'\]\[1\] is object")):
-    with pytest.raises(ValueError, match=shown + r".*cannot be saved; pass a tree of arrays"):
+  for bad, shown in (({"m": "abc"}, r"state\['m'\] is str 'abc'.*cannot be saved; pass"),
+                     ({"m": [np.zeros(2), object()]}, r"state\['m'\]\[1\] is object.*pass"),
+                     # Taken, then refused by Orbax at the save:
+                     ({"m": 2**70}, r"state\['m'\] is int 1180591620717411303424.*within"
+                                   r" int64"),
+                     ({"m": np.zeros((0, 3))}, r"state\['m'\] is an empty array \(shape"
+                                               r" \(0, 3\)\), which Orbax cannot save")):
+    with pytest.raises(ValueError, match=shown):
       learner.step(params, state=bad, position=0)
     assert (learner.step_count, learner.local_step) == (0, 0)
   state = {"m": np.zeros(2, np.float32), "count": np.int32(0), "lr": 0.1,

@@ -146,14 +146,20 @@ def check_state(state: Any) -> None:
   array (numpy or JAX) or a number of numeric dtype. Checked before the step counts;
   Orbax would refuse it after the step had merged a commit."""
   for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-    if isinstance(leaf, (bool, int, float)):
+    if isinstance(leaf, (bool, float)) or (isinstance(leaf, int)
+                                           and -2**63 <= leaf < 2**63):  # as an int64
       continue
     dtype = getattr(leaf, "dtype", None) if isinstance(
         leaf, (np.generic, np.ndarray, jax.Array)) else None
+    if dtype is not None and np.size(leaf) == 0:
+      raise ValueError(
+          f"step(state=...): leaf state{jax.tree_util.keystr(path)} is an empty array"
+          f" (shape {np.shape(leaf)}), which Orbax cannot save; leave it out of the state.")
     if dtype is not None and (jnp.issubdtype(dtype, jnp.number)
                               or jnp.issubdtype(dtype, jnp.bool_)):
       continue
     raise ValueError(
         f"step(state=...): leaf state{jax.tree_util.keystr(path)} is"
         f" {type(leaf).__name__} {guards.quote(leaf)}, which cannot be saved; pass a tree"
-        " of arrays and numbers (e.g. the optimizer state optimizer.init made).")
+        " of arrays and numbers (ints within int64; e.g. the optimizer state"
+        " optimizer.init made).")
