@@ -88,6 +88,11 @@ def test_a_diloco_learner_waits_for_its_round(tmp_path):
     pa = _steps(a, pa, 0, H - 1)
     with pytest.raises(RoundTimeout):
       _steps(a, pa, 0, 1)  # round 0 needs b, which has not trained
+    # A step after it went on: round 0 was never waited for again, and the delta a
+    # published next held more steps than a round allows (its own closer rejected it).
+    with pytest.raises(mail.LearnerClosed, match=r"earlier step\(\) raised RoundTimeout"):
+      _steps(a, pa, 0, 1)
+    assert a.step_count == H
   finally:
     _close_quietly((a, pa), (b, pb))
 

@@ -63,11 +63,13 @@ class StorageUnavailable(TimeoutError):
 
 
 class RoundTimeout(TimeoutError):
-  """A learner waited longer than its ``wait_timeout`` for a round to commit."""
+  """A learner waited longer than its ``wait_timeout`` for a round to commit (from
+  ``step``: the step counted, and the learner takes no more steps; close it)."""
 
 
 class LearnerClosed(RuntimeError):
-  """A learner was used after ``close`` or after its background work failed."""
+  """A learner was used after ``close`` or after its background work failed, or
+  stepped after a ``step`` raised ``RoundTimeout``."""
 
 
 class StateDirMismatch(ValueError):

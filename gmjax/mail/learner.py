@@ -146,6 +146,7 @@ class Learner(Resuming, Rounds):
     self._last_step_end: float | None = None
     self._step_entered: float | None = None
     self._round_work = False  # whether the last step() published or merged a round
+    self._timed_out = False  # whether a step() raised RoundTimeout (it takes no more)
     self.idle_seconds = 0.0
     self._resumed: float | None = None  # when this step()'s last wait ended
     self.adaptive = bool(self.config.adaptive_steps)
@@ -244,12 +245,21 @@ class Learner(Resuming, Rounds):
       ``params``, with fragments whose commits were merged replaced by
       ``mixing·θ + (1 − mixing)·Θ`` (with the shardings ``params`` had).
 
+    Raises:
+      RoundTimeout: a commit it waits for did not come within ``wait_timeout``; the step
+        counted, and the learner takes no more (``LearnerClosed``): close it, join again.
+
     With adaptive steps the round this step publishes, if any, is the one whose
     deadline it is nearest (``gmjax.mail.pace``). With ``overlap_steps=None`` and
     ``mixing=0`` a step that merged the fragment of the round it was to publish (so
     that nothing it trained is left in it) publishes the round at the next step.
     """
     self._check_open("step")
+    if self._timed_out:
+      raise LearnerClosed(
+          f"learner {self.name!r}: an earlier step() raised RoundTimeout, and a step after"
+          " it would skip that step's round: close(params) this learner (it waits for its"
+          " rounds again) and join again (with a state_dir, restore goes on from its save).")
     if not self._pulled:
       raise ValueError(f"learner {self.name!r}: call pull(params) before step().")
     position = learner_args.check_step(self._state_dir, self.name, state, position,
@@ -280,25 +290,7 @@ class Learner(Resuming, Rounds):
       self._steps_since[f] += 1
       self._tokens_since[f] += count
     applied = self._applied
-    self._merge_due(flat)
-    round_ = self.schedule.round_at(self.step_count)
-    if self._pacer is not None and round_ is None:
-      due = self._pacer.due(time.monotonic(), self._step_seconds)
-      if self.process_count > 1:
-        due = delayed.agreed(due, self.process_count)  # every process follows process 0
-      if due:
-        round_ = self._pacer.clock.round
-    if round_ is not None and round_ >= self.first_round:
-      self._round_work = True
-      if self._publish_round(flat, round_, final=False):
-        self.step_count = max(self.step_count, self.schedule.step_of(round_))
-        self._merge_due(flat)
-        if self._pacer is not None:
-          self._pacer.advance(time.monotonic(), self._resumed)
-      else:
-        # Its fragment merged at this step, and Θ replaced every step trained in it: the
-        # step does not reach the round, and the next one publishes it (with that step).
-        self.step_count = min(self.step_count, self.schedule.step_of(round_) - 1)
+    self._step_rounds(flat)
     if self._state_dir is not None and self._applied != applied:
       self._save(state, position)
     self._beat(step=self.step_count, **({} if loss is None else {"loss": loss}))

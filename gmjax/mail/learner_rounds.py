@@ -82,9 +82,42 @@ class Rounds:
   ``key``, ``primary`` and ``process_count``, and reads and updates its ``_anchors``,
   ``_versions``, ``_outstanding`` (``(round, version, due step)``), ``_unadopted``,
   ``_futures``, ``_steps_since``, ``_tokens_since``, ``_residuals``, ``_delay``,
-  ``_applied``, ``_late_rounds``, ``_pulled_records`` and its wait accounting
-  (``idle_seconds``, ``_resumed``).
+  ``_applied``, ``_late_rounds``, ``_pulled_records``, ``_round_work``, ``_timed_out``
+  and its wait accounting (``idle_seconds``, ``_resumed``).
   """
+
+  def _step_rounds(self, flat: dict[str, Any]) -> None:
+    """A counted step's round work: merges the commits due, publishes the round the
+    step reaches (by the schedule, or by its pace with adaptive steps), merges again.
+
+    A ``RoundTimeout`` here leaves the step counted and its round unpublished or not
+    merged; the learner then takes no more steps (``_timed_out``): the next would skip
+    that round, and its delta would hold more steps than a round allows.
+    """
+    try:
+      self._merge_due(flat)
+      round_ = self.schedule.round_at(self.step_count)
+      if self._pacer is not None and round_ is None:
+        due = self._pacer.due(time.monotonic(), self._step_seconds)
+        if self.process_count > 1:
+          due = delayed.agreed(due, self.process_count)  # every process follows process 0
+        if due:
+          round_ = self._pacer.clock.round
+      if round_ is not None and round_ >= self.first_round:
+        self._round_work = True
+        if self._publish_round(flat, round_, final=False):
+          self.step_count = max(self.step_count, self.schedule.step_of(round_))
+          self._merge_due(flat)
+          if self._pacer is not None:
+            self._pacer.advance(time.monotonic(), self._resumed)
+        else:
+          # Its fragment merged at this step, and Θ replaced every step trained in it:
+          # the step does not reach the round, and the next one publishes it (with that
+          # step).
+          self.step_count = min(self.step_count, self.schedule.step_of(round_) - 1)
+    except RoundTimeout:
+      self._timed_out = True
+      raise
 
   def _deadline(self) -> float:
     limit = self.wait_timeout
