@@ -430,6 +430,11 @@ def test_a_state_orbax_cannot_save_is_refused_before_the_step_counts(tmp_path):
   learner = run.join("a", poll_interval=ms.POLL, state_dir=state_dir)
   learner.pull(ms.params0())
   assert learner.restore(state).position == 2
+  # No step was taken: the messages said "before the first step()" all the same.
+  with pytest.raises(ValueError, match=r"restore\(state\) once, after pull\(\)"):
+    learner.restore(state)
+  with pytest.raises(ValueError, match=r"\(or a restore\(\), which goes on from a saved"):
+    learner.pull(ms.params0())
   learner.close(params)
 
 

@@ -48,7 +48,8 @@ class Resuming:
     """
     self._check_open("pull")
     if self.local_step:
-      raise ValueError(f"learner {self.name!r}: pull() must come before the first step().")
+      raise ValueError(f"learner {self.name!r}: pull() must come before the first step()"
+                       " (or a restore(), which goes on from a saved step).")
     schema = self.config.cut(Schema.from_tree(like))
     if schema != self.manifest.schema:
       raise ValueError(
@@ -136,8 +137,8 @@ class Resuming:
     if self._state_dir is None:
       raise ValueError(f"learner {self.name!r}: restore() needs join(..., state_dir=...).")
     if not self._pulled or self.local_step:
-      raise ValueError(f"learner {self.name!r}: call restore(state) after pull() and before"
-                       " the first step().")
+      raise ValueError(f"learner {self.name!r}: call restore(state) once, after pull() and"
+                       " before the first step().")
     if self._state_dir.latest_step() is None:
       self._restore_checked = True
       return None
