@@ -296,3 +296,14 @@ def test_a_path_for_the_url_is_the_runs_url_as_a_str(tmp_path):
     params = learner.step(params, state={"count": np.int32(step)}, position=step)
   learner.close(params)
   assert mail.open(str(tmp_path / "run")).rounds()[0].round == 0
+
+
+def test_pull_of_no_parameters_names_pull():
+  # pull(None) said only "Schema.from_tree got a tree with no array leaves."
+  run = mail.create(f"memory://create-pull-none-{os.getpid()}", ms.params0(),
+                    gmjax.DiLoCo(sync_every=2))
+  learner = run.join("a", poll_interval=0.01)
+  for like in (None, {}):
+    with pytest.raises(ValueError, match=r"^pull\(like\): .*no array leaves.*run.schema"):
+      learner.pull(like)
+  learner.close(learner.pull(ms.params0()))

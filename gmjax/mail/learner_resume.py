@@ -50,7 +50,11 @@ class Resuming:
     if self.local_step:
       raise ValueError(f"learner {self.name!r}: pull() must come before the first step()"
                        " (or a restore(), which goes on from a saved step).")
-    schema = self.config.cut(Schema.from_tree(like))
+    try:
+      schema = self.config.cut(Schema.from_tree(like))
+    except ValueError as error:  # None, or no arrays: the message named neither pull nor like
+      raise ValueError(f"pull(like): {error} Pass parameters shaped like those the run was"
+                       " created with (run.schema).") from None
     if schema != self.manifest.schema:
       raise ValueError(
           "pull(like): like does not match the run's parameters:"
