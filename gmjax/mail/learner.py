@@ -81,7 +81,7 @@ class Learner(Resuming, Rounds):
     startup_timeout = guards.seconds("startup_timeout", startup_timeout)
     if wait_timeout is not None:
       wait_timeout = guards.seconds("wait_timeout", wait_timeout,
-                                    none="None (the run's timeout, at least 120 s) or ")
+                                    none="None (10 run timeouts, at least 120 s) or ")
     self.process_index = (jax.process_index() if process_index is None
                           else learner_args.process_number("process_index", process_index))
     self.process_count = (jax.process_count() if process_count is None
