@@ -79,7 +79,8 @@ class Rounds:
   """The learner's round work; ``Learner`` inherits it (see the module docstring).
 
   It reads the learner's ``schedule``, ``manifest``, ``config``, ``name``, ``store``,
-  ``key``, ``primary`` and ``process_count``, and reads and updates its ``_anchors``,
+  ``key``, ``primary``, ``process_count``, ``first_round``, ``_pacer`` and
+  ``_step_seconds``, and reads and updates its ``step_count``, ``_anchors``,
   ``_versions``, ``_outstanding`` (``(round, version, due step)``), ``_unadopted``,
   ``_futures``, ``_steps_since``, ``_tokens_since``, ``_residuals``, ``_delay``,
   ``_applied``, ``_late_rounds``, ``_pulled_records``, ``_round_work``, ``_timed_out``
