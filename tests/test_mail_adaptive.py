@@ -276,6 +276,28 @@ def test_round_clock_keeps_its_deadlines_without_drift():
   clock.plan(0.5, from_record=True)  # a pace measured too slow: the deadline is at 102.5
   clock.advance(100.9, resumed=None)  # published at its scheduled step, before it
   assert clock.start == pytest.approx(100.9)  # from then, not from 102.5
+  clock.pause(0.3)  # a save of the learner's state: no training, no period
+  clock.plan(0.05, from_record=True)
+  assert (clock.start, clock.deadline) == (pytest.approx(101.2), pytest.approx(101.4))
+  clock.pause(0.1)
+  assert (clock.start, clock.deadline) == (pytest.approx(101.3), pytest.approx(101.5))
+
+
+@pytest.mark.timeout(120)
+def test_saving_the_state_does_not_shorten_the_rounds(tmp_path):
+  # The synchronous save at each merge ran inside the next round's period: one learner
+  # of 10 ms steps with a 1 MB state trained 1-2 steps a round instead of 8.
+  run = mail.create(str(tmp_path / "run"), ms.params0(),
+                    gmjax.DiLoCo(sync_every=8, adaptive_steps=True))
+  learner = run.join("a", poll_interval=POLL, state_dir=tmp_path / "state")
+  params = learner.pull(ms.params0())
+  state = {"mu": np.ones((512, 512), np.float32)}
+  for step in range(40):
+    time.sleep(0.01)
+    params = learner.step(ms.inner(params, ms.target(0)), state=state, position=step)
+  learner.close(params)
+  steps = [p.steps for r in run.rounds() for p in r.participants]
+  assert sum(steps) / len(steps) >= 5, steps
 
 
 @pytest.mark.parametrize("field, value", [
@@ -357,3 +379,35 @@ def test_a_learner_too_slow_for_fixed_steps_is_told_to_adapt(tmp_path, caplog):
   assert "adaptive_steps=True" in warned[0]
   slow_rounds = [r.round for r in run.rounds() if "slow" in _steps(r)]
   assert len(slow_rounds) <= 3, slow_rounds  # what it was late for counted nothing
+
+
+@pytest.mark.timeout(120)
+def test_a_learner_too_slow_for_adaptive_steps_is_told_why(tmp_path, caplog):
+  # With adaptive steps the warning was off: a learner one of whose steps outlasts a
+  # round's period was late for every round, with only an info line each.
+  run = mail.create(str(tmp_path / "run"), ms.params0(),
+                    gmjax.DiLoCo(sync_every=8, adaptive_steps=True))
+  done, together = threading.Event(), threading.Barrier(3)
+
+  def learn(name, sleep, steps):
+    # A grace of 30 polls (0.3 s) that its 0.6 s steps outlast.
+    learner = run.join(name, poll_interval=0.01, wait_timeout=60.0)
+    params = learner.pull(ms.params0())
+    together.wait()
+    count = 0
+    while (count < steps) if steps else not done.is_set():
+      time.sleep(sleep)
+      params = learner.step(ms.inner(params, ms.target(0)))
+      count += 1
+    done.set()
+    learner.close(params)
+
+  threads = ms.Threads()
+  threads.start(learn, "fast", 0.01, None)
+  threads.start(learn, "fast-2", 0.01, None)  # a quorum of two: rounds close without it
+  threads.start(learn, "slow", 0.6, 8)
+  threads.join(100)
+  warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"
+            and "rounds in a row closed before it got to them" in r.getMessage()]
+  assert warned and all(m.startswith("learner 'slow'") for m in warned), warned
+  assert "with adaptive steps" in warned[0] and "raise sync_every" in warned[0]

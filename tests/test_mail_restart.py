@@ -485,11 +485,15 @@ def test_goodput_after_a_restore_counts_the_steps_of_this_join(tmp_path, fragmen
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("damage", ["record", "arrays", "both saves"])
+@pytest.mark.parametrize("damage", ["record", "arrays", "both saves", "meta item",
+                                    "state item", "both saves' arrays"])
 def test_a_save_damaged_after_it_was_made_is_passed_over(tmp_path, damage):
   # A torn file in the newest save (a bad disk, after the save completed) made join
   # raise a raw JSONDecodeError, and restore a tensorstore error, though the save
-  # before it was intact: the learner could rejoin only by deleting both.
+  # before it was intact: the learner could rejoin only by deleting both. A save
+  # missing an item raised Orbax's KeyError, and no save that restored a
+  # FileNotFoundError without a fix.
+  import shutil  # pylint: disable=g-import-not-at-top
   from gmjax.mail import learner_state  # pylint: disable=g-import-not-at-top
 
   path = str(tmp_path / "state")
@@ -498,9 +502,11 @@ def test_a_save_damaged_after_it_was_made_is_passed_over(tmp_path, damage):
     counters = learner_state.SavedCounters(step, step, {0: step}, (0,), (0,), 0)
     state_dir.save(step, counters, {"m": np.full((64, 32), step, np.float32)}, step, None)
   state_dir.close()
-  steps = ("1", "2") if damage == "both saves" else ("2",)
+  steps = ("1", "2") if damage.startswith("both") else ("2",)
   for step in steps:
-    if damage == "arrays":
+    if damage in ("meta item", "state item"):
+      shutil.rmtree(os.path.join(path, step, damage.split()[0]))
+    elif "arrays" in damage:
       for root, _, files in os.walk(os.path.join(path, step, "state")):
         for name in files:
           if name != "_METADATA":
@@ -513,6 +519,11 @@ def test_a_save_damaged_after_it_was_made_is_passed_over(tmp_path, damage):
       learner_state.StateDir(path, ("run-id", "url"), "a")
     return
   state_dir = learner_state.StateDir(path, ("run-id", "url"), "a")
+  if damage == "both saves' arrays":
+    with pytest.raises(gmjax.mail.CorruptRecord, match=r"no save of learner 'a' restores"
+                       r" \(local steps \[2, 1\]\); delete the state_dir"):
+      state_dir.restore({"m": np.zeros((64, 32), np.float32)}, None)
+    return
   counters, state, position, _ = state_dir.restore({"m": np.zeros((64, 32), np.float32)},
                                                    None)
   assert (counters.local_step, position) == (1, 1)
@@ -528,3 +539,69 @@ def test_a_save_damaged_after_it_was_made_is_passed_over(tmp_path, damage):
   assert (counters.local_step, position) == (2, 7)
   _assert_bits_equal(state, {"m": np.full((64, 32), 7, np.float32)})
   state_dir.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_save_that_fails_in_a_step_is_logged_and_the_step_returns_the_merge(
+    tmp_path, caplog):
+  # A save that raised inside step() (a full disk) lost the commit the step had merged:
+  # the caller kept its unmerged parameters, the learner its merged anchor, and the
+  # next delta carried three steps' progress into Θ (3.5 where the run gives 3.0).
+  import shutil  # pylint: disable=g-import-not-at-top
+
+  zeros = {"w": np.zeros((4, 2), np.float32)}
+  run = mail.create(str(tmp_path / "run"), zeros, gmjax.DiLoCo(
+      sync_every=2, outer_learning_rate=0.5, outer_momentum=0.0, nesterov=False))
+  state_dir = tmp_path / "state"
+  learner = run.join("a", poll_interval=ms.POLL, state_dir=state_dir)
+  params = learner.pull(zeros)
+  for i in range(1, 7):  # rounds at steps 2, 4 and 6; each step adds 1
+    if i == 4:  # the state_dir's disk goes away
+      shutil.rmtree(state_dir)
+      state_dir.write_text("")
+    with caplog.at_level(logging.WARNING, logger="gmjax.mail.learner"):
+      params = learner.step({"w": params["w"] + 1.0}, state={"m": np.ones(3, np.float32)},
+                            position=i)
+    if i == 4:
+      assert "its state was not saved in state_dir" in caplog.text
+      assert learner.versions == {0: 2} and float(params["w"][0, 0]) == 2.0  # merged
+  learner.close(params)
+  assert [[p.steps for p in r.participants] for r in run.rounds()] == [[2]] * 3
+  _, theta = _theta(run.url)
+  np.testing.assert_array_equal(theta["w"], np.full((4, 2), 3.0, np.float32))
+
+
+@pytest.mark.timeout(120)
+def test_a_learner_does_not_save_over_another_learners_save(tmp_path, caplog):
+  # Two learners given one empty state_dir at once each deleted (Orbax's keep-two) or
+  # saved over the other's saves: on restart one of them had lost its state.
+  from gmjax.mail import learner_state  # pylint: disable=g-import-not-at-top
+
+  path = str(tmp_path / "state")
+  dirs = [learner_state.StateDir(path, ("run-id", "url"), name) for name in ("a", "b")]
+  counters = learner_state.SavedCounters(2, 2, {0: 1}, (0,), (0,), 0)
+  dirs[1].save(2, counters, {"m": np.ones(3, np.float32)}, 2, None)
+  with pytest.raises(mail.StateDirMismatch, match=r"holds the state of learner 'b'"):
+    dirs[0].save(2, counters, {"m": np.zeros(3, np.float32)}, 2, None)
+  with pytest.raises(mail.StateDirMismatch, match=r"holds the state of learner 'b'"):
+    dirs[0].save(4, counters, {"m": np.zeros(3, np.float32)}, 4, None)
+  for state_dir in dirs:
+    state_dir.close()
+  again = learner_state.StateDir(path, ("run-id", "url"), "b")
+  _, state, position, _ = again.restore({"m": np.zeros(3, np.float32)}, None)
+  assert position == 2 and state["m"].tolist() == [1.0, 1.0, 1.0]
+  again.close()
+
+
+@pytest.mark.parametrize("where", ["in", "at", "file-url"])
+def test_a_state_dir_inside_the_run_is_refused(tmp_path, where):
+  # Orbax wrote its step folders among the run's round folders and pruned them as its
+  # own; the closer logged them as rejected contributions.
+  url = str(tmp_path / "run")
+  run = mail.create(url if where != "file-url" else "file://" + url, ms.params0(),
+                    gmjax.DiLoCo(sync_every=2))
+  state_dir = {"in": tmp_path / "run" / "rounds", "at": tmp_path / "run",
+               "file-url": tmp_path / "run" / "s"}[where]
+  with pytest.raises(ValueError, match=r"lies inside the run's storage"):
+    run.join("a", state_dir=state_dir)
+  run.join("a", state_dir=tmp_path / "runs-state").close(None)  # beside it is fine

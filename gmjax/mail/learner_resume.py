@@ -180,8 +180,23 @@ class Resuming:
     return learner_state.Restored(state, position, exact)
 
   def _save(self, state: Any, position: Any) -> None:
+    """Saves the learner's state at a step that applied a commit.
+
+    A save that fails (a full disk, a storage error) is logged and the step goes on: it
+    has merged the commit, which the caller must get back, and a restart restores the
+    save before it. With adaptive steps the save's time does not count toward the
+    round's period (``gmjax.mail.pace``).
+    """
+    started = time.monotonic()
     counters = learner_state.SavedCounters(
         step_count=self.step_count, local_step=self.local_step, versions=dict(self._versions),
         steps_since=tuple(self._steps_since), tokens_since=tuple(self._tokens_since),
         outstanding=len(self._outstanding) + len(self._unadopted))
-    self._state_dir.save(self.local_step, counters, state, position, self._residuals)
+    try:
+      self._state_dir.save(self.local_step, counters, state, position, self._residuals)
+    except Exception as error:  # pylint: disable=broad-except
+      log.warning("learner %r: its state was not saved in state_dir=%r at local step %d"
+                  " (%r); it trains on, and a restart would restore the save before it",
+                  self.name, self._state_dir.path, self.local_step, error)
+    if self._pacer is not None:
+      self._pacer.clock.pause(time.monotonic() - started)

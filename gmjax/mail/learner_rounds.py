@@ -75,6 +75,17 @@ log = logging.getLogger("gmjax.mail.learner")  # one log for the learner, whiche
 LATE_WARNING = 3  # rounds in a row a learner is late for before it is told why
 
 
+def late_because(adaptive: bool) -> str:
+  """Why a learner is late for round after round, and what to do."""
+  if adaptive:
+    return ("with adaptive steps a round lasts the fastest learner's time for its steps,"
+            " and one step of this learner (or a save of its state) takes longer than"
+            " that; raise sync_every, or run this learner on faster hardware")
+  return ("with fixed steps a learner slower than the others by more than the run's grace"
+          " misses every round; pass adaptive_steps=True to gmjax.DiLoCo for learners of"
+          " different speeds")
+
+
 class Rounds:
   """The learner's round work; ``Learner`` inherits it (see the module docstring).
 
@@ -246,13 +257,11 @@ class Rounds:
       log.info("learner %r: round %d closed before it got there; merging it", self.name,
                round_)
       self._late_rounds += 1
-      if self._late_rounds == LATE_WARNING and not self._pacer:
+      if self._late_rounds == LATE_WARNING:
         log.warning(
-            "learner %r: %d rounds in a row closed before it got to them (the last, %d):"
-            " with fixed steps a learner slower than the others by more than the run's"
-            " grace misses every round, and the steps it trains count for nothing; pass"
-            " adaptive_steps=True to gmjax.DiLoCo for learners of different speeds",
-            self.name, self._late_rounds, round_)
+            "learner %r: %d rounds in a row closed before it got to them (the last, %d),"
+            " and the steps it trains count for nothing: %s", self.name,
+            self._late_rounds, round_, late_because(self._pacer is not None))
     else:
       self._late_rounds = 0
     if not late and (self.primary or eager_):

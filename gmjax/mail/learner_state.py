@@ -18,6 +18,8 @@ renamed into place; on ``gs://`` a commit marker written last), so a process kil
 during a save leaves the previous one restorable; the newest two are kept. After
 ``pull``, ``Learner.restore(like)`` reads the newest one back; one damaged after it was
 saved (a torn file, a bad disk) is passed over, with a warning, for the one before it.
+A save that fails (a full disk) is logged and the step goes on: a restart restores the
+save before it.
 
 A learner of several processes (``jax.distributed``) saves with all of them (Orbax's
 multi-process save: every process calls ``step`` in lockstep and passes the same
@@ -143,6 +145,20 @@ def check_state_dir(state_dir: Any) -> str:
   return path
 
 
+def _check_apart(path: str, run_url: str) -> None:
+  """Raises a ValueError if ``path`` lies in the run's storage: Orbax would write its
+  saves among the run's records and delete them as its own old saves."""
+  def where(url: str) -> str:  # comparable: resolved if local, gcs:// as gs://
+    local = url.removeprefix("file://")
+    return os.path.realpath(local) if "://" not in local else url.replace("gcs://", "gs://", 1)
+  state, run = where(path), where(run_url)
+  if state == run or state.startswith(run.rstrip("/") + "/"):
+    raise ValueError(
+        f"state_dir={path!r} lies inside the run's storage {run_url!r}, where Orbax's"
+        " saves would mix with the run's records; keep each learner's state_dir outside"
+        " the run, e.g. on the learner's own disk.")
+
+
 def open_state_dir(state_dir: Any, run: tuple[str, str], name: str, *,
                    process_count: int) -> StateDir | None:
   """The ``StateDir`` a learner joins with (None without a ``state_dir``).
@@ -154,13 +170,15 @@ def open_state_dir(state_dir: Any, run: tuple[str, str], name: str, *,
     process_count: the learner's JAX processes (``join``'s ``process_count``).
 
   Raises:
-    ValueError/TypeError: a bad ``state_dir`` (``check_state_dir``), or
-      ``process_count`` other than this JAX job's: the processes save together.
+    ValueError/TypeError: a bad ``state_dir`` (``check_state_dir``), one inside the
+      run's storage, or ``process_count`` other than this JAX job's: the processes save
+      together.
     StateDirMismatch: ``state_dir`` holds another run's or another learner's state.
   """
   if state_dir is None:
     return None
   path = check_state_dir(state_dir)
+  _check_apart(path, run[1])
   if process_count != jax.process_count():
     raise ValueError(
         f"state_dir={path!r} with process_count={process_count}: a learner of"
@@ -218,7 +236,8 @@ class StateDir:
     """The record of the save at ``step``, or None (logged) where it is damaged."""
     try:
       return self._read_meta(step)
-    except (ValueError, OSError) as error:  # a torn JSON file is a ValueError
+    # A torn JSON file is a ValueError; a missing item, Orbax's KeyError.
+    except (ValueError, OSError, KeyError) as error:
       log.warning("learner %r: the save of state_dir=%r at local step %d is damaged (%r):"
                   " passed over", self.name, self.path, step, error)
       return None
@@ -256,6 +275,10 @@ class StateDir:
       items["state"] = ocp.args.StandardSave(state)
     if residuals:
       items["residuals"] = ocp.args.StandardSave(_residual_tree(residuals))
+    # Never over another learner's save (two given one empty state_dir at once).
+    steps = self._steps()
+    if steps and (newest := self._intact_meta(steps[0])) is not None:
+      self._check_owner(newest, steps[0])
     with _LOCK:
       if step in self._manager.all_steps():
         # A save passed over as damaged (``restore``): the learner went back to the one
@@ -270,7 +293,7 @@ class StateDir:
     """``(counters, state, position, residuals)`` of the newest intact save.
 
     Raises:
-      FileNotFoundError: nothing intact is saved.
+      CorruptRecord: no save restores (each is damaged).
     """
     for step in self._steps():
       meta = self._intact_meta(step)
@@ -281,10 +304,12 @@ class StateDir:
         self._check_like(like, meta["state_leaves"], step)
       try:
         return self._restore(step, meta, like, residuals_like)
-      except (ValueError, OSError) as error:  # a damaged array file
+      except (ValueError, OSError, KeyError) as error:  # a damaged or missing item
         log.warning("learner %r: the save of state_dir=%r at local step %d does not"
                     " restore (%r): passed over", self.name, self.path, step, error)
-    raise FileNotFoundError(f"state_dir={self.path!r} holds no intact saved state.")
+    raise CorruptRecord(
+        f"state_dir={self.path!r}: no save of learner {self.name!r} restores (local steps"
+        f" {self._steps()}); delete the state_dir to start afresh.")
 
   def _restore(self, step: int, meta: dict[str, Any], like: Any,
                residuals_like: dict[int, dict[str, np.ndarray]] | None

@@ -14,7 +14,8 @@ publish times, so the learners' offsets stay those of their start:
   round ``r``'s deadline ``D_r`` (or when ``r`` was published, if that came first: its
   scheduled step was reached before the deadline), or, if the step that published ``r``
   blocked (waiting for a commit), when that wait ended, if later: every learner waiting
-  on the same commit starts again from it;
+  on the same commit starts again from it; the time a step spends saving the learner's
+  state (``state_dir``) moves the clock on as much (``RoundClock.pause``);
 * the learner publishes round ``r`` at the first step where ``now + s_own / 2 ≥ D_r``
   (the step boundary nearest the deadline, so at least one step), or at the round's
   scheduled step if that comes first (the fastest learner, and every learner while no
@@ -148,6 +149,12 @@ class RoundClock:
     self.start = start
     self.deadline = None
     self.planned_by_record = False
+
+  def pause(self, seconds: float) -> None:
+    """Moves the period on by ``seconds`` the learner spent not training (a save)."""
+    self.start += seconds
+    if self.deadline is not None:
+      self.deadline += seconds
 
 
 class Pacer:
