@@ -231,3 +231,22 @@ def test_explicit_fsdp_mesh_keeps_blocks_local_and_matches_vmap(split):
   gathers = [c for c in hlo.collective_bytes(text)
              if c.op == "all-gather" and c.group_size != learners]
   assert gathers == []
+
+
+@pytest.mark.parametrize("layer_axis", [{"layers": 0}, None])
+def test_a_state_built_under_another_plan_is_refused(layer_axis):
+  # A state saved without layer_axis, resumed with it (or the other way round), had
+  # buckets of the same shapes: update took it and read every master in the other
+  # plan's layout, and Θ took other leaves' values (w's rows became f's).
+  bf16 = jnp.bfloat16  # bf16 parameters keep F32 masters
+  params = {"layers": {"w": jnp.full((2, 32), 1.0, bf16).at[1].set(2.0)},
+            "e": jnp.full((32,), 3.0, bf16), "f": jnp.full((32,), 4.0, bf16)}
+  settings = dict(sync_every=4, fragments=2, outer_momentum=0.0)
+  other = {"layers": 0} if layer_axis is None else None
+  built = gmjax.diloco(optax.sgd(0.0), gmjax.DiLoCo(layer_axis=other, **settings))
+  resumed = gmjax.diloco(optax.sgd(0.0), gmjax.DiLoCo(layer_axis=layer_axis, **settings))
+  state = built.init(params)
+  grads = jax.tree.map(jnp.zeros_like, params)
+  with pytest.raises(ValueError, match=r"state\.master.*pieces.*another configuration"):
+    resumed.update(grads, state, params)
+  resumed.update(grads, resumed.init(params), params)  # its own state steps

@@ -14,6 +14,37 @@ MERGE = 1  # align to the fragment's new anchor with mixing
 RESET = 2  # the round was skipped: reset the fragment to its anchor, no mixing
 
 
+class Kept(tuple):
+  """One fragment's masters (``DiLoCoState.master[f]``): a tuple of buckets that names
+  the fragment's pieces (``pieces``) as static data of the tree.
+
+  A state built under another plan (another ``layer_axis``, other fragments) is then
+  another tree, which ``update`` refuses, even where its buckets' shapes agree: read in
+  the other plan's layout they would put one leaf's values into another's Θ.
+  """
+
+  pieces: tuple[str, ...]
+
+  def __new__(cls, values: Any, pieces: Any) -> Kept:
+    kept = super().__new__(cls, values)
+    kept.pieces = tuple(pieces)
+    return kept
+
+  def __getnewargs__(self) -> tuple[tuple, tuple[str, ...]]:
+    return tuple(self), self.pieces
+
+  def __repr__(self) -> str:
+    return f"Kept(pieces={self.pieces!r}, {list(self)!r})"
+
+
+jax.tree_util.register_pytree_with_keys(
+    Kept,
+    lambda kept: (tuple((jax.tree_util.SequenceKey(i), v) for i, v in enumerate(kept)),
+                  kept.pieces),
+    lambda pieces, values: Kept(values, pieces),
+    lambda kept: (tuple(kept), kept.pieces))
+
+
 class DiLoCoStatistics(NamedTuple):
   """Health statistics of the latest round, replicated on every learner, and counts of
   this learner's dropped steps and bad token counts.
@@ -87,7 +118,7 @@ class DiLoCoState(NamedTuple):
     anchor: Θ of each fragment's latest round, at the parameter dtype, shaped like the
       parameters. Between a round and its merge (``overlap_steps`` later) it already
       holds the new Θ the learner is about to merge.
-    master: per fragment, a tuple of F32 buckets (``gmjax.transform.buckets``): the
+    master: per fragment, a ``Kept`` tuple of F32 buckets (``gmjax.transform.buckets``): the
       rows of 32 values of the fragment's leaves (pieces, with ``layer_axis``) that
       travel and publish alike, end to end in the fragment's name order, shape
       ``(F, S, 32)`` (``F`` the devices an FSDP split cuts them into, 1 otherwise).

@@ -23,7 +23,7 @@ from gmjax.core.schedule import RoundSchedule
 from gmjax.core.schema import Schema
 from gmjax.transform import explicit, shards
 from gmjax.transform.buckets import Buckets
-from gmjax.transform.state import DelayState
+from gmjax.transform.state import DelayState, Kept
 
 
 def mismatch(params: Any, anchor: Any, names: tuple[str, str] = ("params", "the anchor")
@@ -277,10 +277,10 @@ class Layout:
     buckets = self.buckets(rows)
     return buckets, [self.own(b, learner) for b in buckets.pack(rows)]
 
-  def masters(self, buckets: Buckets, values: list) -> tuple:
+  def masters(self, buckets: Buckets, values: list) -> Kept:
     """The state's masters of one fragment: ``values`` where kept, else MaskedNode."""
-    return tuple(v if keep else optax.MaskedNode()
-                 for v, keep in zip(values, self.keeps(buckets)))
+    return Kept((v if keep else optax.MaskedNode()
+                 for v, keep in zip(values, self.keeps(buckets))), buckets.rows)
 
   def outer_tx(self, tx: optax.GradientTransformation, buckets: Buckets,
                like: dict[str, Any]) -> optax.GradientTransformation:
