@@ -77,6 +77,8 @@ def test_maxtext_layout_stacks_layers_on_axis_one():
 
 @pytest.mark.parametrize("layer_axis,match", [
     ({"blocks": 0}, "'blocks', which is no leaf"),
+    # A typo was answered with the first 8 leaf names and '...', not the path meant.
+    ({"layer": 0}, r"did you mean \['layers'.*top-level paths are \['emb', 'layers'"),
     ({"layers": 3}, "has no axis 3"),
     ({"layers": 0, "emb": 0}, "different numbers of layers"),
     ({"layers": -1}, "non-negative axis"),
@@ -250,3 +252,26 @@ def test_a_state_built_under_another_plan_is_refused(layer_axis):
   with pytest.raises(ValueError, match=r"state\.master.*pieces.*another configuration"):
     resumed.update(grads, state, params)
   resumed.update(grads, resumed.init(params), params)  # its own state steps
+
+
+def test_overlapping_prefixes_take_the_longest_whatever_their_order():
+  # The later prefix won: {"layers": 0, "layers/w": 1} and its reverse cut layers/w on
+  # different axes, yet the two configs compared and hashed equal (a jit keyed on one
+  # reused its program for the other).
+  schema = gmjax.Schema.from_tree({"layers": {"w": np.zeros((4, 4, 8), np.float32),
+                                              "b": np.zeros((4, 8), np.float32)}})
+  first, second = (gmjax.DiLoCo(sync_every=4, fragments=2, layer_axis=dict(order))
+                   for order in ([("layers", 0), ("layers/w", 1)],
+                                 [("layers/w", 1), ("layers", 0)]))
+  assert first == second and hash(first) == hash(second)
+  for config in (first, second):
+    assert {p.name: p.shape for p in config.cut(schema).parameters} == {
+        "layers/b[0:2]": (2, 8), "layers/b[2:4]": (2, 8),
+        "layers/w[0:2]": (4, 2, 8), "layers/w[2:4]": (4, 2, 8)}
+
+
+def test_layer_axis_takes_numpy_integers_as_the_other_fields_do():
+  config = gmjax.DiLoCo(sync_every=np.int64(4), fragments=2,
+                        layer_axis={"layers": np.int64(0)})
+  assert config.layer_axis == {"layers": 0} and type(config.layer_axis["layers"]) is int
+  assert gmjax.DiLoCo.from_json(config.to_json()) == config

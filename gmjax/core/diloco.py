@@ -290,15 +290,15 @@ class DiLoCo:
   def schedule(self, fragments: int | Schema | None = None) -> RoundSchedule:
     """The round schedule of a fragment plan.
 
-    The plan has ``min(P, #leaves)`` fragments (or layer blocks), so a model with fewer
-    than ``fragments`` syncs on fewer, more widely spaced, rounds: pass the state, the
+    The plan has ``min(P, #leaves)`` fragments (``min(P, L)`` with ``layer_axis``), so
+    a model with fewer syncs on fewer, more widely spaced, rounds: pass the state, the
     schema or the plan's length to get the schedule runtimes follow.
 
     Args:
       fragments: a ``gmjax.diloco`` state (learners stacked or not): the schedule of the
         plan it holds; a ``Schema``: of ``plan(schema)``; an int: the count of a plan, in
         ``[1, fragments]`` (``len(plan)``); None: the configured ``fragments`` itself,
-        which is the plan's count only for a model with at least that many.
+        the plan's count only for a model with at least that many leaves (layers).
 
     Returns:
       The ``RoundSchedule`` (``sync_every``, that count, ``in_flight``, ``overlap_steps``).
@@ -325,7 +325,8 @@ class DiLoCo:
                          in_flight=self.in_flight, overlap_steps=self.overlap_steps)
 
   def plan(self, schema: Schema) -> tuple[tuple[str, ...], ...]:
-    """Partitions the leaves into ``min(P, #leaves)`` fragments of near-equal bytes.
+    """Partitions the leaves into ``min(P, #leaves)`` fragments of near-equal bytes
+    (with ``layer_axis``, ``min(P, L)``: one a block of the ``L`` stacked layers).
 
     Greedy: leaves from the largest (ties by name) go to the lightest fragment (ties by
     index). Deterministic; every leaf lands in exactly one fragment; each fragment's names

@@ -187,6 +187,8 @@ def _check_layer_axis(config: Any) -> None:
   axes = config.layer_axis
   if axes is None:
     return
+  if isinstance(axes, Mapping):  # numpy integers, as the other fields take them
+    axes = {k: v.item() if isinstance(v, np.integer) else v for k, v in axes.items()}
   if (not isinstance(axes, Mapping) or not axes
       or not all(isinstance(k, str) and k for k in axes)
       or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0

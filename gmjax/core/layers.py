@@ -18,6 +18,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
@@ -91,6 +92,10 @@ def stacked_leaves(names: Mapping[str, tuple[int, ...]],
                    layer_axis: Mapping[str, int]) -> dict[str, int]:
   """The leaves ``layer_axis`` names (a prefix of their ``/`` path) and their layer axis.
 
+  A leaf under several prefixes takes the axis of the longest (``{"layers": 0,
+  "layers/w": 1}``: ``layers/w`` on axis 1, the rest of ``layers`` on 0), whatever their
+  order: two configs with the same prefixes are equal.
+
   Args:
     names: leaf name → shape.
     layer_axis: name prefix → layer axis of the leaves under it.
@@ -100,13 +105,16 @@ def stacked_leaves(names: Mapping[str, tuple[int, ...]],
       disagree on the number of layers.
   """
   axes: dict[str, int] = {}
-  for prefix, axis in layer_axis.items():
+  for prefix, axis in sorted(layer_axis.items(), key=lambda item: len(item[0].rstrip("/"))):
     matched = [n for n in names if n == prefix or n.startswith(prefix.rstrip("/") + "/")]
     if not matched:
+      paths = {"/".join(n.split("/")[:i]) for n in names for i in range(1, n.count("/") + 2)}
+      close = difflib.get_close_matches(prefix, sorted(paths), n=3)
       raise ValueError(
           f"DiLoCo layer_axis names {prefix!r}, which is no leaf and no prefix of a leaf's"
-          f" path; the leaves are {sorted(names)[:8]}...: use the path of the stacked"
-          " layers (e.g. 'layers' for nnx.scan, 'decoder/layers' for MaxText).")
+          f" path; {f'did you mean {close}? ' if close else ''}the leaves' top-level paths"
+          f" are {sorted({n.split('/')[0] for n in names})[:16]}: use the path of the"
+          " stacked layers (e.g. 'layers' for nnx.scan, 'decoder/layers' for MaxText).")
     for name in matched:
       if axis >= len(names[name]):
         raise ValueError(
