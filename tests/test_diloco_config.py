@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import gmjax
-from gmjax.core import outer, outer_records
+from gmjax.core import outer, outer_records, robust
+from gmjax.core.wire import Wire
 
 
 @pytest.mark.parametrize(
@@ -235,7 +236,8 @@ def test_schedule_counts():
   assert type(config.schedule(np.int64(2)).fragments) is int
 
 
-@pytest.mark.parametrize("beta", [0, 0.0, -0.5, 1.5, float("nan"), float("inf"), "0.5", True])
+@pytest.mark.parametrize("beta", [0, 0.0, -0.5, 1.5, float("nan"), float("inf"), "0.5", True,
+                                  1e-300])  # 0 in F32
 def test_bad_error_feedback_named(beta):
   with pytest.raises(ValueError, match=r"error_feedback must be None \(off\) or a number in"
                      r" \(0, 1\], got"):
@@ -364,4 +366,50 @@ def test_methods_that_take_a_schema_name_it_when_given_params():
     with pytest.raises(TypeError, match=r"takes a gmjax.Schema, got dict: pass"
                                         r" gmjax.Schema.from_tree\(params\)"):
       method(params)
+  # gmjax.layout and gmjax.decode named DiLoCo.delta_layout, which the user did not call.
+  entries = gmjax.encode(params, "I4")
+  for name, call in (("gmjax.layout", lambda: gmjax.layout(params, "I4")),
+                     ("gmjax.decode", lambda: gmjax.decode(entries, params, "I4"))):
+    with pytest.raises(TypeError, match=rf"^{name} takes a gmjax.Schema, got dict"):
+      call()
   assert config.plan(gmjax.Schema.from_tree(params)) == (("w",),)
+
+
+def test_nested_outer_options_are_read_only_as_checked():
+  # Only the top level was frozen: a nested schedule could be set to NaN after the
+  # checks, changing the config's hash (a jit-static key) and its JSON.
+  config = gmjax.DiLoCo(sync_every=4, outer="adam", outer_options={
+      "learning_rate": {"schedule": "constant_schedule", "value": 0.1}, "b1": 0.9})
+  before = hash(config)
+  with pytest.raises(TypeError, match="read-only"):
+    config.outer_options["learning_rate"]["value"] = float("nan")
+  assert hash(config) == before
+  assert gmjax.DiLoCo.from_json(json.loads(json.dumps(config.to_json()))) == config
+  config.outer_transform()
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("sync_every", 0, r"sync_every must be a positive int, got 0; e.g. sync_every=500"),
+    ("in_flight", 0, r"in_flight must be a positive int, got 0; e.g. in_flight=1"),
+    ("nesterov", 1, r"nesterov must be a bool, got 1; e.g. nesterov=True"),
+    ("outer_learning_rate", 1e-46, r"outer_learning_rate .* F32 holds .* got 1e-46"),
+])
+def test_bad_values_are_named_with_a_fix(field, value, match):
+  settings = {"sync_every": 4, field: value}
+  with pytest.raises(ValueError, match=match):
+    gmjax.DiLoCo(**settings)
+
+
+def test_from_json_names_a_misspelled_field_and_refuses_text():
+  with pytest.raises(ValueError, match=r"unknown fields \['agregation'\] \('agregation':"
+                                       r" did you mean 'aggregation'\?\); the fields are"):
+    gmjax.DiLoCo.from_json({"sync_every": 4, "agregation": "trimmed_mean"})
+  # The text itself raised 'dictionary update sequence element #0 has length 1'.
+  with pytest.raises(TypeError, match=r"takes the dict to_json gives \(json.loads"):
+    gmjax.DiLoCo.from_json('{"sync_every": 4}')
+
+
+def test_wire_and_rule_take_numpy_integers_as_diloco_does():
+  assert Wire("I4", np.int64(8), np.int64(256)) == Wire("I4", 8, 256)
+  assert type(Wire("I4", np.int64(8)).topk) is int
+  assert robust.Rule("trimmed_mean", trim=np.int64(2)).trim == 2

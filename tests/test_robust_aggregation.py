@@ -110,6 +110,15 @@ def test_too_few_to_trim_takes_the_coordinate_wise_median():
                                 np.median(deltas, axis=0))
 
 
+@pytest.mark.parametrize("trim", [3, 2**31 - 1, 2**31, 2**40])
+def test_any_trim_beyond_the_learners_takes_the_median(trim):
+  # trim=2**31 was accepted, then every round raised OverflowError in effective_trim.
+  deltas = np.array([[1.0, 8.0], [2.0, -9.0], [40.0, 0.5], [3.0, 2.0]], np.float32)
+  rule = gmjax.DiLoCo(sync_every=4, aggregation="trimmed_mean", trim=trim).rule
+  np.testing.assert_array_equal(run_rule(rule, deltas, np.full(4, 0.25), np.ones(4, bool)),
+                                np.median(deltas, axis=0))
+
+
 @pytest.mark.parametrize("name", ["clipped_mean", "trimmed_mean"])
 def test_padding_and_batching_leave_the_bits_alone(name):
   # The mail closer pads its slots to a power of two with left-out zeros, and vmap batches

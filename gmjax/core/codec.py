@@ -37,7 +37,7 @@ def layout(schema: Schema, precision: Precision) -> Schema:
   ``F8_E4M3`` of the logical shape; F4/I4: ``U8`` of shape ``(ceil(n/2),)``; I2: ``U8`` of
   shape ``(ceil(n/4),)``) and ``<name>.scale`` (``F32`` of shape ``(ceil(n/32),)``).
   """
-  return Wire(precision).layout(schema)
+  return Wire(precision).layout(schema, "gmjax.layout")
 
 
 def encode(tree: Any, precision: Precision) -> dict[str, jax.Array]:
@@ -89,7 +89,7 @@ def decode(entries: Mapping[str, Any], schema: Schema, precision: Precision) -> 
     >>> print(f"{float(jnp.abs(back['w'] - delta['w']).max()):.4f}")  # at most scale / 2
     0.0635
   """
-  values = Wire(precision).decode(entries, schema)
+  values = Wire(precision).decode(entries, Schema.given(schema, "gmjax.decode"))
   if schema.treedef is None:
     return values
   return schema.unflatten(values)

@@ -233,7 +233,7 @@ class DiLoCo:
 
   def delta_layout(self, schema: Schema) -> Schema:
     """The payload layout of ``schema``'s deltas (``delta_wire.layout``)."""
-    return self.delta_wire.layout(schema)
+    return self.delta_wire.layout(schema, "DiLoCo.delta_layout")
 
   def __hash__(self):
     # Equal configurations hash alike: ``outer_learning_rate=1`` equals ``1.0``.
@@ -389,12 +389,5 @@ class DiLoCo:
 
   @classmethod
   def from_json(cls, record: Mapping[str, Any]) -> Self:
-    record = dict(record)
-    name = record.pop("name", "DiLoCo")
-    if name != "DiLoCo":
-      raise ValueError(f"not a DiLoCo configuration: name={name!r}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(record) - known)
-    if unknown:
-      raise ValueError(f"unknown DiLoCo fields {unknown}")
-    return cls(**record)
+    """The configuration ``to_json`` gave ``record`` (a dict, ``json.loads`` of its text)."""
+    return cls(**diloco_checks.json_fields(record, [f.name for f in dataclasses.fields(cls)]))

@@ -12,6 +12,7 @@ and ``error_feedback`` by the frozen, normalized values it keeps.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -22,6 +23,7 @@ import numpy as np
 from gmjax.core import eager as eager_updates
 from gmjax.core import feedback, robust
 from gmjax.core.frozen import FrozenDict
+from gmjax.core.frozen import frozen as frozen_json
 from gmjax.core.wire import F32_MAX, check_precision
 
 
@@ -56,10 +58,12 @@ def check_fields(config: Any) -> None:
         " steps, so lower fragments or raise sync_every."
     )
   lr = config.outer_learning_rate
-  if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr <= F32_MAX:
+  if (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr <= F32_MAX
+      or np.float32(lr) == 0):
     raise ValueError(
-        f"DiLoCo outer_learning_rate must be a positive number (at most F32's largest,"
-        f" as the outer step runs in F32), got {lr!r} (the paper uses 0.7)."
+        f"DiLoCo outer_learning_rate must be a positive number that F32 holds (the outer"
+        f" step runs in F32: not 0 there, at most its largest), got {lr!r} (the paper"
+        " uses 0.7)."
     )
   mu = config.outer_momentum
   if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0 <= mu < 1:
@@ -67,7 +71,8 @@ def check_fields(config: Any) -> None:
         f"DiLoCo outer_momentum must be in [0, 1), got {mu!r} (the paper uses 0.9)."
     )
   if not isinstance(config.nesterov, bool):
-    raise ValueError(f"DiLoCo nesterov must be a bool, got {config.nesterov!r}.")
+    raise ValueError(f"DiLoCo nesterov must be a bool, got {config.nesterov!r}; e.g."
+                     " nesterov=True (Nesterov momentum, DiLoCo's outer step).")
   check_precision(config.delta_precision, "delta_precision")
   check_precision(config.commit_precision, "commit_precision")
   _check_sparse(config)
@@ -89,7 +94,8 @@ def check_fields(config: Any) -> None:
   _positive_int("quorum_size", config.quorum_size, allow_none=True)
   _positive_int("global_batch_size", config.global_batch_size, allow_none=True)
   if not isinstance(config.flush_on_close, bool):
-    raise ValueError(f"DiLoCo flush_on_close must be a bool, got {config.flush_on_close!r}.")
+    raise ValueError(f"DiLoCo flush_on_close must be a bool, got {config.flush_on_close!r};"
+                     " True sends a leaving learner's last steps, False drops them.")
   if not isinstance(config.adaptive_steps, bool):
     raise ValueError(
         f"DiLoCo adaptive_steps must be a bool, got {config.adaptive_steps!r}: True lets"
@@ -105,13 +111,13 @@ def check_fields(config: Any) -> None:
     try:
       # A JSON round trip: the manifest stores the options, and every closer must
       # build the same optimizer from them.
-      frozen = json.loads(json.dumps(dict(options), sort_keys=True, allow_nan=False))
+      options_json = json.loads(json.dumps(dict(options), sort_keys=True, allow_nan=False))
     except (TypeError, ValueError) as error:
       raise ValueError(
           f"DiLoCo outer_options must be JSON (numbers, strings, bools, lists, dicts),"
           f" got {options!r}: {error}."
       ) from None
-    object.__setattr__(config, "outer_options", FrozenDict(frozen))
+    object.__setattr__(config, "outer_options", frozen_json(options_json))
   _check_layer_axis(config)
 
 
@@ -156,11 +162,37 @@ def check_exchange(config: Any) -> None:
                        feedback.check(config.error_feedback, config.delta_wire))
 
 
+_EXAMPLES = {"sync_every": "sync_every=500 (inner steps a round)",
+             "fragments": "fragments=1 (plain DiLoCo) or 4 (Streaming DiLoCo)",
+             "in_flight": "in_flight=1 (the default)",
+             "quorum_size": "quorum_size=None (every live learner) or 2",
+             "global_batch_size": "global_batch_size=None, or the tokens of a global batch"}
+
+
 def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
   if allow_none and value is None:
     return
   if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-    raise ValueError(f"DiLoCo {name} must be a positive int, got {value!r}.")
+    raise ValueError(f"DiLoCo {name} must be a positive int, got {value!r}; e.g."
+                     f" {_EXAMPLES[name]}.")
+
+
+def json_fields(record: Any, known: list[str]) -> dict[str, Any]:
+  """The fields of a ``DiLoCo.to_json`` record, or an error naming what is wrong in it."""
+  if not isinstance(record, Mapping):
+    raise TypeError(f"DiLoCo.from_json takes the dict to_json gives (json.loads of its"
+                    f" text), got {type(record).__name__} {str(record)[:80]!r}.")
+  record = dict(record)
+  name = record.pop("name", "DiLoCo")
+  if name != "DiLoCo":
+    raise ValueError(f"DiLoCo.from_json: not a DiLoCo configuration: name={name!r}.")
+  unknown = sorted(set(record) - set(known))
+  if unknown:
+    close = {u: difflib.get_close_matches(u, known, n=1) for u in unknown}
+    hints = "".join(f" ({u!r}: did you mean {c[0]!r}?)" for u, c in close.items() if c)
+    raise ValueError(f"DiLoCo.from_json: unknown fields {unknown}{hints}; the fields are"
+                     f" {sorted(known)}.")
+  return record
 
 
 def _check_sparse(config: Any) -> None:

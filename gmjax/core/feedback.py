@@ -42,10 +42,12 @@ def check(beta: Any, wire: Wire) -> float:
       (they then travel exactly, there is no error to feed back; a top-k delta drops
       values at any precision).
   """
-  if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 < beta <= 1:
+  if (isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 < beta <= 1
+      or np.float32(beta) == 0):
     raise ValueError(
         f"DiLoCo error_feedback must be None (off) or a number in (0, 1], got {beta!r}:"
-        " it is the decay β of the residual e ← β·e + Δ − decode(q) (1 keeps all of it)."
+        " it is the decay β of the residual e ← β·e + Δ − decode(q) (1 keeps all of it),"
+        " in F32, where it must not round to 0."
     )
   if wire.precision == "F32" and not wire.sparse:
     raise ValueError(

@@ -42,6 +42,16 @@ class FrozenDict(dict):
     return repr(dict(self))
 
 
+def frozen(value: Any) -> Any:
+  """A JSON-like ``value`` read-only all the way down: dicts as ``FrozenDict``, lists as
+  tuples."""
+  if isinstance(value, dict):
+    return FrozenDict({k: frozen(v) for k, v in value.items()})
+  if isinstance(value, (list, tuple)):
+    return tuple(frozen(v) for v in value)
+  return value
+
+
 def json_hash(value: Any) -> int:
   """A hash of a JSON-like value that values equal in Python share: ``1`` and ``1.0``
   (equal, but written apart by ``json.dumps``) hash alike, as do equal dicts of any key

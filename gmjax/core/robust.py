@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gmjax.core import guards
 from gmjax.core import round as round_ops
@@ -103,7 +104,8 @@ def median(values: jax.Array, keep: jax.Array) -> jax.Array:
 def effective_trim(trim: int, count: jax.Array) -> jax.Array:
   """``t = min(trim, ⌊(K − 1)/2⌋)`` (0 without kept deltas), int32."""
   count = jnp.asarray(count, jnp.int32)
-  return jnp.clip((count - 1) // 2, 0, trim).astype(jnp.int32)
+  # A trim beyond int32 is beyond every count: clipped to it, it stays a valid bound.
+  return jnp.clip((count - 1) // 2, 0, min(trim, 2**31 - 1)).astype(jnp.int32)
 
 
 def trimmed_mean(stacked: jax.Array, keep: jax.Array, trim: int, axis: int = 0
@@ -184,6 +186,8 @@ class Rule:
   outlier_factor: float | None = guards.OUTLIER_FACTOR
 
   def __post_init__(self):
+    if isinstance(self.trim, np.integer):  # as gmjax.DiLoCo takes it
+      object.__setattr__(self, "trim", int(self.trim))
     check(self.name, self.trim, self.outlier_factor)
 
   @property

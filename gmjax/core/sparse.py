@@ -84,6 +84,7 @@ def select(value: jax.Array, topk: int, chunk: int) -> tuple[jax.Array, jax.Arra
   """
   flat = jnp.ravel(value)
   size = flat.size
+  chunk = _length(chunk, size)
   chunks = -(-size // chunk)
   kept = min(topk, chunk)
   key = lax.bitcast_convert_type(flat.astype(jnp.float32), jnp.int32) & _ABS_BITS
@@ -109,6 +110,13 @@ def select(value: jax.Array, topk: int, chunk: int) -> tuple[jax.Array, jax.Arra
   return flat.reshape(-1), order.reshape(-1)
 
 
+def _length(chunk: int, size: int) -> int:
+  """The chunk length a leaf of ``size`` values is worked in: a leaf shorter than a chunk
+  is one chunk of its own length (the same indices), so that selecting and scattering
+  it take memory and sorts of its size, not of ``chunk``."""
+  return max(1, min(chunk, size))
+
+
 def _chunk_starts(size: int, topk: int, chunk: int) -> np.ndarray:
   """The first position of the chunk of each kept value (static)."""
   counts = chunk_counts(size, topk, chunk)
@@ -122,6 +130,7 @@ def scatter(values: jax.Array, indices: jax.Array, size: int, topk: int, chunk: 
   Chunk by chunk (one scatter batched over the chunks), so that values split over
   devices in pieces of whole chunks are written where they lie.
   """
+  chunk = _length(chunk, size)
   chunks = -(-size // chunk)
   kept = min(topk, chunk)
   values = jnp.asarray(values).astype(jnp.float32)

@@ -63,6 +63,9 @@ class Wire:
 
   def __post_init__(self):
     check_precision(self.precision)
+    for field in ("topk", "chunk"):  # numpy integers, as gmjax.DiLoCo takes them
+      if isinstance(getattr(self, field), np.integer):
+        object.__setattr__(self, field, int(getattr(self, field)))
     topk, chunk = self.topk, self.chunk
     if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
       raise ValueError(
@@ -97,8 +100,8 @@ class Wire:
                                                                    self.chunk),))
                  for s in specs)
 
-  def layout(self, schema: Schema) -> Schema:
-    """What ``schema``'s tensors travel as.
+  def layout(self, schema: Schema, where: str = "Wire.layout") -> Schema:
+    """What ``schema``'s tensors travel as (``where``: the caller, for a bad ``schema``).
 
     Each (kept) leaf in the precision's dtype, or as it is with ``None``; a quantized one
     as its codes (F8: ``F8_E4M3`` of the logical shape; F4/I4: ``U8`` of shape
@@ -107,7 +110,7 @@ class Wire:
     ``<name>.index`` beside them.
     """
     specs = []
-    for spec in self._kept(Schema.given(schema, "DiLoCo.delta_layout").parameters):
+    for spec in self._kept(Schema.given(schema, where).parameters):
       if self.precision is None:
         specs.append(spec)
       elif self.precision in DTYPES:
@@ -222,7 +225,7 @@ class Wire:
       ValueError: an entry's shape or dtype is not the layout's, or (``topk``) an index
         entry is out of its chunk's range or does not rise (``sparse.index_problem``).
     """
-    layout = self.layout(schema)
+    layout = self.layout(schema, "Wire.decode")
     wanted = layout.names
     missing = [n for n in wanted if n not in entries]
     if missing:
@@ -270,7 +273,7 @@ class Wire:
   def zeros(self, schema: Schema) -> dict[str, np.ndarray]:
     """Host entries of all-zero tensors (with ``topk``, the first indices of each chunk)."""
     entries = {s.name: np.zeros(s.shape, NUMPY_DTYPES[s.dtype])
-               for s in self.layout(schema).parameters}
+               for s in self.layout(schema, "Wire.zeros").parameters}
     if self.topk is not None:
       for spec in schema.parameters:
         counts = sparse.chunk_counts(spec.size, self.topk, self.chunk)
