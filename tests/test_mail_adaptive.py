@@ -349,16 +349,13 @@ def test_one_slow_step_does_not_set_the_pace():
   assert seconds < 0.1, seconds  # a moving average seeded at 0.5 s was still ~0.27 s
 
 
-@pytest.mark.timeout(120)
-def test_a_learner_too_slow_for_fixed_steps_is_told_to_adapt(tmp_path, caplog):
-  # Five times slower with fixed steps, a learner missed every round after its first,
-  # silently (an info line each), while its heartbeat said it trained.
-  url = str(tmp_path / "run")
-  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=16))
-  done, together = threading.Event(), threading.Barrier(2)
+def _train_until_the_slow_one_stops(run, poll, learners):
+  """Trains ``(name, seconds a step, steps or None)`` learners in threads from one start;
+  those without a step count train until one with a count has trained its steps."""
+  done, together = threading.Event(), threading.Barrier(len(learners))
 
   def learn(name, sleep, steps):
-    learner = run.join(name, poll_interval=POLL, wait_timeout=60.0)
+    learner = run.join(name, poll_interval=poll, wait_timeout=60.0)
     params = learner.pull(ms.params0())
     together.wait()
     count = 0
@@ -370,9 +367,18 @@ def test_a_learner_too_slow_for_fixed_steps_is_told_to_adapt(tmp_path, caplog):
     learner.close(params)
 
   threads = ms.Threads()
-  threads.start(learn, "fast", 0.005, None)
-  threads.start(learn, "slow", 0.05, 96)
+  for learner in learners:
+    threads.start(learn, *learner)
   threads.join(100)
+
+
+@pytest.mark.timeout(120)
+def test_a_learner_too_slow_for_fixed_steps_is_told_to_adapt(tmp_path, caplog):
+  # Five times slower with fixed steps, a learner missed every round after its first,
+  # silently (an info line each), while its heartbeat said it trained.
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=16))
+  _train_until_the_slow_one_stops(run, POLL, [("fast", 0.005, None), ("slow", 0.05, 96)])
   warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"
             and "rounds in a row closed before it got to them" in r.getMessage()]
   assert warned and all(m.startswith("learner 'slow'") for m in warned), warned
@@ -387,26 +393,10 @@ def test_a_learner_too_slow_for_adaptive_steps_is_told_why(tmp_path, caplog):
   # round's period was late for every round, with only an info line each.
   run = mail.create(str(tmp_path / "run"), ms.params0(),
                     gmjax.DiLoCo(sync_every=8, adaptive_steps=True))
-  done, together = threading.Event(), threading.Barrier(3)
-
-  def learn(name, sleep, steps):
-    # A grace of 30 polls (0.3 s) that its 0.6 s steps outlast.
-    learner = run.join(name, poll_interval=0.01, wait_timeout=60.0)
-    params = learner.pull(ms.params0())
-    together.wait()
-    count = 0
-    while (count < steps) if steps else not done.is_set():
-      time.sleep(sleep)
-      params = learner.step(ms.inner(params, ms.target(0)))
-      count += 1
-    done.set()
-    learner.close(params)
-
-  threads = ms.Threads()
-  threads.start(learn, "fast", 0.01, None)
-  threads.start(learn, "fast-2", 0.01, None)  # a quorum of two: rounds close without it
-  threads.start(learn, "slow", 0.6, 8)
-  threads.join(100)
+  # A grace of 30 polls (0.3 s) that the slow one's 0.6 s steps outlast; a quorum of
+  # two closes the rounds without it.
+  _train_until_the_slow_one_stops(
+      run, 0.01, [("fast", 0.01, None), ("fast-2", 0.01, None), ("slow", 0.6, 8)])
   warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"
             and "rounds in a row closed before it got to them" in r.getMessage()]
   assert warned and all(m.startswith("learner 'slow'") for m in warned), warned
