@@ -138,6 +138,8 @@ def test_gap_bad_heartbeat_and_wrong_key(url):
   assert any(p.startswith("learners/x.json") for p in problems)
   assert mail.verify(url, key="wrong")[0].startswith("manifest.json")
   assert _status(url, "--verify") == 1
+  # Nothing was pruned: the header said "the last 3 kept" of the 4 rounds.
+  assert "rounds committed: 4 (3 readable, " in mail.format_status(mail.open(url, key=KEY))
 
 
 def test_a_planted_version_far_above_the_others_is_one_gap(url, capsys):

@@ -176,8 +176,13 @@ def format_status(run, *, last: int | None = 50, problems: Sequence[str] | None 
   except CorruptRecord:
     rounds = []  # the problems above say which record
   shown = rounds if last is None else rounds[len(rounds) - min(int(last), len(rounds)):]
+  # The records a run keeps are each fragment's newest keep_versions; fewer is damage
+  # (the problems above), not pruning.
+  keep = status["keep_versions"] or max(status["versions"].values(), default=0)
+  pruned = sum(min(v, keep) for v in status["versions"].values()) == status["rounds_kept"]
   kept = ("" if status["rounds_kept"] == status["rounds"]
-          else f"the last {status['rounds_kept']} kept, ")
+          else f"the last {status['rounds_kept']} kept, " if pruned
+          else f"{status['rounds_kept']} readable, ")
   lines += [
       f"run {status['run']}: {status['parameters']:,} parameters in {status['leaves']}"
       f" leaves, {status['fragments']} fragment(s), sync every {status['sync_every']}"
