@@ -185,3 +185,19 @@ def test_edited_record_fields_are_checked_against_the_schedule(tmp_path):
   problems = mail.verify(url)
   assert any("step 7, expected 2" in p for p in problems)
   assert any("weights sum to 0.5" in p for p in problems)
+
+
+def test_status_json_writes_a_nan_loss_and_an_infinite_pace_as_null(tmp_path, capsys):
+  # json.dumps wrote them bare (NaN, Infinity), which jq and JSON.parse refuse.
+  from gmjax.mail import heartbeats  # pylint: disable=g-import-not-at-top
+
+  url = str(tmp_path / "run")
+  ms.train(mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2)), "w0", 0, 2)
+  mail.open(url).store.put("learners/h.json", heartbeats.dumps(
+      {"name": "h", "status": "live", "seq": 1, "loss": float("nan"),
+       "step_seconds": 5e-324}, None))
+  assert cli.main(["status", url, "--json"]) == 0
+  refuse = lambda constant: pytest.fail(f"bare {constant} in gmjax status --json")
+  report = json.loads(capsys.readouterr().out, parse_constant=refuse)
+  (h,) = [learner for learner in report["status"]["learners"] if learner["name"] == "h"]
+  assert h["loss"] is None and h["steps_per_second"] is None

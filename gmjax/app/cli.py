@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import sys
+from typing import Any
 
 
 def results_table(losses: dict, sent: dict) -> str:
@@ -185,9 +187,22 @@ def _print_status(run, problems: list[str], args) -> None:
       if not problems:
         raise
       summary = {"status": None, "rounds": None, "error": str(error)}  # see the problems
-    print(json.dumps({**summary, "problems": problems}, indent=2, default=str))
+    print(json.dumps(_strict({**summary, "problems": problems}), indent=2, default=str,
+                     allow_nan=False))
   else:
     print(format_status(run, problems=problems))
+
+
+def _strict(value: Any) -> Any:
+  """``value`` with each NaN or infinity (a heartbeat's loss, a pace of 1/0 s) as None:
+  standard JSON, which strict parsers (jq, JSON.parse) read; Python writes them bare."""
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  if isinstance(value, dict):
+    return {k: _strict(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_strict(v) for v in value]
+  return value
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,10 +40,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from gmjax.core.frozen import FrozenDict
 from gmjax.core.guards import quote
 from gmjax.mail import layout
 from gmjax.mail import signing
+from gmjax.mail.heartbeat_record import Heartbeat as Heartbeat  # gmjax.mail.Heartbeat
 from gmjax.mail.store import BadObject, Store
 
 log = logging.getLogger(__name__)
@@ -147,93 +147,6 @@ def parse(name: str, data: bytes, key: bytes | None) -> dict[str, Any]:
   return record
 
 
-_ALWAYS = ("name", "pid", "host", "joined_at", "incarnation", "status", "seq", "step",
-           "first_round", "final_rounds", "versions", "step_seconds", "trained",
-           "idle_seconds", "last_seen")  # what every heartbeat of a learner holds
-_WHEN_SET = ("loss", "closed_at", "error", "beat_seconds", "claim")  # not in every one
-
-
-@dataclasses.dataclass(frozen=True)
-class Heartbeat:
-  """A learner's heartbeat (``learners/<name>.json``) as ``parse`` accepted it, typed.
-
-  A field a heartbeat lacks reads as None (``final_rounds`` as ``()`` and ``versions``
-  as ``{}``), e.g. ``beat_seconds`` and ``claim`` in those written before them. ``to_json`` gives the JSON a learner writes (``beats.HeartbeatWriter``):
-  the fields of ``_ALWAYS``, then ``loss``, ``closed_at`` and ``error`` when not None,
-  then any others (the signature included) as they came.
-
-  Attributes:
-    name: the learner.
-    status: ``live``, ``closing``, ``closed``, ``failed`` (or another word: not live).
-    seq: the heartbeat's number within its incarnation (from 1).
-    pid: the learner's process id.
-    host: the learner's host name.
-    joined_at: when the learner joined (UTC ISO).
-    incarnation: this join of the name.
-    step: the learner's global step.
-    first_round: the first round it contributes to.
-    final_rounds: the rounds its last contributions go to (while ``closing``).
-    versions: the version of each fragment it holds, by fragment (as a string).
-    step_seconds: seconds per step it reports, or None.
-    trained: steps it trained since it joined.
-    idle_seconds: seconds its ``step``/``close`` waited for commits.
-    last_seen: when it wrote the heartbeat (UTC ISO, by its clock).
-    loss: the last loss it reported, or None.
-    closed_at: when it closed (UTC ISO), or None.
-    error: why its background work failed (``failed``), or None.
-    beat_seconds: seconds between its periodic beats.
-    claim: the number of the incarnation's claim on the name (``gmjax.mail.names``).
-    extra: fields this version does not know, kept in their order.
-  """
-
-  name: str
-  status: str
-  seq: int
-  pid: Any = None
-  host: str | None = None
-  joined_at: str | None = None
-  incarnation: Any = None
-  step: int | None = None
-  first_round: int | None = None
-  final_rounds: tuple[int, ...] = ()
-  versions: Mapping[str, int] = dataclasses.field(
-      default_factory=lambda: FrozenDict({}))
-  step_seconds: float | None = None
-  trained: int | None = None
-  idle_seconds: float | None = None
-  last_seen: str | None = None
-  loss: float | None = None
-  closed_at: str | None = None
-  error: Any = None
-  beat_seconds: float | None = None
-  claim: int | None = None
-  extra: Mapping[str, Any] = dataclasses.field(
-      default_factory=lambda: FrozenDict({}))
-
-  def __post_init__(self):
-    object.__setattr__(self, "final_rounds", tuple(self.final_rounds))
-    object.__setattr__(self, "versions", FrozenDict(dict(self.versions)))
-    object.__setattr__(self, "extra", FrozenDict(dict(self.extra)))
-
-  def to_json(self) -> dict[str, Any]:
-    """The heartbeat as a learner writes it (see the class docstring)."""
-    record = {name: getattr(self, name) for name in _ALWAYS}
-    record["final_rounds"] = list(self.final_rounds)
-    record["versions"] = dict(self.versions)
-    record.update({name: getattr(self, name) for name in _WHEN_SET
-                   if getattr(self, name) is not None})
-    record.update(self.extra)
-    return record
-
-  @classmethod
-  def from_json(cls, record: Mapping[str, Any]) -> Heartbeat:
-    """A heartbeat that ``parse`` accepted (its checks are not repeated here)."""
-    known = {name: record[name] for name in (*_ALWAYS, *_WHEN_SET)
-             if record.get(name) is not None}
-    return cls(**known, extra={k: v for k, v in record.items()
-                               if k not in _ALWAYS and k not in _WHEN_SET})
-
-
 @dataclasses.dataclass(frozen=True)
 class Heartbeats:
   """What one read of ``learners/`` found: valid heartbeats, and why others were ignored.
@@ -247,25 +160,38 @@ class Heartbeats:
   bad: dict[str, str]
 
 
-def scan(store: Store, key: bytes | None = None) -> Heartbeats:
-  """Reads and checks every heartbeat of the run."""
+def scan(store: Store, key: bytes | None = None,
+         cache: dict[str, tuple[Any, Any]] | None = None) -> Heartbeats:
+  """Reads and checks every heartbeat of the run.
+
+  With a ``cache`` the caller keeps between scans, a file whose change marker
+  (``Store.list_marked``) is the one it had at its last read is not read again: files
+  planted in ``learners/`` cost an observer's scan a listing, and a read when they change.
+  """
   records, bad = {}, {}
-  for entry in store.list("learners"):
+  listed = (dict.fromkeys(store.list("learners")) if cache is None
+            else store.list_marked("learners"))
+  for gone in set(cache or ()) - set(listed):
+    del cache[gone]
+  for entry, marker in listed.items():
     if not entry.endswith(".json"):
       continue
     name = entry[: -len(".json")]
     if not layout.is_valid_name(name):
       bad[quote(name)] = f"not a valid learner name ({layout.NAME_PATTERN.pattern})"
       continue
-    try:
-      records[name] = parse(name, store.read(layout.heartbeat(name), MAX_HEARTBEAT_BYTES),
-                            key)
-    except FileNotFoundError:
-      continue  # removed between list and read
-    except BadObject as error:
-      bad[name] = error.reason
-    except BadHeartbeat as error:
-      bad[name] = error.reason
+    found = (cache or {}).get(entry)
+    if found is None or marker is None or found[0] != marker:
+      try:
+        found = marker, parse(name, store.read(layout.heartbeat(name), MAX_HEARTBEAT_BYTES),
+                              key)
+      except FileNotFoundError:
+        continue  # removed between list and read
+      except (BadObject, BadHeartbeat) as error:
+        found = marker, error.reason
+      if cache is not None:
+        cache[entry] = found
+    (bad if isinstance(found[1], str) else records)[name] = found[1]
   return Heartbeats(records, bad)
 
 
@@ -326,10 +252,11 @@ class Roster:
     self._newest: dict[tuple[str, Any], int] = {}  # (name, incarnation) -> highest seq
     self._rises: dict[tuple[str, Any], int] = {}  # how often that seq rose here
     self.refreshed = float("-inf")
+    self._read: dict[str, tuple[Any, Any]] = {}  # scan's cache: file -> (marker, result)
 
   def refresh(self) -> None:
     now = time.monotonic()
-    found = scan(self._store, self._key)
+    found = scan(self._store, self._key, self._read)
     for name, reason in found.bad.items():
       if self.bad.get(name) != reason:  # once per reason, not once per poll
         log.warning("heartbeat of %s ignored: %s", name, reason)

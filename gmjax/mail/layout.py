@@ -41,6 +41,16 @@ def is_valid_name(name: str) -> bool:
   return bool(NAME_PATTERN.fullmatch(name))
 
 
+_CLAIM = re.compile(r"[1-9][0-9]{0,15}")  # as names.claim writes them
+MAX_CLAIM = 2**53
+
+
+def claim_number(entry: str) -> int | None:
+  """The number of the claim ``entry`` of a ``learners/<name>.claims`` folder, or None
+  for anything else there (planted: no join writes it, no reader counts it)."""
+  return int(entry) if _CLAIM.fullmatch(entry) and int(entry) < MAX_CLAIM else None
+
+
 def heartbeat(name: str) -> str:
   return f"learners/{name}.json"
 

@@ -30,7 +30,6 @@ Entries of ``learners/<name>.claims/`` that are not claim numbers as joins write
 from __future__ import annotations
 
 import os
-import re
 import socket
 import time
 from typing import Any
@@ -40,8 +39,6 @@ from gmjax.mail import layout
 from gmjax.mail.errors import NameTaken
 from gmjax.mail.store import BadObject
 
-_CLAIM = re.compile(r"[1-9][0-9]{0,15}")  # as claim() writes them; others were planted
-MAX_CLAIM = 2**53
 MAX_CLAIM_BYTES = 256  # a claim holds its incarnation, 32 hex digits
 # Rises of the holder's seq that show it alive: more than a replay of two old heartbeats
 # can make (one), far fewer than a live learner makes in a liveness timeout (ten).
@@ -53,8 +50,7 @@ def _claims(name: str) -> str:
 
 
 def _newest_claim(store, name: str) -> tuple[int, str | None]:
-  numbers = [int(e) for e in store.list(_claims(name)) if _CLAIM.fullmatch(e)]
-  numbers = [n for n in numbers if n < MAX_CLAIM]
+  numbers = [n for e in store.list(_claims(name)) if (n := layout.claim_number(e))]
   if not numbers:
     return 0, None
   newest = max(numbers)
@@ -183,7 +179,7 @@ def claim(store, name: str, *, incarnation: str, liveness_timeout: float,
       time.sleep(poll_interval)
       record = _heartbeat(store, name, key)
       state = _holder_state(record, holder)
-  if number + 1 >= MAX_CLAIM:  # its claim would be one no reader counts
+  if number + 1 >= layout.MAX_CLAIM:  # its claim would be one no reader counts
     raise NameTaken(
         f"learner name {name!r} has a claim {number}, the last a reader counts: it was"
         f" planted; delete {_claims(name)}/{number} from the run (it names no live"

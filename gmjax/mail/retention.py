@@ -51,7 +51,6 @@ DEAD_TIMEOUTS = 10
 """Liveness timeouts a heartbeat (or planted file) stays unchanged before it is compacted."""
 MAX_LISTED_STRANGERS = 8
 """Rejections a round record lists of files whose names never joined the run."""
-_CLAIM = re.compile(r"[1-9][0-9]{0,15}")
 _LEADING_VERSION = re.compile(r"(0|[1-9][0-9]*)[.-]")
 
 
@@ -342,9 +341,17 @@ class Compactor:
     when it is None; only the older ones with ``older_only``). Claims are deleted one
     by one, so a claim made by a join since is kept."""
     folder = f"learners/{name}.claims"
-    numbers = sorted(int(e) for e in self._store.list(folder) if _CLAIM.fullmatch(e))
+    entries = self._store.list(folder)
+    numbers = sorted(n for e in entries if (n := layout.claim_number(e)))
+    # Anything else there was planted (no join writes it; ``list`` shows no store
+    # temporaries): deleted whenever the claims are judged.
+    removed = [f"{folder}/{e}" for e in entries if layout.claim_number(e) is None]
+    for path in removed:
+      self._store.delete(path)
     if not numbers:
-      return []
+      if removed:
+        self._store.delete_empty_folder(folder)
+      return removed
     last = numbers[-1]
     if incarnation is not None:
       try:
@@ -352,9 +359,8 @@ class Compactor:
       except (FileNotFoundError, ValueError):
         held = None
       if held != incarnation:
-        return []  # a newer join holds the name: its claims are not ours to judge
+        return removed  # a newer join holds the name: its claims are not ours to judge
     keep = last if older_only else last + 1
-    removed = []
     for number in numbers:
       if number < keep:
         self._store.delete(f"{folder}/{number}")
