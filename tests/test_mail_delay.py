@@ -156,6 +156,13 @@ def test_a_delta_that_is_not_finite_raises_and_is_not_sent(tmp_path, settings):
     with pytest.raises(ValueError, match="'b'"):
       a.step(bad)
     assert not run.store.exists("rounds/0/a.safetensors")
+    # The step had counted and its round was never sent: the learner took further steps
+    # and then waited for a commit that could not come (alone, until wait_timeout). It
+    # fails as a learner whose publish fails: heartbeat failed, no more steps.
+    with pytest.raises(mail.LearnerClosed, match=r"an earlier step\(\)'s delta was not finite"):
+      a.step(pa)
+    ms.wait_for(lambda: run.learners()["a"].status == "failed", 10, "a's failed heartbeat")
+    a.close(pa)  # its final contributions are left out, with a warning
   finally:
     _close_quietly((a, pa), (b, pb))
 

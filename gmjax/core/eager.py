@@ -75,7 +75,8 @@ def check(config: Any) -> None:
   if config.mixing != 0:
     raise ValueError(
         f"DiLoCo outer_delay=1 starts each phase at the delayed Θ (its delta counts the"
-        f" whole phase), so it needs mixing=0, got mixing={config.mixing!r}.")
+        f" whole phase), so it needs mixing=0, got mixing={config.mixing!r}; set mixing=0"
+        " or outer_delay=0.")
   if config.eager:
     options = dict(config.outer_options or {})
     if config.outer != "sgd" or any(isinstance(v, Mapping) for v in options.values()):

@@ -44,7 +44,7 @@ from gmjax.mail.beats import Beat, HeartbeatWriter
 from gmjax.mail.closer import HEARTBEAT_POLLS
 from gmjax.mail.errors import LearnerClosed, NameTaken, RoundTimeout
 from gmjax.mail.learner_resume import Resuming
-from gmjax.mail.learner_rounds import Rounds
+from gmjax.mail.learner_rounds import NonFiniteDelta, Rounds
 from gmjax.mail.manifest import utc_now
 from gmjax.mail.worker import Worker
 
@@ -146,7 +146,7 @@ class Learner(Resuming, Rounds):
     self._last_step_end: float | None = None
     self._step_entered: float | None = None
     self._round_work = False  # whether the last step() published or merged a round
-    self._timed_out = False  # whether a step() raised RoundTimeout (it takes no more)
+    self._spent: str | None = None  # why a step() left it unable to step on (no more)
     self.idle_seconds = 0.0
     self._resumed: float | None = None  # when this step()'s last wait ended
     self.adaptive = bool(self.config.adaptive_steps)
@@ -255,11 +255,8 @@ class Learner(Resuming, Rounds):
     that nothing it trained is left in it) publishes the round at the next step.
     """
     self._check_open("step")
-    if self._timed_out:
-      raise LearnerClosed(
-          f"learner {self.name!r}: an earlier step() raised RoundTimeout, and a step after"
-          " it would skip that step's round: close(params) this learner (it waits for its"
-          " rounds again) and join again (with a state_dir, restore goes on from its save).")
+    if self._spent is not None:
+      raise LearnerClosed(f"learner {self.name!r}: {self._spent}.")
     if not self._pulled:
       raise ValueError(f"learner {self.name!r}: call pull(params) before step().")
     position = learner_args.check_step(self._state_dir, self.name, state, position,
@@ -327,9 +324,9 @@ class Learner(Resuming, Rounds):
       if flat is not None:
         try:
           self._finish(flat, flush=flush)
-        except RoundTimeout as error:
-          log.warning("learner %r: leaving without the rounds still in flight: %s",
-                      self.name, error)
+        except (RoundTimeout, NonFiniteDelta) as error:
+          log.warning("learner %r: leaving without the rounds still in flight or its final"
+                      " contributions: %s", self.name, error)
     finally:
       self._closed = True
       self._clean_up()

@@ -65,6 +65,7 @@ from gmjax.core import feedback
 from gmjax.core.schema import Schema
 from gmjax.mail import delayed
 from gmjax.mail import heartbeats
+from gmjax.mail import pace
 from gmjax.mail import placement
 from gmjax.mail import retention
 from gmjax.mail import states
@@ -75,15 +76,8 @@ log = logging.getLogger("gmjax.mail.learner")  # one log for the learner, whiche
 LATE_WARNING = 3  # rounds in a row a learner is late for before it is told why
 
 
-def late_because(adaptive: bool) -> str:
-  """Why a learner is late for round after round, and what to do."""
-  if adaptive:
-    return ("with adaptive steps a round lasts the fastest learner's time for its steps,"
-            " and one step of this learner (or a save of its state) takes longer than"
-            " that; raise sync_every, or run this learner on faster hardware")
-  return ("with fixed steps a learner slower than the others by more than the run's grace"
-          " misses every round; pass adaptive_steps=True to gmjax.DiLoCo for learners of"
-          " different speeds")
+class NonFiniteDelta(ValueError):
+  """A learner's delta that it encodes itself (error feedback, eager) is not finite."""
 
 
 class Rounds:
@@ -94,7 +88,7 @@ class Rounds:
   ``_step_seconds``, and reads and updates its ``step_count``, ``_anchors``,
   ``_versions``, ``_outstanding`` (``(round, version, due step)``), ``_unadopted``,
   ``_futures``, ``_steps_since``, ``_tokens_since``, ``_residuals``, ``_delay``,
-  ``_applied``, ``_late_rounds``, ``_pulled_records``, ``_round_work``, ``_timed_out``
+  ``_applied``, ``_late_rounds``, ``_pulled_records``, ``_round_work``, ``_spent``
   and its wait accounting (``idle_seconds``, ``_resumed``).
   """
 
@@ -103,8 +97,9 @@ class Rounds:
     step reaches (by the schedule, or by its pace with adaptive steps), merges again.
 
     A ``RoundTimeout`` here leaves the step counted and its round unpublished or not
-    merged; the learner then takes no more steps (``_timed_out``): the next would skip
-    that round, and its delta would hold more steps than a round allows.
+    merged, and so does a delta that is not finite (``NonFiniteDelta``, its heartbeat
+    failed); the learner then takes no more steps (``_spent``): the next would skip that
+    round, and its delta would hold more steps than a round allows.
     """
     try:
       self._merge_due(flat)
@@ -128,7 +123,14 @@ class Rounds:
           # step).
           self.step_count = min(self.step_count, self.schedule.step_of(round_) - 1)
     except RoundTimeout:
-      self._timed_out = True
+      self._spent = ("an earlier step() raised RoundTimeout, and a step after it would skip"
+                     " that step's round: close(params) this learner (it waits for its rounds"
+                     " again) and join again (with a state_dir, restore goes on from its save)")
+      raise
+    except NonFiniteDelta as error:  # failed, as a learner whose publish fails
+      self._spent = f"an earlier step()'s delta was not finite ({error}): join again"
+      if self._beats is not None:
+        self._beats.fail(error)
       raise
 
   def _deadline(self) -> float:
@@ -261,7 +263,7 @@ class Rounds:
         log.warning(
             "learner %r: %d rounds in a row closed before it got to them (the last, %d),"
             " and the steps it trains count for nothing: %s", self.name,
-            self._late_rounds, round_, late_because(self._pacer is not None))
+            self._late_rounds, round_, pace.late_because(self._pacer is not None))
     else:
       self._late_rounds = 0
     if not late and (self.primary or eager_):
@@ -383,12 +385,15 @@ def _encode(config: Any, schema: Schema, residual: dict[str, np.ndarray] | None,
   residual; ``decoded`` (what the entries decode to) only if ``decode``.
 
   Raises:
-    ValueError: the value to send holds NaN or Inf (names the leaf).
+    NonFiniteDelta: the value to send holds NaN or Inf (names the leaf).
   """
-  if residual is not None:
-    entries, decoded, residual = feedback.encode(
-        residual, delta, config.error_feedback, schema, config.delta_wire)
-    return entries, decoded if decode else None, residual
-  entries = config.delta_wire.encode(delta, schema)
+  try:
+    if residual is not None:
+      entries, decoded, residual = feedback.encode(
+          residual, delta, config.error_feedback, schema, config.delta_wire)
+      return entries, decoded if decode else None, residual
+    entries = config.delta_wire.encode(delta, schema)
+  except ValueError as error:  # the encoders' one refusal of these values
+    raise NonFiniteDelta(str(error)) from None
   decoded = config.delta_wire.decode(entries, schema) if decode else None
   return entries, decoded, None

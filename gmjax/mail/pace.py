@@ -58,6 +58,17 @@ from gmjax.mail.records import RoundRecord
 log = logging.getLogger(__name__)
 
 
+def late_because(adaptive: bool) -> str:
+  """Why a learner is late for round after round, and what to do."""
+  if adaptive:
+    return ("with adaptive steps a round lasts the fastest learner's time for its steps,"
+            " and one step of this learner (or a save of its state) takes longer than"
+            " that; raise sync_every, or run this learner on faster hardware")
+  return ("with fixed steps a learner slower than the others by more than the run's grace"
+          " misses every round; pass adaptive_steps=True to gmjax.DiLoCo for learners of"
+          " different speeds")
+
+
 def fastest(seconds: Iterable[float | None]) -> float | None:
   """The fastest credible pace among reported seconds per step, or None if none is.
 
