@@ -365,3 +365,36 @@ def test_a_schedule_read_from_the_state_is_the_plans_and_keeps_training_going():
     params, state = step(params, state, not schedule.due(int(state.count)))
   assert int(state.count) == 16 and int(state.stats.dropped) == 0
   assert int(state.stats.rounds) == 5  # a fragment every 3 steps
+
+
+def test_the_step_count_keeps_its_layout_across_the_two_programs_on_an_auto_mesh():
+  # On an Auto mesh the step with the round returned the count replicated (the maximum
+  # over the learners that keeps its loops unbatched) and the step between rounds
+  # returned it split over the learners: every switch between the two programs met a new
+  # input layout and compiled again (5 programs in 12 steps).
+  config = gmjax.DiLoCo(sync_every=3)
+  optimizer = gmjax.diloco(optax.sgd(0.1), config, axis_name="learner")
+
+  def step(params, state, x, between_rounds):
+    grads = jax.grad(lambda p: jnp.mean((x @ p["w"] - 1.0) ** 2))(params)
+    updates, state = optimizer.update(grads, state, params, between_rounds=between_rounds)
+    return optax.apply_updates(params, updates), state
+
+  mesh = jax.make_mesh((2, 2), ("learner", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+  with jax.set_mesh(mesh):
+    params = {"w": jax.device_put(jnp.ones((2, 128, 4)) / 8,
+                                  NamedSharding(mesh, P("learner", "fsdp")))}
+    x = jax.device_put(jnp.ones((2, 8, 128)), NamedSharding(mesh, P("learner")))
+    spmd = dict(axis_name="learner", spmd_axis_name="learner")
+    state = jax.vmap(optimizer.init, **spmd)(params)
+    jitted = jax.jit(jax.vmap(step, in_axes=(0, 0, 0, None), **spmd), static_argnums=3)
+    schedule, layouts = config.schedule(state), {}
+    for count in range(3 * config.sync_every):
+      free = not schedule.due(count)
+      params, state = jax.block_until_ready(jitted(params, state, x, free))
+      layouts.setdefault(free, set()).add(state.count.sharding.spec)
+  # After the first step (whose state comes from init, laid out otherwise), the same.
+  assert layouts[True] == {P("learner")} and P("learner") in layouts[False]
+  # The statistics the first round writes still leave init's layout once (one program
+  # more than on an explicit mesh).
+  assert jitted._cache_size() <= 4

@@ -295,6 +295,8 @@ def diloco(
         layout, config, tx, axis_name, learner, (params, inner_updates), round_state,
         first, sync_index, merge_index, dropped, anyone_dropped,
     )
-    return new_updates, DiLoCoState(inner_state, t, *round_state)
+    # The count laid out as it came (batched under vmap, as the steps between rounds
+    # return it): one program a kind of step, not one a switch between them.
+    return new_updates, DiLoCoState(inner_state, state.count + (t - count), *round_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
