@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import optax
 from flax import nnx
 
 import gmjax
@@ -146,3 +147,11 @@ def test_many_leaves():
   schema = gmjax.Schema.from_tree(tree)
   assert len(schema) == 20_000 and schema["block9999/w"].shape == (2,)
   assert schema.unflatten(schema.flatten(tree)).keys() == tree.keys()
+
+
+def test_a_tree_without_arrays_is_refused_saying_what_to_pass():
+  # gmjax.diloco(...).init({}) said only "Schema.from_tree got a tree with no array
+  # leaves.", naming neither what was given nor what to give.
+  optimizer = gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=2))
+  with pytest.raises(ValueError, match=r"no array leaves \(dict \{\}\): pass the parameters"):
+    optimizer.init({})

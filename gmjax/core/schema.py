@@ -181,7 +181,10 @@ class Schema:
     """The schema of a pytree of float arrays (dicts, lists, NamedTuples, nnx.State)."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     if not leaves:
-      raise ValueError("Schema.from_tree got a tree with no array leaves.")
+      raise ValueError(
+          f"Schema.from_tree got a tree with no array leaves ({type(tree).__name__}"
+          f" {str(tree)[:80]}): pass the parameters themselves, a pytree of float arrays"
+          " (e.g. nnx.state(model, nnx.Param), or the params dict of a flax.linen init).")
     specs, names = [], []
     for path, leaf in leaves:
       name = path_name(path) or "_"
