@@ -235,6 +235,22 @@ def test_robust_aggregation_is_the_same_by_mail_and_in_mesh(aggregation, poisone
 
 
 @pytest.mark.timeout(180)
+def test_a_skipped_round_resets_the_fragment_in_both_modes(tmp_path):
+  # In-mesh a round whose outer step overflows resets each learner's fragment to Θ at
+  # its merge; mail merged its unchanged Θ with mixing, keeping half of the steps of a
+  # round judged bad, and the two runtimes parted (0.99 against 0.81 a step later).
+  config = gmjax.DiLoCo(sync_every=4, overlap_steps=1, mixing=0.5, outer_momentum=0.0,
+                        outer_learning_rate=3.3e38, flush_on_close=False)
+  mesh, stats = in_mesh(config)
+  mailed, rounds = by_mail(config, tmp_path)
+  assert int(stats.skipped) == sum(not r.outer_step for r in rounds) > 0
+  for m in range(LEARNERS):
+    for name in ms.params0():
+      np.testing.assert_allclose(mailed[m][name], mesh[m][name], rtol=2e-5, atol=2e-6,
+                                 err_msg=f"learner {m}, leaf {name}")
+
+
+@pytest.mark.timeout(180)
 def test_an_eager_correction_that_overflows_is_dropped_alike(tmp_path):
   # With an outer step of 1e37 Θ overflows from the second round on (those rounds are
   # skipped), and so did each learner's own correction: its start, then its parameters, went to inf and NaN for

@@ -168,10 +168,12 @@ class Rounds:
     return self.local_step if self.adaptive else self.step_count
 
   def _align(self, flat: dict[str, Any], fragment: int, version: int,
-             theta: dict[str, np.ndarray]) -> None:
+             theta: dict[str, np.ndarray], record: Any = None) -> None:
     names_ = self.manifest.plan[fragment]
+    # After a round with no outer step (skipped) a reset to Θ, as in-mesh: no mixing.
+    mixing = 0.0 if record is not None and not record.outer_step else self.config.mixing
     merged = placement.align({n: flat[n] for n in names_}, {n: theta[n] for n in names_},
-                             mixing=float(self.config.mixing))
+                             mixing=float(mixing))
     for n in names_:
       flat[n] = placement.like(merged[n], flat[n])
     self._anchors[fragment] = theta
@@ -191,7 +193,7 @@ class Rounds:
       return
     commit = self._wait(fragment, version, deadline or self._deadline())
     # A version pruned since is stood in for by the newest (gmjax.mail.retention).
-    self._align(flat, fragment, commit.record.version, commit.theta)
+    self._align(flat, fragment, commit.record.version, commit.theta, commit.record)
 
   def _merge_due(self, flat: dict[str, Any], *, force: int = 0) -> None:
     """Merges outstanding commits that are due, and the oldest ``force`` ones anyway."""
@@ -208,7 +210,7 @@ class Rounds:
           break
         commit = self._noted(future.result())
         if commit.record.version > self._versions[fragment]:
-          self._align(flat, fragment, commit.record.version, commit.theta)
+          self._align(flat, fragment, commit.record.version, commit.theta, commit.record)
       else:
         break
       self._outstanding.pop(0)
@@ -374,7 +376,7 @@ class Rounds:
                     " leaving without it", self.name, r)
         continue
       if commit.record.version > self._versions[fragment]:
-        self._align(flat, fragment, commit.record.version, commit.theta)
+        self._align(flat, fragment, commit.record.version, commit.theta, commit.record)
     self._outstanding.clear()
 
 
