@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from gmjax.core.guards import quote
 from gmjax.mail import store
 from gmjax.mail.errors import CorruptRecord, StateDirMismatch
 
@@ -238,8 +239,8 @@ class StateDir:
       return self._read_meta(step)
     # A torn JSON file is a ValueError; a missing item, Orbax's KeyError.
     except (ValueError, OSError, KeyError) as error:
-      log.warning("learner %r: the save of state_dir=%r at local step %d is damaged (%r):"
-                  " passed over", self.name, self.path, step, error)
+      log.warning("learner %r: the save of state_dir=%r at local step %d is damaged (%s):"
+                  " passed over", self.name, self.path, step, quote(repr(error), 300))
       return None
 
   @property
@@ -305,8 +306,8 @@ class StateDir:
       try:
         return self._restore(step, meta, like, residuals_like)
       except (ValueError, OSError, KeyError) as error:  # a damaged or missing item
-        log.warning("learner %r: the save of state_dir=%r at local step %d does not"
-                    " restore (%r): passed over", self.name, self.path, step, error)
+        log.warning("learner %r: the save of state_dir=%r at local step %d does not restore"
+                    " (%s): passed over", self.name, self.path, step, quote(repr(error), 300))
     raise CorruptRecord(
         f"state_dir={self.path!r}: no save of learner {self.name!r} restores (local steps"
         f" {self._steps()}); delete the state_dir to start afresh.")
