@@ -211,7 +211,9 @@ def gather_wire(wire: Sequence[jax.Array], axis_name: Any, learners: int
 def gathered_spec(shard: jax.Array, axis: int = 1) -> tuple | None:
   """The layout of ``all_gather(shard, axis=axis)``: ``shard``'s, the learner dim whole."""
   entries = explicit.spec(shard)
-  return None if entries is None else (*entries[:axis], None, *entries[axis:])
+  if entries is None:  # an Auto mesh: the rest is XLA's to place
+    entries = (jax.sharding.PartitionSpec.UNCONSTRAINED,) * jnp.ndim(shard)
+  return (*entries[:axis], None, *entries[axis:])
 
 
 # A bucket of rows is ``(F, S, M, 32)``: its learners' dimension is 2.

@@ -49,7 +49,8 @@ def like(x: jax.Array, reference: jax.Array) -> jax.Array:
 
 
 def pin(x: jax.Array, entries: tuple | None) -> jax.Array:
-  """A collective's result laid out as ``entries`` on an explicit mesh, else ``x``.
+  """A collective's result laid out as ``entries`` on an explicit mesh (on an Auto one,
+  constrained to it, each dimension ``entries`` leaves out XLA's to place), else ``x``.
 
   Always a ``reshard``, even when ``x``'s type already says ``entries``: inside
   ``lax.cond`` branches traced under ``vmap`` the type is that of one learner, and only
@@ -57,7 +58,15 @@ def pin(x: jax.Array, entries: tuple | None) -> jax.Array:
   exchanged dimension over the learners' axis, which this undoes (every learner needs
   all of that dimension).
   """
-  if spec(x) is None or entries is None:
+  if spec(x) is None:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or any(t != AxisType.Auto for t in mesh.axis_types):
+      return x  # no mesh, or manual axes (shard_map): nothing to place
+    # An Auto mesh (under vmap's spmd_axis_name): a constraint, or XLA's partitioner
+    # places the exchange itself (gathers of decoded F32 where codes should cross).
+    entries = entries or (PartitionSpec.UNCONSTRAINED,) * jnp.ndim(x)
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*entries))
+  if entries is None:
     return x
   return jax.sharding.reshard(x, PartitionSpec(*entries))
 
