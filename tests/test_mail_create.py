@@ -155,7 +155,7 @@ def test_a_loss_that_is_not_a_number_is_refused_before_the_step_counts(loss):
     ("wait_timeout", "5", TypeError, r"wait_timeout must be None .* got str '5'"),
     ("process_index", "0", TypeError, r"process_index must be None .* an int, got str '0'"),
     ("process_count", 1.0, TypeError, r"process_count must be None .* an int, got float"),
-    ("process_count", 0, ValueError, r"and process_count at least 1, got 0 of 0"),
+    ("process_count", 0, ValueError, r"process_count=0 are not this JAX job.s \(0 of 1\)"),
 ])
 def test_join_refuses_bad_timeouts_and_process_numbers(argument, value, error, match):
   url = f"memory://create-join-{os.getpid()}-{argument}-{type(value).__name__}"

@@ -212,7 +212,14 @@ def test_bad_state_dirs_and_arguments_are_refused(tmp_path):
     run.join("a", state_dir="")
   with pytest.raises(TypeError, match=r"state_dir must be"):
     run.join("a", state_dir=3)
-  with pytest.raises(ValueError, match=r"process_count=2"):
+  # Any learner, with a state_dir or not: an ordinary script took process_count=2, and
+  # process 1 of it was a silent non-primary that timed out rounds later; in a real job
+  # another count hung its processes' collectives.
+  for index, count in ((0, 2), (1, 2), (1, 1)):
+    with pytest.raises(ValueError, match=rf"process_index={index}, process_count={count} are"
+                                         r" not this JAX job's \(0 of 1\)"):
+      run.join("a", process_index=index, process_count=count)
+  with pytest.raises(ValueError, match=r"process_count=2 are not this JAX job's"):
     run.join("a", state_dir=tmp_path / "s", process_index=0, process_count=2)
   learner = run.join("a", poll_interval=ms.POLL, state_dir=tmp_path / "s")
   params = learner.pull(ms.params0())

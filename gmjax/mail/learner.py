@@ -86,16 +86,21 @@ class Learner(Resuming, Rounds):
                           else learner_args.process_number("process_index", process_index))
     self.process_count = (jax.process_count() if process_count is None
                           else learner_args.process_number("process_count", process_count))
-    if self.process_count < 1 or not 0 <= self.process_index < self.process_count:
-      raise ValueError(f"process_index must be in [0, process_count) and process_count at"
-                       f" least 1, got {self.process_index} of {self.process_count}.")
+    if (self.process_index, self.process_count) != (jax.process_index(), jax.process_count()):
+      # Its processes agree by JAX collectives (Θ, the eager weights, its saves): another
+      # count hangs them, another index makes two primaries.
+      raise ValueError(
+          f"process_index={self.process_index}, process_count={self.process_count} are not"
+          f" this JAX job's ({jax.process_index()} of {jax.process_count()}): a learner of"
+          " several processes is one jax.distributed job, its processes in lockstep; leave"
+          " both out (they default to the job's), or start the processes with"
+          " jax.distributed.initialize.")
     self.primary = self.process_index == 0
     self.run = run
     self.name = layout.check_name(name)
     self.manifest = run.manifest
     self._state_dir = learner_state.open_state_dir(
-        state_dir, (learner_state.run_id(self.manifest.to_json()), run.url), self.name,
-        process_count=self.process_count)
+        state_dir, (learner_state.run_id(self.manifest.to_json()), run.url), self.name)
     self.config = self.manifest.config
     self.schedule = self.manifest.schedule
     if self.process_count > 1 and self.schedule.overlap_steps is None:

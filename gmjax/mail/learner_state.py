@@ -160,32 +160,24 @@ def _check_apart(path: str, run_url: str) -> None:
         " the run, e.g. on the learner's own disk.")
 
 
-def open_state_dir(state_dir: Any, run: tuple[str, str], name: str, *,
-                   process_count: int) -> StateDir | None:
-  """The ``StateDir`` a learner joins with (None without a ``state_dir``).
+def open_state_dir(state_dir: Any, run: tuple[str, str], name: str) -> StateDir | None:
+  """The ``StateDir`` a learner joins with (None without a ``state_dir``); a learner of
+  several processes saves with all of them, the processes of its ``jax.distributed`` job.
 
   Args:
     state_dir: ``join``'s ``state_dir``: None, a local path or a ``gs://`` URL.
     run: ``(run_id(manifest), url)`` of the run joined.
     name: the learner's name.
-    process_count: the learner's JAX processes (``join``'s ``process_count``).
 
   Raises:
-    ValueError/TypeError: a bad ``state_dir`` (``check_state_dir``), one inside the
-      run's storage, or ``process_count`` other than this JAX job's: the processes save
-      together.
+    ValueError/TypeError: a bad ``state_dir`` (``check_state_dir``), or one inside the
+      run's storage.
     StateDirMismatch: ``state_dir`` holds another run's or another learner's state.
   """
   if state_dir is None:
     return None
   path = check_state_dir(state_dir)
   _check_apart(path, run[1])
-  if process_count != jax.process_count():
-    raise ValueError(
-        f"state_dir={path!r} with process_count={process_count}: a learner of"
-        f" several processes saves its state with Orbax across a jax.distributed job,"
-        f" and this one has {jax.process_count()} JAX process(es); start the processes"
-        " with jax.distributed.initialize, or leave state_dir out.")
   return StateDir(path, run, name)
 
 

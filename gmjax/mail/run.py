@@ -91,7 +91,7 @@ class Run:
 
     Raises:
       ValueError/TypeError: a bad name, poll interval (positive, finite seconds),
-        timeout (positive seconds), process index or count (ints), or state_dir.
+        timeout (positive seconds), process index or count (the JAX job's), or state_dir.
       NameTaken: a live learner of the run has this name.
       StateDirMismatch: ``state_dir`` holds another run's or another learner's state.
 
