@@ -272,9 +272,8 @@ class Rounds:
       delta = placement.delta({n: reference[n] for n in names_}, snapshot)
       payload = {"delta": delta}
       if eager_ or self._residuals is not None:
-        # Encoded here, where the residual and the eager correction live: both must follow
-        # these bytes. Every process of an eager learner computes them (its correction
-        # needs them). A delta that is not finite raises ValueError: nothing is sent.
+        # Encoded here, where the residual and the eager correction (every process's) live:
+        # both must follow these bytes. A delta not finite is NonFiniteDelta, not sent.
         residual = None if self._residuals is None else self._residuals[fragment]
         entries, sent, residual = _encode(self.config, self.manifest.schema.subset(names_),
                                           residual, delta, decode=eager_)
