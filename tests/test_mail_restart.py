@@ -573,7 +573,10 @@ def test_a_save_that_fails_in_a_step_is_logged_and_the_step_returns_the_merge(
       params = learner.step({"w": params["w"] + 1.0}, state={"m": np.ones(3, np.float32)},
                             position=i)
     if i == 4:
-      assert "its state was not saved in state_dir" in caplog.text
+      warning, = [r.getMessage() for r in caplog.records
+                  if "its state was not saved in state_dir" in r.getMessage()]
+      # The storage's error is quoted short (tensorstore's run to kilobytes).
+      assert len(warning) < 600 and "\n" not in warning, warning
       assert learner.versions == {0: 2} and float(params["w"][0, 0]) == 2.0  # merged
   learner.close(params)
   assert [[p.steps for p in r.participants] for r in run.rounds()] == [[2]] * 3

@@ -16,6 +16,7 @@ import logging
 import time
 from typing import Any
 
+from gmjax.core.guards import quote
 from gmjax.core.schema import Schema
 from gmjax.mail import learner_args
 from gmjax.mail import learner_state
@@ -196,7 +197,8 @@ class Resuming:
       self._state_dir.save(self.local_step, counters, state, position, self._residuals)
     except Exception as error:  # pylint: disable=broad-except
       log.warning("learner %r: its state was not saved in state_dir=%r at local step %d"
-                  " (%r); it trains on, and a restart would restore the save before it",
-                  self.name, self._state_dir.path, self.local_step, error)
+                  " (%s); it trains on, and a restart would restore the save before it",
+                  self.name, self._state_dir.path, self.local_step,
+                  quote(repr(error), 300))
     if self._pacer is not None:
       self._pacer.clock.pause(time.monotonic() - started)

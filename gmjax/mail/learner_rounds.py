@@ -45,11 +45,8 @@ Which rounds a learner contributes to, and at which base version:
   the learner's own steps. In a multi-process learner process 0 decides when a round is
   due and every process follows it (a small broadcast each step).
 
-``Rounds`` carries this out for ``gmjax.mail.learner.Learner``, which inherits it; a
-learner leaving publishes its final rounds (``_flush``). It keeps no state of its own:
-it reads and updates the learner's anchors, versions, outstanding rounds, futures and
-counters, on the training thread only, and asks the learner's ``worker.Worker`` for
-commits.
+``Rounds`` carries this out for ``gmjax.mail.learner.Learner``, which inherits it, on
+the training thread (a learner leaving publishes its final rounds: ``_flush``).
 """
 
 from __future__ import annotations
@@ -83,13 +80,14 @@ class NonFiniteDelta(ValueError):
 class Rounds:
   """The learner's round work; ``Learner`` inherits it (see the module docstring).
 
-  It reads the learner's ``schedule``, ``manifest``, ``config``, ``name``, ``store``,
-  ``key``, ``primary``, ``process_count``, ``first_round``, ``_pacer`` and
-  ``_step_seconds``, and reads and updates its ``step_count``, ``_anchors``,
-  ``_versions``, ``_outstanding`` (``(round, version, due step)``), ``_unadopted``,
-  ``_futures``, ``_steps_since``, ``_tokens_since``, ``_residuals``, ``_delay``,
-  ``_applied``, ``_late_rounds``, ``_pulled_records``, ``_round_work``, ``_spent``
-  and its wait accounting (``idle_seconds``, ``_resumed``).
+  It keeps no state of its own: it reads the learner's ``schedule``, ``manifest``,
+  ``config``, ``name``, ``store``, ``key``, ``primary``, ``process_count``,
+  ``first_round``, ``_pacer`` and ``_step_seconds``, updates its ``step_count``,
+  ``_anchors``, ``_versions``, ``_outstanding`` (``(round, version, due step)``),
+  ``_unadopted``, ``_futures``, ``_steps_since``, ``_tokens_since``, ``_residuals``,
+  ``_delay``, ``_applied``, ``_late_rounds``, ``_pulled_records``, ``_round_work``,
+  ``_spent``, its wait accounting (``idle_seconds``, ``_resumed``), and asks its
+  ``worker.Worker`` for commits.
   """
 
   def _step_rounds(self, flat: dict[str, Any]) -> None:
@@ -119,8 +117,7 @@ class Rounds:
             self._pacer.advance(time.monotonic(), self._resumed)
         else:
           # Its fragment merged at this step, and Θ replaced every step trained in it:
-          # the step does not reach the round, and the next one publishes it (with that
-          # step).
+          # the step does not reach the round; the next one publishes it, with that step.
           self.step_count = min(self.step_count, self.schedule.step_of(round_) - 1)
     except RoundTimeout:
       self._spent = ("an earlier step() raised RoundTimeout, and a step after it would skip"
@@ -240,8 +237,9 @@ class Rounds:
     self._steps_since[fragment] = self._tokens_since[fragment] = 0
     if not delayed_ and version <= self._versions[fragment]:
       # Committed and pruned, and the newer version that stood in for it is merged
-      # already (gmjax.mail.retention): that Θ is where this round puts the learner.
+      # already (gmjax.mail.retention): that Θ is where this round puts the learner, late.
       self._align(flat, fragment, self._versions[fragment], self._anchors[fragment])
+      self._count_late(round_, self.primary)
       return True
     if final or self.schedule.overlap_steps is None:
       due = None
@@ -257,17 +255,7 @@ class Rounds:
         self.store, fragment, version, self.key, self.manifest.keep_versions))
     if eager_:
       late = delayed.agreed(late, self.process_count)  # every process follows process 0
-    if late:
-      log.info("learner %r: round %d closed before it got there; merging it", self.name,
-               round_)
-      self._late_rounds += 1
-      if self._late_rounds == LATE_WARNING:
-        log.warning(
-            "learner %r: %d rounds in a row closed before it got to them (the last, %d),"
-            " and the steps it trains count for nothing: %s", self.name,
-            self._late_rounds, round_, pace.late_because(self._pacer is not None))
-    else:
-      self._late_rounds = 0
+    self._count_late(round_, late)
     if not late and (self.primary or eager_):
       delta = placement.delta({n: reference[n] for n in names_}, snapshot)
       payload = {"delta": delta}
@@ -293,6 +281,18 @@ class Rounds:
       self._outstanding.append((round_, version, due))
     return True
 
+  def _count_late(self, round_: int, late: bool) -> None:
+    """Counts the rounds in a row closed before the learner got to them; warns at 3."""
+    self._late_rounds = self._late_rounds + 1 if late else 0
+    if late:
+      log.info("learner %r: round %d closed before it got there; merging it", self.name,
+               round_)
+    if self._late_rounds == LATE_WARNING:
+      log.warning(
+          "learner %r: %d rounds in a row closed before it got to them (the last, %d),"
+          " and the steps it trains count for nothing: %s", self.name,
+          self._late_rounds, round_, pace.late_because(self._pacer is not None))
+
   def _start_next_phase(self, flat: dict[str, Any], fragment: int, version: int,
                         sent: Any, deadline: float | None) -> None:
     """Delayed: the next phase of ``fragment`` starts at ``version`` (+ the eager
@@ -303,21 +303,21 @@ class Rounds:
       version = record.version  # newer when the version asked for was pruned
     else:  # held already: the version this learner joined at (its record from pull())
       theta, record = self._anchors[fragment], self._pulled_records.get(fragment)
+    eager_ = self._delay.eager
+    if eager_ and version > 0 and (record is None or record.version != version):
+      try:
+        record = states.read_commit(self.store, fragment, version, self.key)
+      except FileNotFoundError:  # pruned (gmjax.mail.retention): its weight is gone
+        log.warning("learner %r: the commit of fragment %d version %d is pruned; its"
+                    " eager correction takes this learner's weight there as 0",
+                    self.name, fragment, version)
+        record = None
     weight = 0.0
-    if self._delay.eager:
-      if version == 0:
-        weight = delayed.first_weight(self.store, self.key, self._worker.liveness_timeout(),
-                                      self.process_count)
-      else:
-        if record is None or record.version != version:
-          try:
-            record = states.read_commit(self.store, fragment, version, self.key)
-          except FileNotFoundError:  # pruned (gmjax.mail.retention): its weight is gone
-            log.warning("learner %r: the commit of fragment %d version %d is pruned; its"
-                        " eager correction takes this learner's weight there as 0",
-                        self.name, fragment, version)
-            record = None
-        weight = 0.0 if record is None else delayed.weight_of(record, self.name)
+    if eager_ and version == 0:
+      weight = delayed.first_weight(self.store, self.key, self._worker.liveness_timeout(),
+                                    self.process_count)
+    elif eager_ and record is not None:
+      weight = delayed.weight_of(record, self.name)
     start = self._delay.advance(fragment, theta, sent, weight)
     for n in self.manifest.plan[fragment]:
       flat[n] = placement.like(start[n].astype(theta[n].dtype), flat[n])

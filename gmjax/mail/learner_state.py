@@ -201,6 +201,7 @@ class StateDir:
     with _LOCK:
       self._manager = ocp.CheckpointManager(path, options=options)
     self._meta: dict[str, Any] | None = None
+    self._last: int | None = None  # the step of this object's last save
     steps = self._steps()
     for step in steps:
       meta = self._intact_meta(step)
@@ -268,9 +269,10 @@ class StateDir:
       items["state"] = ocp.args.StandardSave(state)
     if residuals:
       items["residuals"] = ocp.args.StandardSave(_residual_tree(residuals))
-    # Never over another learner's save (two given one empty state_dir at once).
+    # Never over another learner's save (two given one empty state_dir at once); the
+    # newest save being this learner's last one, it was checked when it was made.
     steps = self._steps()
-    if steps and (newest := self._intact_meta(steps[0])) is not None:
+    if steps and steps[0] != self._last and (newest := self._intact_meta(steps[0])):
       self._check_owner(newest, steps[0])
     with _LOCK:
       if step in self._manager.all_steps():
@@ -279,7 +281,7 @@ class StateDir:
         self._manager.delete(step)
       self._manager.save(step, args=ocp.args.Composite(**items), force=True)
       self._manager.wait_until_finished()
-    self._meta = meta
+    self._meta, self._last = meta, step
 
   def restore(self, like: Any, residuals_like: dict[int, dict[str, np.ndarray]] | None
               ) -> tuple[SavedCounters, Any, Any, dict[int, dict[str, np.ndarray]] | None]:
