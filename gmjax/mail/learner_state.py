@@ -202,6 +202,7 @@ class StateDir:
       self._manager = ocp.CheckpointManager(path, options=options)
     self._meta: dict[str, Any] | None = None
     self._last: int | None = None  # the step of this object's last save
+    self._damaged: set[int] = set()  # steps of saves passed over (logged once)
     steps = self._steps()
     for step in steps:
       meta = self._intact_meta(step)
@@ -227,11 +228,14 @@ class StateDir:
     return steps[0] if steps else None
 
   def _intact_meta(self, step: int) -> dict[str, Any] | None:
-    """The record of the save at ``step``, or None (logged) where it is damaged."""
+    """The record of the save at ``step``, or None (logged once) where it is damaged."""
+    if step in self._damaged:
+      return None
     try:
       return self._read_meta(step)
     # A torn JSON file is a ValueError; a missing item, Orbax's KeyError.
     except (ValueError, OSError, KeyError) as error:
+      self._damaged.add(step)
       log.warning("learner %r: the save of state_dir=%r at local step %d is damaged (%s):"
                   " passed over", self.name, self.path, step, quote(repr(error), 300))
       return None
@@ -279,6 +283,7 @@ class StateDir:
         # A save passed over as damaged (``restore``): the learner went back to the one
         # before it and has come to its step again. Orbax does not save over a step.
         self._manager.delete(step)
+        self._damaged.discard(step)
       self._manager.save(step, args=ocp.args.Composite(**items), force=True)
       self._manager.wait_until_finished()
     self._meta, self._last = meta, step
