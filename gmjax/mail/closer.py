@@ -172,7 +172,7 @@ class Closer:
     now = time.monotonic()
     for entry in listing:
       watch.arrived.setdefault(entry, now)
-    entries = watch.to_read(listing)
+    entries = watch.to_read(listing, known)
     if entries and watch.opened is None:
       watch.opened, watch.opened_at = time.monotonic(), utc_now()
     if not validate:

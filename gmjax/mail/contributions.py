@@ -112,6 +112,10 @@ def _int(metadata: Mapping[str, str], field: str, learner: str, minimum: int = 0
   return value
 
 
+UNKNOWN = "unknown learner: it never joined the run"
+"""Why a file under a name with no valid heartbeat is rejected (unread)."""
+
+
 def check_name(file_name: str, known: Container[str]) -> str:
   """The learner a contribution's file name names, if it may be read at all.
 
@@ -128,7 +132,7 @@ def check_name(file_name: str, known: Container[str]) -> str:
     raise ContributionRejected(label(learner), "learner name does not match"
                                f" {layout.NAME_PATTERN.pattern}")
   if learner not in known:
-    raise ContributionRejected(learner, "unknown learner: it never joined the run")
+    raise ContributionRejected(learner, UNKNOWN)
   return learner
 
 

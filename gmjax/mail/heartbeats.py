@@ -20,9 +20,11 @@ Who is live for round ``r``: a ``live`` learner whose ``first_round <= r``, and 
 
 A heartbeat is untrusted: it is read with a size bound (``MAX_HEARTBEAT_BYTES``) and
 checked field by field (``parse``); with a run key it must carry a valid HMAC-SHA256
-signature (``signing.sign_record``). A heartbeat that fails is ignored (its learner is
-neither known nor live) and reported: logged once per reason, and listed by
-``Roster.bad`` and ``run.status()["bad_heartbeats"]``.
+signature (``signing.sign_record``). A heartbeat that fails is ignored and reported:
+logged once per reason, and listed by ``Roster.bad`` and
+``run.status()["bad_heartbeats"]``. Ignored, it is as if unchanged: an observer keeps
+the learner's last valid heartbeat, if it saw one, until that goes stale (a learner
+whose first heartbeat seen is bad is neither known nor live).
 
 ``watch.Known``, what the closer's scan checks contributions' names against, is a
 roster lookup that refreshes the roster at most once a scan.
@@ -261,7 +263,10 @@ class Roster:
       if self.bad.get(name) != reason:  # once per reason, not once per poll
         log.warning("heartbeat of %s ignored: %s", name, reason)
     self.bad = found.bad
-    records = {}
+    # A learner whose heartbeat turns bad (torn, planted, forged over) keeps its last
+    # valid one here, which ages as an unchanged heartbeat: it is not taken for a
+    # learner that never joined, and goes dead only when that one is stale.
+    records = {name: self.records[name] for name in found.bad if name in self.records}
     for name, record in found.records.items():
       incarnation = (name, record.get("incarnation"))
       newest = self._newest.get(incarnation)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Container
 from typing import Any
 
 import numpy as np
@@ -63,14 +64,17 @@ class Watch:
     return {c.learner for c in self.valid} | {
         contributions.learner_of(entry) for entry in self.listed}
 
-  def to_read(self, listing: dict[str, str | None]) -> list[str]:
-    """The entries of ``listing`` (name -> change marker) to read: new ones, and rejected
-    ones that changed since (or whose change the store cannot tell)."""
+  def to_read(self, listing: dict[str, str | None], known: Container[str] = ()) -> list[str]:
+    """The entries of ``listing`` (name -> change marker) to read: new ones, rejected
+    ones that changed since (or whose change the store cannot tell), and those rejected
+    unread as a stranger's whose learner is ``known`` now (its heartbeat was bad then)."""
     entries = []
     for entry, marker in listing.items():
-      if entry.endswith(".tmp") or isinstance(self.found.get(entry), Contribution):
+      found = self.found.get(entry)
+      if entry.endswith(".tmp") or isinstance(found, Contribution):
         continue
-      if entry not in self.found or marker is None or self.markers.get(entry) != marker:
+      if entry not in self.found or marker is None or self.markers.get(entry) != marker or (
+          found.reason == contributions.UNKNOWN and found.learner in known):
         entries.append(entry)
     return entries
 
