@@ -16,33 +16,36 @@ RESET = 2  # the round was skipped: reset the fragment to its anchor, no mixing
 
 class Kept(tuple):
   """One fragment's masters (``DiLoCoState.master[f]``): a tuple of buckets that names
-  the fragment's pieces (``pieces``) as static data of the tree.
+  the fragment's pieces (``pieces``) and, sharded, the learners' count (``learners``;
+  None replicated) as static data of the tree.
 
-  A state built under another plan (another ``layer_axis``, other fragments) is then
-  another tree, which ``update`` refuses, even where its buckets' shapes agree: read in
-  the other plan's layout they would put one leaf's values into another's Θ.
+  A state built under another plan (another ``layer_axis``, other fragments) or for
+  another count of learners is then another tree, which ``update`` refuses, even where
+  its buckets' shapes agree: read in the other layout they would put one leaf's values
+  into another's Θ, or one learner's shard of the outer state into another's.
   """
 
   pieces: tuple[str, ...]
+  learners: int | None
 
-  def __new__(cls, values: Any, pieces: Any) -> Kept:
+  def __new__(cls, values: Any, pieces: Any, learners: int | None = None) -> Kept:
     kept = super().__new__(cls, values)
-    kept.pieces = tuple(pieces)
+    kept.pieces, kept.learners = tuple(pieces), learners
     return kept
 
-  def __getnewargs__(self) -> tuple[tuple, tuple[str, ...]]:
-    return tuple(self), self.pieces
+  def __getnewargs__(self) -> tuple[tuple, tuple[str, ...], int | None]:
+    return tuple(self), self.pieces, self.learners
 
   def __repr__(self) -> str:
-    return f"Kept(pieces={self.pieces!r}, {list(self)!r})"
+    return f"Kept(learners={self.learners!r}, pieces={self.pieces!r}, {list(self)!r})"
 
 
 jax.tree_util.register_pytree_with_keys(
     Kept,
     lambda kept: (tuple((jax.tree_util.SequenceKey(i), v) for i, v in enumerate(kept)),
-                  kept.pieces),
-    lambda pieces, values: Kept(values, pieces),
-    lambda kept: (tuple(kept), kept.pieces))
+                  (kept.pieces, kept.learners)),
+    lambda static, values: Kept(values, *static),
+    lambda kept: (tuple(kept), (kept.pieces, kept.learners)))
 
 
 class DiLoCoStatistics(NamedTuple):

@@ -280,7 +280,8 @@ class Layout:
   def masters(self, buckets: Buckets, values: list) -> Kept:
     """The state's masters of one fragment: ``values`` where kept, else MaskedNode."""
     return Kept((v if keep else optax.MaskedNode()
-                 for v, keep in zip(values, self.keeps(buckets))), buckets.rows)
+                 for v, keep in zip(values, self.keeps(buckets))), buckets.rows,
+                self.learners)
 
   def outer_tx(self, tx: optax.GradientTransformation, buckets: Buckets,
                like: dict[str, Any]) -> optax.GradientTransformation:
