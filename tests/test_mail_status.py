@@ -161,3 +161,25 @@ def test_format_status_lists_the_rounds_asked_for_and_names_bad_arguments(tmp_pa
     mail.format_status(url)
   with pytest.raises(TypeError, match=r"problems must be a list .*got a string"):
     mail.format_status(run, problems="bad")
+
+
+def test_a_learners_silence_is_judged_by_the_storage_not_its_clock(tmp_path):
+  # gmjax status aged each heartbeat by its own last_seen, the writing machine's clock:
+  # a live learner whose clock ran an hour behind showed as "live, silent", and one an
+  # hour ahead, killed, as live with a negative age.
+  import datetime  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  now = datetime.datetime.now(datetime.timezone.utc)
+  for name, hours in (("behind", -1), ("ahead", 1)):
+    seen = (now + datetime.timedelta(hours=hours)).isoformat(timespec="milliseconds")
+    run.store.put(layout.heartbeat(name), heartbeats.dumps(
+        {"name": name, "status": "live", "seq": 5, "last_seen": seen}, None))
+  written = time.time() - 600  # "ahead" last wrote its heartbeat 10 minutes ago
+  os.utime(os.path.join(url, "learners", "ahead.json"), (written, written))
+  by_name = {l["name"]: l for l in run.status()["learners"]}
+  assert not by_name["behind"]["silent"] and by_name["behind"]["seconds_since_seen"] < 60
+  assert by_name["ahead"]["silent"] and 590 < by_name["ahead"]["seconds_since_seen"] < 700

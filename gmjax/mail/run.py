@@ -9,7 +9,6 @@ existing run (its version 0 stands); anything else raises ``RunExists``.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import numbers
 from typing import Any
 
@@ -242,31 +241,12 @@ class Run:
     versions = self.newest_versions()
     estimates = rounds[-1].estimates.to_json() if rounds else {}
     from gmjax.core.schedule import Estimates  # pylint: disable=g-import-not-at-top
-    from gmjax.mail.status import pace  # pylint: disable=g-import-not-at-top
+    from gmjax.mail.status import learner_rows  # pylint: disable=g-import-not-at-top
 
-    now = datetime.datetime.now(datetime.timezone.utc)
     timeout = Estimates.from_json(estimates).timeout(0.0) or None
-    learners = []
     found = heartbeats.scan(self.store, self.signing_key)
-    for name, record in sorted(found.records.items()):
-      age = None
-      try:
-        age = (now - datetime.datetime.fromisoformat(record["last_seen"])).total_seconds()
-      except (KeyError, TypeError, ValueError):
-        pass  # a heartbeat without a readable time shows no age
-      # A heartbeat that says live but has not changed for as long as learners wait
-      # before they presume its learner dead: killed, or its machine gone.
-      silent = (record.get("status") in (heartbeats.LIVE, heartbeats.CLOSING)
-                and age is not None and age > heartbeats.liveness(
-                    record, max(timeout or 0.0, heartbeats.MIN_LIVENESS_SECONDS)))
-      learners.append({
-          "name": name, "status": record.get("status"), "silent": silent,
-          "step": record.get("step"),
-          "first_round": record.get("first_round"), "versions": record.get("versions"),
-          "loss": record.get("loss"), "last_seen": record.get("last_seen"),
-          "seconds_since_seen": None if age is None else round(age, 3),
-          **pace(name, record, rounds, len(self.plan)),
-      })
+    learners = learner_rows(found.records, self.store.list_dated("learners"), rounds,
+                            len(self.plan), timeout)
     schedule = self.manifest.schedule
     return {
         "run": self.url,

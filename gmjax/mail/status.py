@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gmjax.core import guards
+from gmjax.mail import heartbeats
 from gmjax.mail.errors import CorruptRecord, RunNotFound
 
 RECENT_ROUNDS = 10
@@ -93,6 +94,47 @@ def pace(name: str, record: Mapping[str, Any], rounds: Sequence[Any],
       "committed_steps": sum(steps),
       "goodput": goodput,
   }
+
+
+def learner_rows(records: Mapping[str, Mapping[str, Any]],
+                 dated: Mapping[str, float | None], rounds: Sequence[Any], fragments: int,
+                 timeout: float | None) -> list[dict[str, Any]]:
+  """``run.status()``'s learners: each valid heartbeat's fields, its age, whether it is
+  silent, and its ``pace``.
+
+  Args:
+    records: valid heartbeats by name.
+    dated: ``Store.list_dated("learners")``.
+    rounds: the run's round records, oldest first.
+    fragments: the plan's fragment count.
+    timeout: the run's liveness timeout (None: the least, ``MIN_LIVENESS_SECONDS``).
+  """
+  now = datetime.datetime.now(datetime.timezone.utc)
+  rows = []
+  for name, record in sorted(records.items()):
+    # Aged by the storage's date where it keeps one, not by the clock of the machine
+    # that wrote the heartbeat (one an hour off made a live learner silent and a dead
+    # one live); else by its last_seen.
+    written, age = dated.get(f"{name}.json"), None
+    try:
+      age = (now.timestamp() - written if written is not None else (
+          now - datetime.datetime.fromisoformat(record["last_seen"])).total_seconds())
+    except (KeyError, TypeError, ValueError):
+      pass  # a heartbeat without a readable time shows no age
+    # A heartbeat that says live but has not changed for as long as learners wait
+    # before they presume its learner dead: killed, or its machine gone.
+    silent = (record.get("status") in (heartbeats.LIVE, heartbeats.CLOSING)
+              and age is not None and age > heartbeats.liveness(
+                  record, max(timeout or 0.0, heartbeats.MIN_LIVENESS_SECONDS)))
+    rows.append({
+        "name": name, "status": record.get("status"), "silent": silent,
+        "step": record.get("step"),
+        "first_round": record.get("first_round"), "versions": record.get("versions"),
+        "loss": record.get("loss"), "last_seen": record.get("last_seen"),
+        "seconds_since_seen": None if age is None else round(age, 3),
+        **pace(name, record, rounds, fragments),
+    })
+  return rows
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
