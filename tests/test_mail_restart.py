@@ -195,7 +195,7 @@ def test_a_run_that_moved_on_gets_the_state_back_with_a_warning(tmp_path, caplog
     restored = learner.restore(_state(0))
   assert not restored.exact and restored.position == {"offset": 3}
   _assert_bits_equal(restored.state, given[1])
-  assert "moved on" in caplog.text
+  assert "versions are not those of its save" in caplog.text
   assert (learner.step_count, learner.local_step) == (4, 2)
   learner.close(None)
 
@@ -378,7 +378,7 @@ def test_a_lone_learner_stopped_before_merging_its_own_round_restores_inexactly(
   with caplog.at_level(logging.WARNING, logger="gmjax.mail.learner"):
     restored = learner.restore(_state(0))
   # Alone in its run, yet the run moved on past its save: its own round committed.
-  assert not restored.exact and "moved on while it was away" in caplog.text
+  assert not restored.exact and "the run's versions are not those of its save" in caplog.text
   assert restored.position == {"offset": 13}
   assert (learner.step_count, learner.local_step) == (4, 3)
   learner.close(None)

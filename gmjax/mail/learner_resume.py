@@ -164,9 +164,10 @@ class Resuming:
       if residuals is not None:
         self._residuals = residuals
     elif counters.versions != self._versions:
+      # Newer versions, or older ones where a damaged newest commit was closed again.
       log.warning(
-          "learner %r: the run moved on while it was away (it held versions %s at its"
-          " save, the run has %s): its saved state is restored next to the newer Θ",
+          "learner %r: the run's versions are not those of its save (it held versions %s"
+          " at its save, the run has %s): its saved state is restored next to the run's Θ",
           self.name, counters.versions, self._versions)
     else:
       log.warning("learner %r: %d round(s) of it were in flight at its save: its saved"
