@@ -73,8 +73,11 @@ def test_state_shares_no_buffer_with_params():
 
 def test_sharded_outer_refuses_a_non_elementwise_optimizer():
   config = gmjax.DiLoCo(sync_every=4, outer="custom")
+  # Muon, SM3 and Adafactor pass a probe on a vector (whole against its halves): their
+  # coupling is across a matrix's rows and columns.
   for outer in (optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.7)),
-                optax.lamb(0.1)):
+                optax.lamb(0.1), optax.contrib.muon(0.05), optax.sm3(0.1),
+                optax.adafactor(0.1)):
     with pytest.raises(ValueError, match="not elementwise.*shard_outer=False"):
       gmjax.diloco(optax.sgd(0.1), config, outer=outer, axis_name="learner")
     gmjax.diloco(optax.sgd(0.1), config, outer=outer, axis_name="learner",

@@ -7,9 +7,12 @@ ratios or factored moments across elements. ``check`` accepts a transformation w
 * ``config`` built it (``outer=None``) from an alias gmjax knows to be elementwise
   (``ELEMENTWISE``), or
 * it passes a probe: three steps on a small vector whole and on its two halves as
-  separate trees give the same values. The probe cannot prove a transformation
-  elementwise, but it catches the usual couplings (global-norm clipping, LAMB/LARS trust
-  ratios, Adafactor, Muon, normalized gradients), which change the result of a half.
+  separate trees give the same values, and so do three steps on a matrix and on its
+  values laid end to end (buckets hold a leaf's values so). The probe cannot prove a
+  transformation elementwise, but it catches the usual couplings: global-norm
+  clipping, LAMB/LARS trust ratios and normalized gradients change the result of a
+  half; Muon's orthogonalized matrices, SM3's accumulators by row and column and
+  Adafactor's factored moments change the result of a matrix laid flat.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ ELEMENTWISE = frozenset({
 })
 
 _PROBE_SIZE = 64
+_PROBE_MATRIX = (128, 128)  # Adafactor factors dimensions of 128 and more
 _PROBE_STEPS = 3
 
 
@@ -53,7 +57,16 @@ def probe(transform: optax.GradientTransformation) -> bool:
   together = jnp.concatenate([
       _run(transform, (start[part],), [(g[part],) for g in gradients])[0] for part in parts
   ])
-  return bool(jnp.allclose(whole, together, rtol=1e-5, atol=1e-6))
+  # Rows of different scales: a moment kept by row or column, or a matrix function,
+  # sees them; an elementwise transformation does not see the shape at all.
+  rows = np.linspace(1.0, 50.0, _PROBE_MATRIX[0])[:, None]
+  matrix = jnp.asarray(rng.standard_normal(_PROBE_MATRIX), jnp.float32)
+  steps = [jnp.asarray(rows * rng.standard_normal(_PROBE_MATRIX), jnp.float32)
+           for _ in range(_PROBE_STEPS)]
+  shaped = _run(transform, (matrix,), [(g,) for g in steps])[0]
+  flat = _run(transform, (matrix.ravel(),), [(g.ravel(),) for g in steps])[0]
+  return bool(jnp.allclose(whole, together, rtol=1e-5, atol=1e-6)
+              and jnp.allclose(shaped.ravel(), flat, rtol=1e-5, atol=1e-6))
 
 
 def acts_elementwise(transform: optax.GradientTransformation, name: str | None) -> bool:
