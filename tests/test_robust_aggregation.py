@@ -119,6 +119,15 @@ def test_any_trim_beyond_the_learners_takes_the_median(trim):
                                 np.median(deltas, axis=0))
 
 
+@pytest.mark.parametrize("aggregation", ["mean", "clipped_mean"])
+def test_a_trim_no_rule_uses_is_refused(aggregation):
+  # It was accepted, never used, and written into the config's record.
+  with pytest.raises(ValueError, match=r"trim=3 is used only by aggregation='trimmed_mean'"
+                                       rf".*aggregation='{aggregation}'.*Leave trim at 1"):
+    gmjax.DiLoCo(sync_every=4, aggregation=aggregation, trim=3)
+  gmjax.DiLoCo(sync_every=4, aggregation=aggregation, trim=1)
+
+
 @pytest.mark.parametrize("name", ["clipped_mean", "trimmed_mean"])
 def test_padding_and_batching_leave_the_bits_alone(name):
   # The mail closer pads its slots to a power of two with left-out zeros, and vmap batches

@@ -81,6 +81,11 @@ def check(aggregation: Any, trim: Any, outlier_factor: Any = guards.OUTLIER_FACT
         f"DiLoCo trim must be a positive int (values dropped from each side of every"
         f" coordinate by aggregation='trimmed_mean'), got {trim!r}: use trim=1 to"
         " withstand one attacker, trim=f for f colluding ones.")
+  if trim != 1 and aggregation != TRIMMED_MEAN:
+    raise ValueError(
+        f"DiLoCo trim={trim!r} is used only by aggregation='trimmed_mean', got"
+        f" aggregation={aggregation!r}: it would not be used, and the config would record"
+        " it. Leave trim at 1, or set aggregation='trimmed_mean'.")
   if outlier_factor is not None and (
       isinstance(outlier_factor, bool) or not isinstance(outlier_factor, (int, float))
       or not 1 < outlier_factor < float("inf")):
