@@ -193,6 +193,10 @@ def test_outer_arguments_defaults():
   assert override.outer_arguments()["momentum"] is None
   state = override.outer_transform().init({"w": jnp.zeros(3)})
   assert jax.tree.leaves(state) == []  # plain SGD keeps no state
+  # An optimizer without a learning_rate is not given one: the error named arguments
+  # the user never set ("got {'learning_rate': 0.7}" with outer_options={}).
+  with pytest.raises(ValueError, match=r"optax.polyak_sgd.*got \{\}"):
+    gmjax.DiLoCo(sync_every=4, outer="polyak_sgd", outer_options={})
 
 
 @pytest.mark.parametrize("nesterov", [True, False])

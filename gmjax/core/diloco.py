@@ -84,7 +84,8 @@ class DiLoCo:
       schedule). With ``outer="sgd"`` the defaults are ``learning_rate=
       outer_learning_rate, momentum=outer_momentum, nesterov=nesterov`` (DiLoCo's
       Nesterov SGD); for any other ``outer`` only ``learning_rate`` defaults to
-      ``outer_learning_rate``, and ``outer_momentum``/``nesterov`` are not used.
+      ``outer_learning_rate`` (where ``optax.<outer>`` takes one: ``polyak_sgd``
+      takes ``max_learning_rate``), and ``outer_momentum``/``nesterov`` are not used.
     error_feedback: ``β`` in ``(0, 1]``, or None (off). Each learner keeps an F32
       residual ``e`` of every fragment, publishes ``q = encode(β·e + Δ)`` and keeps
       ``e ← β·e + Δ − decode(q)``, so what quantization drops from one delta travels
@@ -271,7 +272,9 @@ class DiLoCo:
       ValueError: ``outer='custom'`` (the optimizer is given in code).
     """
     self._refuse_custom("outer_arguments")
-    defaults: dict[str, Any] = {"learning_rate": float(self.outer_learning_rate)}
+    defaults: dict[str, Any] = {}
+    if outer.takes(self.outer, "learning_rate"):
+      defaults["learning_rate"] = float(self.outer_learning_rate)
     if self.outer == "sgd":
       defaults.update(momentum=float(self.outer_momentum), nesterov=self.nesterov)
     return {**defaults, **dict(self.outer_options or {})}

@@ -12,6 +12,7 @@ References:
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -149,6 +150,17 @@ def transformation(name: str, options: Mapping[str, Any]) -> optax.GradientTrans
   _check_numbers(options)
   _probe(name, options)
   return built
+
+
+def takes(name: Any, argument: str) -> bool:
+  """Whether ``optax.<name>`` takes ``argument`` (True where it cannot tell)."""
+  factory = getattr(optax, name, None) if isinstance(name, str) else None
+  try:
+    parameters = inspect.signature(factory).parameters
+  except (TypeError, ValueError):  # not a function (refused later), or no signature
+    return True
+  return argument in parameters or any(
+      p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 def _build(name: str, options: Mapping[str, Any]) -> optax.GradientTransformation:
