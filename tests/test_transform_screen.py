@@ -153,7 +153,10 @@ def test_token_caps_are_the_same_in_mesh_and_by_mail_for_any_factor():
   low = token_counts.LOW_BITS
   judge = jax.jit(screen.judge, static_argnums=3)
   rng = np.random.default_rng(0)
-  cases = [(1.3, 40, [87920, 88000, 114296])]
+  # A cap past F32's range clamps nothing in-mesh; by mail it raised OverflowError and
+  # stopped the round's close (outlier_factor=1e30, 10**9 tokens a step).
+  cases = [(1.3, 40, [87920, 88000, 114296]), (1e30, 2, [2 * 10**9] * 3),
+           (1e35, 2, [2 * 10**4, 2 * 10**4, 4 * 10**4])]
   for factor in (1.3, 2.9, 4.1, 10.0):
     for _ in range(40):
       steps = int(rng.integers(1, 50))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Container
 from typing import Any
 
@@ -124,12 +123,14 @@ def token_caps(tokens: list[int], steps: list[int], factor: float) -> list[int |
 
   Formed as the in-mesh screening forms it (``gmjax.transform.screen.judge``: the
   reference count and the factor in F32, their product floored), so that both runtimes
-  clamp alike for any factor, not only one F32 holds exactly.
+  clamp alike for any factor, not only one F32 holds exactly; a product past F32's
+  range caps nothing.
   """
   per_step = np.asarray([t / s for t, s in zip(tokens, steps)], np.float64)
-  return [None if math.isnan(reference) else
-          int(np.floor(np.float32(factor) * np.float32(reference * count)))
-          for reference, count in zip(guards.reference(per_step), steps)]
+  with np.errstate(over="ignore"):  # a cap past F32's range caps nothing, as in-mesh
+    caps = [np.floor(np.float32(factor) * np.float32(reference * count))
+            for reference, count in zip(guards.reference(per_step), steps)]
+  return [int(cap) if np.isfinite(cap) else None for cap in caps]
 
 
 def arrival_spread(watch: Watch, valid: list[Contribution]) -> float | None:
