@@ -45,7 +45,7 @@ def test_train_writes_metrics_plots_and_a_run(tmp_path):
   # learner-1 runs at half speed: it sleeps as long as it computed after each step.
   config.write_text(TINY.replace("poll_interval = 0.02",
                                  "poll_interval = 0.02\nlearner_speeds = [1, 0.5]"))
-  out = tmp_path / "out"
+  out = tmp_path / "out dir"  # the printed commands must paste as they are
   result = subprocess.run(
       [sys.executable, "-m", "gmjax.app.cli", "train", str(config), "--out", str(out), "--quiet"],
       capture_output=True, text=True, timeout=280, check=False)
@@ -103,6 +103,8 @@ def test_train_writes_metrics_plots_and_a_run(tmp_path):
     assert steps[0]["slept"] == 0
     assert all(s > 0 for s in slept) if name == "learner-1" else not any(slept)
 
+  # It printed the path unquoted: pasted, "gmjax status out dir/run" is two arguments.
+  assert f"see the rounds with: gmjax status '{out / 'run'}'" in result.stdout
   status = subprocess.run([sys.executable, "-m", "gmjax.app.cli", "status", str(out / "run")],
                           capture_output=True, text=True, timeout=120, check=False)
   assert status.returncode == 0, status.stderr
@@ -542,12 +544,16 @@ def test_a_stopped_run_resumes_until_its_steps_are_done(tmp_path):
   baseline = (out / "metrics-baseline.jsonl").read_bytes()
   assert [json.loads(l)["step"] for l in baseline.splitlines()][-1] == 40
 
-  # Resumed again, the run has nothing left to train: the baseline's metrics are kept.
+  # Resumed again, the run has nothing left to train: the baseline's metrics are kept,
+  # and so are the times the summary gives them (they read 0.0 and null).
   result = _train_cli(config, "--out", out, "--quiet", "--resume")
   assert result.returncode == 0, result.stdout + result.stderr
   assert "have trained all 40 steps" in result.stdout
   assert "keeping the baseline's 40 steps" in result.stdout
   assert (out / "metrics-baseline.jsonl").read_bytes() == baseline
+  again = json.loads((out / "summary.json").read_text())
+  assert again["diloco_seconds"] == summary["diloco_seconds"] > 0
+  assert again["baseline_seconds"] == summary["baseline_seconds"] > 0
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -807,6 +813,62 @@ def test_a_signal_while_the_config_is_read_stops_the_job(tmp_path, monkeypatch, 
     signal.signal(signal.SIGINT, previous_interrupt)
   assert f"gmjax train: stopped ({said})" in capsys.readouterr().err
   assert not (tmp_path / "out").exists()
+
+
+def test_a_stop_before_force_deleted_the_old_run_offers_no_resume(tmp_path, monkeypatch,
+                                                                  capsys):
+  # Ctrl-C in --force before the old run was deleted printed "continue the run with:
+  # ... --resume", which then refused: the run was another config's, not this job's.
+  from gmjax.app import cli, config as config_lib, model, outdir  # pylint: disable=g-import-not-at-top
+  import gmjax  # pylint: disable=g-import-not-at-top
+
+  old, new = tmp_path / "old.toml", tmp_path / "new.toml"
+  old.write_text(TINY)
+  new.write_text(TINY.replace("steps = 8", "steps = 12"))
+  out = tmp_path / "out"
+  out.mkdir()
+  cfg = config_lib.load(str(old))
+  (out / "config.json").write_text(json.dumps(cfg.to_json()))
+  gmjax.mail.create(str(out / "run"), model.build(cfg.model, seed=cfg.seed)[1], cfg.diloco)
+  check_new_run = outdir.check_new_run
+
+  def interrupted(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(1)  # delivered before this returns
+    return check_new_run(*args, **kwargs)
+
+  monkeypatch.setattr(outdir, "check_new_run", interrupted)
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    assert cli.main(["train", str(new), "--out", str(out), "--quiet", "--force"]) == 130
+  finally:
+    signal.signal(signal.SIGINT, previous)
+  err = capsys.readouterr().err
+  assert "stopped (Ctrl-C)" in err and "--resume" not in err, err
+  assert outdir.resumable(cfg, out) and not outdir.resumable(config_lib.load(str(new)), out)
+
+
+@pytest.mark.parametrize("signum, said", [(signal.SIGINT, ""), (signal.SIGTERM, "SIGTERM")])
+def test_a_stop_in_the_baseline_waits_for_the_end_of_its_step(signum, said):
+  # Ctrl-C while the baseline compiled or stepped (in the job's own process) raised
+  # inside XLA's work, and the job died of a segmentation fault (exit 139) on its way
+  # out. The stop is now noted, and raised between steps.
+  from gmjax.app import stops  # pylint: disable=g-import-not-at-top
+
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    with pytest.raises(KeyboardInterrupt, match=f"^{said}$"):
+      with stops.deferred() as check:
+        check()
+        os.kill(os.getpid(), signum)
+        time.sleep(0.5)  # delivered: noted, not raised
+        check()
+    with pytest.raises(KeyboardInterrupt):  # one after the last check is not lost
+      with stops.deferred():
+        os.kill(os.getpid(), signum)
+        time.sleep(0.5)
+  finally:
+    signal.signal(signal.SIGINT, previous)
 
 
 def test_links_and_runs_as_the_output_folder_are_named(tmp_path, capsys):

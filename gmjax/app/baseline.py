@@ -16,8 +16,13 @@ from gmjax.app import data, model
 from gmjax.app.worker import evaluate, held_out, inner_optimizer
 
 
-def train_baseline(cfg: config_lib.TrainConfig, metrics_path: str, progress=None) -> None:
-  """Trains ``cfg.steps`` steps at batch ``learners·batch_size``; one JSON line a step."""
+def train_baseline(cfg: config_lib.TrainConfig, metrics_path: str, progress=None,
+                   check=lambda: None) -> None:
+  """Trains ``cfg.steps`` steps at batch ``learners·batch_size``; one JSON line a step.
+
+  ``check`` is called between steps (``gmjax.app.stops.deferred``: a stop lands there,
+  not inside XLA's work).
+  """
   train_tokens, valid_tokens = data.load_corpus(cfg.corpus_bytes)
   shards = [data.Batches(train_tokens, seq_len=cfg.model.seq_len, batch_size=cfg.batch_size,
                          shard=i, shards=cfg.learners, seed=cfg.seed) for i in range(cfg.learners)]
@@ -32,6 +37,7 @@ def train_baseline(cfg: config_lib.TrainConfig, metrics_path: str, progress=None
 
     log(event="start", step=0, val_loss=evaluate(evaluate_fn, params, valid))
     for step in range(1, cfg.steps + 1):
+      check()
       batch = np.concatenate([s.next() for s in shards])
       params, opt_state, loss = train_step(params, opt_state, batch)
       record = {"event": "step", "step": step, "loss": float(loss)}

@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import os
+import pathlib
 import shlex
 import sys
 from typing import Any
@@ -99,7 +100,9 @@ def _train(args: argparse.Namespace) -> int:
     stopped = isinstance(stop, KeyboardInterrupt)
     print(f"\ngmjax train: {'stopped (' + (str(stop) or 'Ctrl-C') + ')' if stopped else stop}",
           file=sys.stderr)
-    if cfg is not None and os.path.isfile(os.path.join(cfg.out, "run", "manifest.json")):
+    from gmjax.app import outdir  # pylint: disable=g-import-not-at-top
+
+    if cfg is not None and outdir.resumable(cfg, pathlib.Path(cfg.out)):
       print(f"gmjax train: the learners are stopped; continue the run with: gmjax train"
             f" {shlex.quote(args.config)} --out {shlex.quote(cfg.out)} --resume",
             file=sys.stderr)
@@ -110,7 +113,7 @@ def _train(args: argparse.Namespace) -> int:
   print(results_table(losses, summary["bytes_sent"]))
   print(settings_line(cfg))
   print(f"figures: {', '.join(summary['figures'])}\nmetrics: {summary['metrics']}")
-  print(f"see the rounds with: gmjax status {summary['run']}")
+  print(f"see the rounds with: gmjax status {shlex.quote(summary['run'])}")
   return 0
 
 

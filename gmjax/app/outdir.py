@@ -164,6 +164,19 @@ def earlier_outputs(out: Path) -> list[str]:
   return found + [CONFIG] * (out / CONFIG).exists()
 
 
+def resumable(cfg: config_lib.TrainConfig, out: Path) -> bool:
+  """Whether ``<out>/run`` is a run that ``--resume`` with ``cfg`` continues: it has a
+  manifest and ``<out>``'s config records ``cfg``'s settings (an older run that a
+  stopped ``--force`` had not deleted yet is not this job's)."""
+  saved = out / CONFIG
+  try:
+    return ((out / "run" / layout.MANIFEST).is_file() and job_config(saved)
+            and not _differences(json.loads(saved.read_text(encoding="utf-8")),
+                                 cfg.to_json()))
+  except (OSError, ValueError):
+    return False
+
+
 def resume_point(cfg: config_lib.TrainConfig, out: Path, run_dir: Path,
                   schema: gmjax.Schema) -> int:
   """The global step the run in ``run_dir`` reached (its newest committed round's), once

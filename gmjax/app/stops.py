@@ -32,3 +32,34 @@ def stopped_by_signals():
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def deferred():
+  """Ctrl-C, SIGTERM and SIGHUP noted, not raised, until the ``check`` this yields is
+  called, which raises ``KeyboardInterrupt`` as ``stopped_by_signals`` would.
+
+  For work that XLA runs in this process (the baseline): an interrupt raised inside a
+  compile or a step left XLA's threads at work while the interpreter shut down, and the
+  job died of a segmentation fault (exit 139) instead of exiting 130. A signal the job
+  was started to ignore stays ignored.
+  """
+  if threading.current_thread() is not threading.main_thread():
+    yield lambda: None
+    return
+  noted = []
+
+  def check():
+    if noted:
+      raise KeyboardInterrupt("" if noted[0] == signal.SIGINT
+                              else signal.Signals(noted[0]).name)
+
+  signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+  previous = {s: signal.signal(s, lambda signum, frame: noted.append(signum))
+              for s in signals if signal.getsignal(s) is not signal.SIG_IGN}
+  try:
+    yield check
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+  check()  # one that came after the last check

@@ -90,6 +90,16 @@ def bytes_by_learner(cfg: config_lib.TrainConfig, params: Any, rounds: list[Roun
   return sent
 
 
+def _earlier_seconds(out: Path) -> dict[str, float]:
+  """The ``*_seconds`` of the ``summary.json`` an earlier attempt of the job wrote."""
+  try:
+    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+  except (OSError, ValueError):
+    return {}
+  return {k: v for k, v in summary.items() if k.endswith("_seconds")
+          and type(v) in (int, float)} if isinstance(summary, dict) else {}
+
+
 def _finished(path: Path, steps: int) -> bool:
   """Whether the metrics at ``path`` reach step ``steps``."""
   return any(r.get("event") == "step" and r.get("step") == steps for r in _read_jsonl(path))
@@ -251,6 +261,8 @@ def _job(cfg: config_lib.TrainConfig, out: Path, params: Any, schema: gmjax.Sche
     gmjax.mail.create(str(run_dir), params, cfg.diloco, keep_versions=None)
 
   names = [f"learner-{i}" for i in range(cfg.learners)]
+  # What an earlier attempt's summary says it took, for what this one does not train.
+  earlier = _earlier_seconds(out) if resume else {}
   started = time.time()
   if start < cfg.steps:
     if resume:
@@ -260,17 +272,20 @@ def _job(cfg: config_lib.TrainConfig, out: Path, params: Any, schema: gmjax.Sche
   else:
     print(f"gmjax train: --resume: the newest round of {run_dir} is at step {start}: its"
           f" learners have trained all {cfg.steps} steps")
-  diloco_seconds = time.time() - started
+  diloco_seconds = (time.time() - started if start < cfg.steps
+                    else earlier.get("diloco_seconds"))
 
   baseline_path = out / "metrics-baseline.jsonl"
   baseline_seconds = None
   if cfg.baseline and resume and _finished(baseline_path, cfg.steps):
+    baseline_seconds = earlier.get("baseline_seconds")
     print(f"gmjax train: --resume: keeping the baseline's {cfg.steps} steps in {baseline_path}")
   elif cfg.baseline:
     baseline_path.unlink(missing_ok=True)  # a stopped baseline trains again from the start
-    with tqdm(total=cfg.steps, desc="data-parallel baseline", disable=not show_progress) as bar:
+    with (tqdm(total=cfg.steps, desc="data-parallel baseline", disable=not show_progress)
+          as bar, stops.deferred() as check):
       started = time.time()
-      train_baseline(cfg, str(baseline_path), progress=bar)
+      train_baseline(cfg, str(baseline_path), progress=bar, check=check)
       baseline_seconds = time.time() - started
 
   run = gmjax.mail.open(str(run_dir))
@@ -298,7 +313,7 @@ def _job(cfg: config_lib.TrainConfig, out: Path, params: Any, schema: gmjax.Sche
       "bytes_sent": bytes_by_learner(cfg, params, rounds, names),
       "mean_cosine": sum(cosines) / len(cosines) if cosines else None,
       "goodput": learner_goodput,
-      "diloco_seconds": round(diloco_seconds, 1),
+      "diloco_seconds": None if diloco_seconds is None else round(diloco_seconds, 1),
       "baseline_seconds": None if baseline_seconds is None else round(baseline_seconds, 1),
       "figures": figures,
       "metrics": str(out / "metrics.jsonl"),
