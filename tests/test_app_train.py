@@ -914,3 +914,35 @@ def test_one_data_parallel_worker_sends_nothing(tmp_path):
   config.write_text(TINY)
   two = config_lib.load(config)
   assert train.bytes_by_learner(two, params, [], ["learner-0", "learner-1"])["baseline"] > 0
+
+
+def test_a_contribution_that_came_after_its_round_closed_counts_as_sent(tmp_path):
+  # The bytes a learner sent were counted from the round records' participants and
+  # rejections: a contribution published after its round had closed without it (a
+  # learner that came back late) was uploaded all the same, and not counted.
+  import gmjax  # pylint: disable=g-import-not-at-top
+  from gmjax.app import config as config_lib, model, train  # pylint: disable=g-import-not-at-top
+  from gmjax.mail import contributions  # pylint: disable=g-import-not-at-top
+
+  config = tmp_path / "tiny.toml"
+  config.write_text(TINY)
+  cfg = config_lib.load(config)
+  _, params = model.build(cfg.model, seed=0)
+  run = gmjax.mail.create(str(tmp_path / "run"), params, cfg.diloco)
+  plan = run.plan
+  for round_, learner in ((0, "learner-0"), (0, "learner-1"), (1, "learner-1")):
+    names = plan[run.manifest.schedule.fragment_of(round_)]
+    delta = {n: np.zeros(run.schema.subset([n]).parameters[0].shape, np.float32)
+             for n in names}
+    run.store.put(f"rounds/{round_}/{learner}.safetensors", contributions.dumps(
+        delta, learner=learner, round_=round_, fragment=run.manifest.schedule.fragment_of(
+            round_), base_version=0, local_step=2, steps=2, tokens=2, step_seconds=0.01,
+        final=False, precision=None, key=None))
+  run.store.put("rounds/1/notes.txt", b"not a contribution")
+  assert run.rounds() == []  # no round closed: every one of them came late
+  assert sorted(train.published(run)) == [(0, "learner-0"), (0, "learner-1"),
+                                          (1, "learner-1")]
+  sent = train.bytes_by_learner(cfg, params, train.published(run), ["learner-0", "learner-1"])
+  schema = cfg.diloco.cut(gmjax.Schema.from_tree(params))
+  size = [cfg.diloco.delta_layout(schema.subset(n)).nbytes for n in plan]
+  assert sent["learner-0"] == size[0] and sent["learner-1"] == size[0] + size[1] > 0

@@ -27,6 +27,7 @@ from gmjax.app import config as config_lib
 from gmjax.app import model, outdir, plots, stops
 from gmjax.app.stops import LearnersFailed
 from gmjax.app.baseline import train_baseline
+from gmjax.mail import contributions, layout
 from gmjax.mail.records import RoundRecord
 
 
@@ -71,20 +72,32 @@ def _ring(learners: int) -> float:
   return 2 * (learners - 1) / learners
 
 
-def bytes_by_learner(cfg: config_lib.TrainConfig, params: Any, rounds: list[RoundRecord],
-                     names: list[str]) -> dict[str, int]:
-  """Bytes each learner published (its delta payloads, rejected ones included), and the
-  baseline's: a ring all-reduce of F32 gradients on every step, as data parallelism sends."""
+def published(run: Any) -> list[tuple[int, str]]:
+  """``(round, learner)`` of each contribution in the run's round folders: those its
+  rounds aggregated or rejected, and those that came after their round closed."""
+  found = []
+  for entry in run.store.list("rounds"):
+    if entry.isdigit():
+      found += [(int(entry), contributions.learner_of(name))
+                for name in run.store.list(f"rounds/{entry}")
+                if name.endswith(layout.CONTRIBUTION_SUFFIX)]
+  return found
+
+
+def bytes_by_learner(cfg: config_lib.TrainConfig, params: Any,
+                     sent_rounds: list[tuple[int, str]], names: list[str]
+                     ) -> dict[str, int]:
+  """Bytes each learner published (its delta payloads: ``published``'s, late and
+  rejected ones included), and the baseline's: a ring all-reduce of F32 gradients on
+  every step, as data parallelism sends."""
   schema = cfg.diloco.cut(gmjax.Schema.from_tree(params))
-  per_fragment = [cfg.diloco.delta_layout(schema.subset(names_)).nbytes
-                  for names_ in cfg.diloco.plan(schema)]
+  plan = cfg.diloco.plan(schema)
+  per_fragment = [cfg.diloco.delta_layout(schema.subset(names_)).nbytes for names_ in plan]
+  schedule = cfg.diloco.schedule(len(plan))
   sent = dict.fromkeys(names, 0)
-  for record in rounds:
-    senders = [p.learner for p in record.participants]
-    senders += [r.learner for r in record.rejected]
-    for name in senders:
-      if name in sent:
-        sent[name] += per_fragment[record.fragment]
+  for round_, name in sent_rounds:
+    if name in sent:
+      sent[name] += per_fragment[schedule.fragment_of(round_)]
   sent["baseline"] = int(sum(p.size * 4 for p in schema.parameters) * _ring(cfg.learners)
                          * cfg.steps)
   return sent
@@ -310,7 +323,7 @@ def _job(cfg: config_lib.TrainConfig, out: Path, params: Any, schema: gmjax.Sche
       "resumed_at_step": start if resume else None,
       "final_val_loss": final_losses(metrics, [*names, *(["baseline"] if cfg.baseline else [])],
                                     cfg.steps),
-      "bytes_sent": bytes_by_learner(cfg, params, rounds, names),
+      "bytes_sent": bytes_by_learner(cfg, params, published(run), names),
       "mean_cosine": sum(cosines) / len(cosines) if cosines else None,
       "goodput": learner_goodput,
       "diloco_seconds": None if diloco_seconds is None else round(diloco_seconds, 1),
