@@ -387,3 +387,20 @@ def test_sparse_decode_refuses_bad_indices(index, reason):
   entries["w.index"] = np.asarray(index, entries["w.index"].dtype)
   with pytest.raises(ValueError, match=rf"decode: entry 'w.index': index .* {reason}"):
     sparse_wire.decode(entries, schema)
+
+
+@pytest.mark.parametrize("precision", ["F8_E4M3", "F4", "I4", "I2"])
+def test_dequantize_refuses_codes_or_scales_of_another_size(precision):
+  # A scale vector too short was broadcast over every block, and I4 codes too short
+  # were padded with zero codes: both decoded silently to other values.
+  x = jnp.linspace(-1.0, 1.0, 96)
+  codes, scales = gmjax.quantize(x, precision)
+  np.testing.assert_array_equal(gmjax.dequantize(codes, scales, (96,), precision),
+                                gmjax.dequantize(np.asarray(codes), np.asarray(scales),
+                                                 (96,), precision))
+  for bad_codes, bad_scales in ((codes, scales[:1]), (codes[:-4], scales),
+                                (jnp.concatenate([codes, codes[:4]]), scales),
+                                (codes, jnp.concatenate([scales, scales]))):
+    with pytest.raises(ValueError, match=rf"dequantize: {precision} codes of 96 values.*"
+                                         r"pass quantize's codes and scales"):
+      gmjax.dequantize(bad_codes, bad_scales, (96,), precision)

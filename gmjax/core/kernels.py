@@ -265,6 +265,14 @@ def dequantize(
   size = math.prod(shape)
   blocks = num_blocks(size)
   codes = jnp.asarray(codes)
+  # quantize's sizes, checked: a short scale vector broadcast, short codes padded with
+  # zeros, both decoded silently to other values.
+  count = size if precision == "F8_E4M3" else packed_size(size, CODE_BITS[precision])
+  if jnp.size(codes) != count or jnp.shape(scales) != (blocks,):
+    raise ValueError(
+        f"dequantize: {precision} codes of {size} values in shape {shape} are {count}"
+        f" codes and {blocks} scales (quantize's), got {jnp.size(codes)} codes and scales"
+        f" of shape {jnp.shape(scales)}; pass quantize's codes and scales of that shape.")
   if precision == "F8_E4M3":
     values = f8_e4m3_values(jnp.ravel(codes).astype(jnp.float8_e4m3fn))
     pad = blocks * BLOCK - size
