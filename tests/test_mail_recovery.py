@@ -103,6 +103,37 @@ def test_deleted_newest_commit_is_redone(tmp_path):
   assert {p.learner for p in run.commit(0, 2).participants} >= {"b0", "b1"}
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("damage", ["zeroed", "deleted"])
+def test_a_damaged_commit_older_than_another_fragments_newest_is_redone(tmp_path, damage):
+  # Fragment 0's newest record (round 2) damaged or deleted after fragment 1's newer one
+  # (round 3) committed: learners that joined started after round 3, so none
+  # contributed to round 2 again, and each waited for its version until it timed out
+  # (RoundTimeout), however often it joined again.
+  url = str(tmp_path / "run")
+  config = gmjax.DiLoCo(sync_every=2, fragments=2, quorum_size=2, flush_on_close=False)
+  run = mail.create(url, ms.params0(), config, key="k")
+  _train(url, ["a0", "a1"], 4, key="k")
+  assert [(r.round, r.fragment, r.version) for r in run.rounds()] == [
+      (0, 0, 1), (1, 1, 1), (2, 0, 2), (3, 1, 2)]
+  newest = layout.commit(0, 2)
+  if damage == "zeroed":
+    run.store.put(newest, b"\0" * len(run.store.get(newest)))
+  else:
+    run.store.delete(newest)
+  assert run.newest_versions() == {0: 1, 1: 2}
+  out = {}
+  threads = ms.Threads()
+  together = threading.Barrier(2, timeout=60)
+  for m, name in enumerate(["b0", "b1"]):
+    threads.start(ms.train, mail.open(url, key="k"), name, m, 4, out=out,
+                  together=together, wait_timeout=15.0)
+  threads.join(timeout=100)
+  assert sorted(out) == ["b0", "b1"]
+  assert {p.learner for p in run.commit(0, 2).participants} >= {"b0", "b1"}
+  assert run.newest_versions()[0] >= 3 and mail.verify(url, key="k") == []
+
+
 def test_zeroed_newest_state_is_repaired_from_the_version_before(tmp_path):
   url = str(tmp_path / "run")
   run = mail.create(url, ms.params0(), _config())

@@ -200,8 +200,7 @@ class Learner(Resuming, Rounds):
       self._beats.fail(self._worker.failure)
 
   def _newest_step(self) -> int:
-    newest = self.run.newest_versions()
-    return max((self.run.commit_step(f, v) for f, v in newest.items()), default=0)
+    return self.run.start_step()
 
   def _beat(self, **changes: Any) -> None:
     if self._beats is not None:

@@ -64,7 +64,7 @@ class Resuming:
     self._tree_schema = schema
     flat = schema.flatten(like)  # with layer blocks, pieces sliced only when read
     newest = self.run.newest_versions()
-    self.step_count = max((self.run.commit_step(f, v) for f, v in newest.items()), default=0)
+    self.step_count = self.run.start_step(newest)
     self.first_round = self.schedule.first_round_after(self.step_count)
     futures = {f: self._worker.request(f, v) for f, v in newest.items()}
     deadline = time.monotonic() + max(self.startup_timeout, self._deadline() - time.monotonic())

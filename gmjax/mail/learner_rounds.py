@@ -2,9 +2,9 @@
 
 Which rounds a learner contributes to, and at which base version:
 
-* It starts at global step ``S``, the step of the newest committed round (0 in a new run),
-  and contributes to every round ``r`` with ``step_of(r) > S``, at the ``step`` call that
-  reaches ``step_of(r)``. Its heartbeat's ``first_round`` says so.
+* It starts at global step ``S`` (``Run.start_step``: the newest committed round's, or
+  the step before an older round not committed) and contributes to every round ``r``
+  with ``step_of(r) > S``, at the step that reaches ``step_of(r)`` (``first_round``).
 * A contribution to round ``r`` of fragment ``f`` is ``anchor_f − θ_f`` against base
   version ``r div P`` (the version the round's closer starts from). Before publishing it
   the learner aligns ``f`` with that version if it does not hold it yet.

@@ -142,6 +142,19 @@ class Run:
                             " damaged; create the run again.")
     return newest
 
+  def start_step(self, newest: dict[int, int] | None = None) -> int:
+    """The global step a learner that joins now starts at (``newest``: the newest
+    committed versions, read if None): the newest committed round's, or the step before
+    the first round not committed if that comes before it, so that the learner
+    contributes to that round and the run closes it. A round whose every record was
+    damaged or deleted after a newer round committed would otherwise never be closed
+    again: learners that joined after it waited for its version until they timed out.
+    """
+    newest = self.newest_versions() if newest is None else newest
+    step = max((self.commit_step(f, v) for f, v in newest.items()), default=0)
+    first_open = min(v * len(self.plan) + f for f, v in newest.items())
+    return min(step, self.manifest.schedule.step_of(first_open) - 1)
+
   def commit_step(self, fragment: int, version: int) -> int:
     """The global step of the round that committed ``version`` of ``fragment`` (0 for
     version 0), whether or not it is committed yet.
