@@ -409,8 +409,17 @@ def test_status_of_unreachable_storage_says_so_in_one_line(capsys, monkeypatch):
   assert err.startswith("gmjax status: the storage at gs://gmjax-nowhere/run did not answer"
                         " within 1 s"), err
   assert "--retry-seconds" in err and "Traceback" not in err and err.count("\n") == 1, err
+  assert "(or STORAGE_EMULATOR_HOST)" in err, err
   assert cli.main(["status", "gs://gmjax-nowhere/run", "--retry-seconds", "0"]) == 2
   assert "--retry-seconds 0: must be a positive number" in capsys.readouterr().err
+  # An S3-compatible endpoint is AWS_ENDPOINT_URL's; the hint named the GCS variable.
+  monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+  for name, value in (("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "x")):
+    monkeypatch.setenv(name, value)
+  assert cli.main(["status", "s3://gmjax-nowhere/run", "--retry-seconds", "1"]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("gmjax status: the storage at s3://gmjax-nowhere/run did not answer")
+  assert "(or AWS_ENDPOINT_URL, for an S3-compatible service)" in err, err
 
 
 @pytest.mark.parametrize("url,package,extra", [("gs://b/run", "gcsfs", "gcs"),

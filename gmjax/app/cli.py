@@ -159,10 +159,13 @@ def _status(args: argparse.Namespace) -> int:
   except gmjax.mail.StorageUnavailable as error:
     cause = error.__cause__ or error
     said = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+    # The endpoint a status reads from, the command having no storage_options.
+    endpoint = ("AWS_ENDPOINT_URL, for an S3-compatible service" if args.run.startswith(
+        "s3://") else "STORAGE_EMULATOR_HOST")
     raise _Unavailable(
         f"the storage at {args.run} did not answer within {args.retry_seconds:g} s"
         f" ({said}); check the URL, the credentials and the"
-        " network (or STORAGE_EMULATOR_HOST), or wait longer with --retry-seconds"
+        f" network (or {endpoint}), or wait longer with --retry-seconds"
     ) from error
   problems = gmjax.mail.verify(run, deep=args.verify)
   try:
