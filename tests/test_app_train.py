@@ -955,3 +955,11 @@ def test_a_contribution_that_came_after_its_round_closed_counts_as_sent(tmp_path
   schema = cfg.diloco.cut(gmjax.Schema.from_tree(params))
   size = [cfg.diloco.delta_layout(schema.subset(n)).nbytes for n in plan]
   assert sent["learner-0"] == size[0] and sent["learner-1"] == size[0] + size[1] > 0
+  # bytes.png draws the same contributions, at the steps of their rounds (it counted the
+  # committed rounds' participants: nothing here).
+  lines = train._bytes_sent(cfg, params, train.published(run), ["learner-0", "learner-1"])
+  schedule = run.manifest.schedule
+  assert [v for k, v in lines.items() if k.startswith("learner-1: DiLoCo")] == [
+      [(schedule.step_of(0), size[0]), (schedule.step_of(1), size[0] + size[1])]]
+  assert [v for k, v in lines.items() if k.startswith("learner-0: DiLoCo")] == [
+      [(schedule.step_of(0), size[0])]]

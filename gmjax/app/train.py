@@ -28,7 +28,6 @@ from gmjax.app import model, outdir, plots, stops
 from gmjax.app.stops import LearnersFailed
 from gmjax.app.baseline import train_baseline
 from gmjax.mail import contributions, layout
-from gmjax.mail.records import RoundRecord
 
 
 def _read_jsonl(path: Path, offset: int = 0) -> list[dict[str, Any]]:
@@ -48,19 +47,30 @@ def _read_jsonl(path: Path, offset: int = 0) -> list[dict[str, Any]]:
   return records
 
 
-def _bytes_sent(cfg: config_lib.TrainConfig, params: Any, rounds: list[RoundRecord]):
-  """Cumulative bytes each learner sent, for DiLoCo rounds and for per-step all-reduce."""
-  schema = gmjax.Schema.from_tree(params)
+def _payload_bytes(cfg: config_lib.TrainConfig, params: Any):
+  """The run's schema (cut into layer blocks as the run cuts it), and the bytes of one
+  delta payload of each of its fragments."""
+  schema = cfg.diloco.cut(gmjax.Schema.from_tree(params))
   plan = cfg.diloco.plan(schema)
-  per_fragment = [cfg.diloco.delta_layout(schema.subset(names)).nbytes for names in plan]
-  total, diloco = 0.0, [(0, 0.0)]
-  for record in rounds:
-    if record.participants:
-      total += per_fragment[record.fragment]
-      diloco.append((record.step, total))
+  return schema, [cfg.diloco.delta_layout(schema.subset(names)).nbytes for names in plan]
+
+
+def _bytes_sent(cfg: config_lib.TrainConfig, params: Any, sent_rounds: list[tuple[int, str]],
+                names: list[str]) -> dict[str, list[tuple[int, float]]]:
+  """Cumulative bytes each learner sent against the step of the round they were for
+  (``published``'s contributions, as ``bytes_by_learner`` counts them), and a
+  data-parallel worker's per-step all-reduce."""
+  schema, per_fragment = _payload_bytes(cfg, params)
+  schedule = cfg.diloco.schedule(len(per_fragment))
+  precision = cfg.diloco.delta_precision or "F32"
+  series = {}
+  for name in names:
+    total, points = 0.0, []
+    for round_ in sorted(r for r, learner in sent_rounds if learner == name):
+      total += per_fragment[schedule.fragment_of(round_)]
+      points.append((schedule.step_of(round_), total))
+    series[f"{name}: DiLoCo, H={cfg.diloco.sync_every}, P={len(per_fragment)}, {precision}"] = points
   grad_bytes = sum(p.size * 4 for p in schema.parameters) * _ring(cfg.learners)
-  label = f"DiLoCo, H={cfg.diloco.sync_every}, P={len(plan)}, {cfg.diloco.delta_precision or 'F32'}"
-  series = {label: diloco[1:] or diloco}
   if grad_bytes:  # one data-parallel worker sends nothing (no line on a log scale)
     series["data-parallel all-reduce (F32, ring)"] = [
         (s, s * grad_bytes) for s in range(1, cfg.steps + 1)]
@@ -90,10 +100,8 @@ def bytes_by_learner(cfg: config_lib.TrainConfig, params: Any,
   """Bytes each learner published (its delta payloads: ``published``'s, late and
   rejected ones included), and the baseline's: a ring all-reduce of F32 gradients on
   every step, as data parallelism sends."""
-  schema = cfg.diloco.cut(gmjax.Schema.from_tree(params))
-  plan = cfg.diloco.plan(schema)
-  per_fragment = [cfg.diloco.delta_layout(schema.subset(names_)).nbytes for names_ in plan]
-  schedule = cfg.diloco.schedule(len(plan))
+  schema, per_fragment = _payload_bytes(cfg, params)
+  schedule = cfg.diloco.schedule(len(per_fragment))
   sent = dict.fromkeys(names, 0)
   for round_, name in sent_rounds:
     if name in sent:
@@ -311,7 +319,9 @@ def _job(cfg: config_lib.TrainConfig, out: Path, params: Any, schema: gmjax.Sche
       f.write(json.dumps(record) + "\n")
     for record in rounds:
       f.write(json.dumps({"event": "round", **record.to_json()}) + "\n")
-  figures = plots.plot_all(_latest(metrics), rounds, _bytes_sent(cfg, params, rounds), str(out))
+  sent = published(run)
+  figures = plots.plot_all(_latest(metrics), rounds, _bytes_sent(cfg, params, sent, names),
+                           str(out))
   learner_goodput = plots.goodput(metrics, rounds, names,
                                   len(cfg.diloco.plan(schema)))
   figures.append(plots.plot_goodput(learner_goodput, str(out), cfg.learner_speeds))
@@ -323,7 +333,7 @@ def _job(cfg: config_lib.TrainConfig, out: Path, params: Any, schema: gmjax.Sche
       "resumed_at_step": start if resume else None,
       "final_val_loss": final_losses(metrics, [*names, *(["baseline"] if cfg.baseline else [])],
                                     cfg.steps),
-      "bytes_sent": bytes_by_learner(cfg, params, published(run), names),
+      "bytes_sent": bytes_by_learner(cfg, params, sent, names),
       "mean_cosine": sum(cosines) / len(cosines) if cosines else None,
       "goodput": learner_goodput,
       "diloco_seconds": None if diloco_seconds is None else round(diloco_seconds, 1),
