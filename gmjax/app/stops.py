@@ -14,6 +14,19 @@ class LearnersFailed(RuntimeError):
 
 
 @contextlib.contextmanager
+def _handled(signals, handler):
+  """``handler`` for each of ``signals`` the job was not started to ignore (``nohup``),
+  the previous handlers back on exit."""
+  previous = {s: signal.signal(s, handler) for s in signals
+              if signal.getsignal(s) is not signal.SIG_IGN}
+  try:
+    yield
+  finally:
+    for s, old in previous.items():
+      signal.signal(s, old)
+
+
+@contextlib.contextmanager
 def stopped_by_signals():
   """SIGTERM and SIGHUP stop the job as Ctrl-C does (``KeyboardInterrupt``), so that it
   stops its learners rather than leave them running without it; one the job was started
@@ -25,13 +38,8 @@ def stopped_by_signals():
   def interrupt(signum, frame):  # pylint: disable=unused-argument
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
-  previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)
-              if signal.getsignal(s) is not signal.SIG_IGN}
-  try:
+  with _handled((signal.SIGTERM, signal.SIGHUP), interrupt):
     yield
-  finally:
-    for s, handler in previous.items():
-      signal.signal(s, handler)
 
 
 @contextlib.contextmanager
@@ -54,12 +62,7 @@ def deferred():
       raise KeyboardInterrupt("" if noted[0] == signal.SIGINT
                               else signal.Signals(noted[0]).name)
 
-  signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-  previous = {s: signal.signal(s, lambda signum, frame: noted.append(signum))
-              for s in signals if signal.getsignal(s) is not signal.SIG_IGN}
-  try:
+  with _handled((signal.SIGINT, signal.SIGTERM, signal.SIGHUP),
+                lambda signum, frame: noted.append(signum)):
     yield check
-  finally:
-    for s, handler in previous.items():
-      signal.signal(s, handler)
   check()  # one that came after the last check
