@@ -165,7 +165,7 @@ class Learner(Resuming, Rounds):
     self._pulled = self._closed = False
     self._cleaned: set[str] = set()  # the parts of leaving done: "worker", "heartbeat"
     self._user: threading.Thread | None = None  # the thread that last called it
-    self.step_count = self._newest_step()
+    self.step_count = self.run.start_step()
     self.first_round = self.schedule.first_round_after(self.step_count)
     self._beats: HeartbeatWriter | None = None
     if self.primary:
@@ -198,9 +198,6 @@ class Learner(Resuming, Rounds):
     del error
     if self._beats is not None:
       self._beats.fail(self._worker.failure)
-
-  def _newest_step(self) -> int:
-    return self.run.start_step()
 
   def _beat(self, **changes: Any) -> None:
     if self._beats is not None:
