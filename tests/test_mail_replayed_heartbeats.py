@@ -2,6 +2,7 @@
 for the closer nor hold its name."""
 
 import datetime
+import json
 import threading
 import time
 
@@ -228,3 +229,27 @@ def test_a_learners_heartbeats_carry_its_claims_date(tmp_path):
   record = heartbeats.read_one(run.store, "w", run.signing_key)
   assert record["claimed_at"] == names.claimed_at(run.store, "w", 1) is not None
   learner.close(learner.pull(ms.params0()))
+
+
+def test_a_heartbeat_of_an_earlier_join_written_back_does_not_end_a_live_learner(tmp_path):
+  # The signed heartbeat a1 wrote when it closed after its first join, written back
+  # over its live one: an observer took a1 for closed (no bad heartbeat recorded), and
+  # rounds closed without its contributions until its next beat.
+  run = _run(tmp_path)
+  learner = run.join("a1", poll_interval=ms.POLL)
+  learner.close(learner.pull(ms.params0()))
+  old = run.store.read(layout.heartbeat("a1"), heartbeats.MAX_HEARTBEAT_BYTES)
+  learner = run.join("a1", poll_interval=1.0)  # beats seconds apart: none in between
+  params = learner.pull(ms.params0())
+  try:
+    roster = heartbeats.Roster(run.store, run.signing_key)
+    roster.refresh()
+    assert roster.records["a1"]["status"] == heartbeats.LIVE
+    live = roster.records["a1"]
+    run.store.put(layout.heartbeat("a1"), old)
+    roster.refresh()
+    assert roster.records["a1"]["status"] == heartbeats.LIVE
+    assert roster.records["a1"]["claim"] == live["claim"] > json.loads(old)["claim"]
+    assert roster.live_for(0, 5.0) == {"a1"}
+  finally:
+    learner.close(params)

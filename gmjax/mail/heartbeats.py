@@ -253,6 +253,7 @@ class Roster:
     self._changed: dict[str, float] = {}  # when each name's newest beat was first seen
     self._newest: dict[tuple[str, Any], int] = {}  # (name, incarnation) -> highest seq
     self._rises: dict[tuple[str, Any], int] = {}  # how often that seq rose here
+    self._claims: dict[str, int] = {}  # name -> newest claim a valid heartbeat named
     self.refreshed = float("-inf")
     self._read: dict[str, tuple[Any, Any]] = {}  # scan's cache: file -> (marker, result)
 
@@ -270,11 +271,16 @@ class Roster:
     for name, record in found.records.items():
       incarnation = (name, record.get("incarnation"))
       newest = self._newest.get(incarnation)
-      if newest is not None and record["seq"] <= newest:
-        # Not newer than a beat already seen: unchanged, or an old one written back.
+      claim, newest_claim = record.get("claim"), self._claims.get(name)
+      if ((newest is not None and record["seq"] <= newest)
+          or (claim is not None and newest_claim is not None and claim < newest_claim)):
+        # Not newer than a beat already seen: unchanged, an old one written back, or one
+        # of an earlier join of the name (a replay: it would end a live learner).
         if name in self.records:
           records[name] = self.records[name]
         continue
+      if claim is not None:
+        self._claims[name] = max(claim, newest_claim or 0)
       self._newest[incarnation] = record["seq"]
       rises = self._rises[incarnation] = self._rises.get(incarnation, -1) + 1
       records[name] = record
