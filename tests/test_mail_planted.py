@@ -2,6 +2,7 @@
 where a round's folder belongs, odd claim names, junk at a learner's next contribution
 path) never stop a learner, never stand for a learner, and the run goes on."""
 
+import dataclasses
 import os
 import threading
 import time
@@ -91,6 +92,61 @@ def test_folder_at_a_future_commit_path_is_a_damaged_slot(tmp_path, kind):
   for name in out["a0"]:
     np.testing.assert_array_equal(out["a0"][name], out["a1"][name])
   assert mail.verify(url) == []  # the damaged slot is superseded, not in force
+
+
+@pytest.mark.timeout(60)
+def test_an_old_signed_record_copied_to_a_later_slot_is_not_in_force(tmp_path):
+  # Version 1's record (A) was damaged and its round committed again in slot 1 (B). The
+  # attacker, without the key, copied A's signed bytes to slot 2: readers took the last
+  # intact slot, A, so joiners pulled a Θ the run had left and `rounds()` rewrote history.
+  from gmjax.mail import commits  # pylint: disable=g-import-not-at-top
+
+  key = b"k" * 32
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2), key=key)
+  learner = run.join("a0", poll_interval=ms.POLL)
+  params = learner.pull(ms.params0())
+  for _ in range(2):
+    params = learner.step(ms.inner(params, ms.target(0)))
+  learner.close(params)
+  original = run.store.read(layout.commit(0, 1), 1 << 20)
+  record_a = run.commit(0, 1)
+  _plant(run, layout.commit(0, 1), b"\0" * len(original))
+  record_b = dataclasses.replace(record_a, committed_at="2030-01-01T00:00:00Z")
+  assert commits.write_commit(run.store, record_b, run.signing_key)
+  assert run.commit(0, 1).committed_at == record_b.committed_at
+  _plant(run, layout.commit_slot(0, 1, 2), original)
+  assert run.commit(0, 1).committed_at == record_b.committed_at
+  assert [r.committed_at for r in mail.open(url, key=key).rounds()] == [
+      record_b.committed_at]
+  problems = mail.verify(url, key=key)
+  assert any(layout.commit_slot(0, 1, 2) in p and "another slot" in p
+             and "after the record in force" in p for p in problems), problems
+
+
+def test_junk_at_a_commit_slot_is_judged_once_while_it_stays(tmp_path, monkeypatch):
+  # Readers poll the slots of the version they wait for. A JSON array of 31M zeros at
+  # one (60 MB, under the old 64 MiB bound) took 5 s to parse and judge on every poll:
+  # an 8-step run took 67 s instead of 4.5 s. Now junk is judged once while its bytes
+  # stay, and a record is at most 16 MiB.
+  from gmjax.mail import commits  # pylint: disable=g-import-not-at-top
+
+  run = mail.create(str(tmp_path / "run"), ms.params0(), gmjax.DiLoCo(sync_every=2))
+  judged = []
+  judge = commits.record_problem
+  monkeypatch.setattr(commits, "record_problem",
+                      lambda *args: judged.append(args[0]) or judge(*args))
+  _plant(run, layout.commit(0, 1), b"[" + b"0," * 1000 + b"0]")
+  for _ in range(3):
+    assert not commits.is_committed(run.store, 0, 1, None)
+  assert len(judged) == 1
+  _plant(run, layout.commit(0, 1), b"[" + b"1," * 1000 + b"1]")  # new bytes: judged anew
+  assert not commits.is_committed(run.store, 0, 1, None)
+  assert len(judged) == 2
+  _plant(run, layout.commit(0, 1), b" " * (commits.MAX_RECORD_BYTES + 1))
+  assert "more than" in str(commits.commit_slots(run.store, 0, 1, None)[0][2])
+  assert commits.MAX_RECORD_BYTES <= 16 << 20
+  assert len(judged) == 2
 
 
 @pytest.mark.timeout(120)

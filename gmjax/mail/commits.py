@@ -11,6 +11,7 @@ on to the next slot, and a writer takes it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from typing import Any
@@ -23,8 +24,11 @@ from gmjax.mail.store import BadObject, Store
 
 log = logging.getLogger(__name__)
 
-MAX_RECORD_BYTES = 64 << 20
-"""A commit record is a few KiB, plus about a hundred bytes per participant."""
+MAX_RECORD_BYTES = 16 << 20
+"""A commit record is a few KiB, plus about 200 bytes per participant and per listed
+rejection (of learners with a heartbeat, ``retention.listed_rejections``): this bound
+holds tens of thousands of learners."""
+_DAMAGED_KEPT = 256  # verdicts on damaged slots remembered, by content
 _UNREADABLE_TRIES = 3  # creates refused at a slot that then reads as no object
 
 
@@ -51,12 +55,23 @@ REQUIRED_FIELDS = {
 }
 
 
-def record_problem(record: Any, fragment: int, version: int, key: bytes | None) -> str | None:
-  """What is wrong with a parsed commit record of ``version`` of ``fragment``, or None."""
+def record_problem(record: Any, fragment: int, version: int, key: bytes | None,
+                   slot: int = 0) -> str | None:
+  """What is wrong with a parsed commit record of ``version`` of ``fragment`` found at
+  ``slot``, or None.
+
+  A record at slot ``k`` lists slots ``0 .. k - 1`` as those it ``supersedes`` (signed,
+  in a keyed run): a record copied to another slot (an older commit replayed over the
+  one in force) does not describe its place and is damaged there.
+  """
   if not isinstance(record, dict):
     return f"is a JSON {type(record).__name__}, not an object"
   if record.get("version") != version or record.get("fragment") != fragment:
     return f"does not describe version {version} of fragment {fragment}"
+  expected = [layout.commit_slot(fragment, version, k) for k in range(slot)]
+  if (record.get("supersedes") or []) != expected:
+    return (f"supersedes {record.get('supersedes')!r}, not the slots before its own"
+            f" ({expected}): a record written for another slot")
   for field, kind in REQUIRED_FIELDS.items():
     if not isinstance(record.get(field), kind) or isinstance(record.get(field), bool):
       return f"field {field!r} is missing or not a {kind.__name__}"
@@ -74,6 +89,30 @@ def record_problem(record: Any, fragment: int, version: int, key: bytes | None) 
 
 
 _WARNED: set[tuple[Any, ...]] = set()  # damaged versions already logged
+# (url, path, key, sha256 of the bytes) -> what is wrong with them. Readers poll the
+# slots of the version they wait for: junk planted there (up to MAX_RECORD_BYTES of JSON
+# that takes seconds to parse and judge) is judged once, not on every poll.
+_DAMAGED: dict[tuple[Any, ...], str] = {}
+
+
+def _slot_problem(store: Store, path: str, data: bytes, fragment: int, version: int,
+                  key: bytes | None, slot: int) -> tuple[dict[str, Any] | None, str | None]:
+  """The record the bytes at slot ``slot`` hold, or what is wrong with them."""
+  seen = (store.url, path, key, hashlib.sha256(data).digest())
+  if seen in _DAMAGED:
+    return None, _DAMAGED[seen]
+  try:
+    record = json.loads(data)
+  except (ValueError, RecursionError) as error:
+    problem = f"is not JSON ({type(error).__name__})"
+  else:
+    problem = record_problem(record, fragment, version, key, slot)
+  if problem is None:
+    return record, None
+  if len(_DAMAGED) >= _DAMAGED_KEPT:
+    del _DAMAGED[next(iter(_DAMAGED))]
+  _DAMAGED[seen] = problem
+  return None, problem
 
 
 def commit_slots(store: Store, fragment: int, version: int, key: bytes | None
@@ -93,13 +132,8 @@ def commit_slots(store: Store, fragment: int, version: int, key: bytes | None
     except BadObject as error:
       slots.append((path, None, error.reason))
       continue
-    try:
-      record = json.loads(data)
-    except (ValueError, RecursionError) as error:
-      slots.append((path, None, f"is not JSON ({type(error).__name__})"))
-      continue
-    problem = record_problem(record, fragment, version, key)
-    slots.append((path, None if problem else record, problem))
+    slots.append((path, *_slot_problem(store, path, data, fragment, version, key,
+                                       len(slots))))
 
 
 def _record_in_force(store: Store, fragment: int, version: int, key: bytes | None
@@ -198,8 +232,8 @@ def write_commit(store: Store, record: RoundRecord, key: bytes | None, *,
           log.warning("sweep of orphaned states of fragment %d failed: %r", fragment, error)
       return True
     try:
-      data = store.read(path, MAX_RECORD_BYTES)
-      problem = record_problem(json.loads(data), fragment, version, key)
+      _, problem = _slot_problem(store, path, store.read(path, MAX_RECORD_BYTES), fragment,
+                                 version, key, slot)
     except FileNotFoundError:
       unreadable += 1
       if unreadable < _UNREADABLE_TRIES:
@@ -209,8 +243,6 @@ def write_commit(store: Store, record: RoundRecord, key: bytes | None, *,
                           f" ({unreadable} times); check the storage") from None
     except BadObject as error:
       problem = error.reason
-    except (ValueError, RecursionError) as error:
-      problem = f"is not JSON ({type(error).__name__})"
     if problem is None and slot >= supersede:
       return False
     if problem is not None:

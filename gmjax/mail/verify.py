@@ -142,11 +142,13 @@ def _record_in_force(run, fragment: int, version: int) -> tuple[dict | None, lis
     return None, [f"{path}: {problem}" for path, _, problem in slots]
   last_path, last = intact[-1]
   superseded = set(last.get("supersedes") or [])
-  problems = []
+  problems, after = [], False
   for path, record, problem in slots:
     if path == last_path:
-      break
-    if path not in superseded:
+      after = True
+    elif after:  # a writer creates a slot only past damaged ones: none follows the record
+      problems.append(f"{path}: {problem}, after the record in force {last_path}")
+    elif path not in superseded:
       problems.append(f"{path}: {problem or 'a second commit of the version'}, not"
                       f" superseded by {last_path}")
   return last, problems
