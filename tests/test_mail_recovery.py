@@ -134,6 +134,22 @@ def test_a_damaged_commit_older_than_another_fragments_newest_is_redone(tmp_path
   assert run.newest_versions()[0] >= 3 and mail.verify(url, key="k") == []
 
 
+@pytest.mark.timeout(40)
+def test_version_zeros_record_deleted_before_its_first_round_stops_the_learner_at_once(
+    tmp_path):
+  # Its learners waited out their wait_timeout (a minute here) for a version no round
+  # could commit, then blamed the other learners' liveness.
+  run = mail.create(str(tmp_path / "run"), ms.params0(), gmjax.DiLoCo(sync_every=2))
+  learner = run.join("w", poll_interval=ms.POLL, wait_timeout=60.0)
+  params = learner.pull(ms.params0())
+  run.store.delete(layout.commit(0, 0))
+  with pytest.raises(mail.LearnerClosed, match="0.commit.json is gone from the run's"
+                     " storage.*restore that file or create the run again"):
+    for _ in range(2):
+      params = learner.step(ms.inner(params, ms.target(0)))
+    learner.close(params)  # waits for the round's commit
+
+
 def test_zeroed_newest_state_is_repaired_from_the_version_before(tmp_path):
   url = str(tmp_path / "run")
   run = mail.create(url, ms.params0(), _config())

@@ -267,6 +267,8 @@ class Closer:
       except retention.Pruned:
         return None  # committed on since and pruned: the round is closed
     except FileNotFoundError:
+      if version == 0:
+        states.version_zero_gone(self.store, fragment)
       return None
     self.states[fragment] = state
     return state

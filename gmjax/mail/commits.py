@@ -252,6 +252,17 @@ def write_commit(store: Store, record: RoundRecord, key: bytes | None, *,
     unreadable = 0
 
 
+def version_zero_gone(store: Store, fragment: int) -> None:
+  """Raises CorruptRecord if version 0 of ``fragment``, found not committed, has no
+  later version either: it is committed when the run is created, never later, so its
+  record was deleted, and nothing that waits for it or builds on it can go on."""
+  if not committed_versions(store, fragment):
+    raise CorruptRecord(
+        f"{layout.commit(fragment, 0)} is gone from the run's storage, and no later version"
+        f" of fragment {fragment} is committed: no round can close on it; restore that file"
+        " or create the run again")
+
+
 def committed_versions(store: Store, fragment: int) -> list[int]:
   """Versions with at least one commit record (intact or not), ascending."""
   versions = (layout.commit_version(e) for e in store.list(layout.fragment_dir(fragment)))

@@ -54,6 +54,7 @@ from gmjax.mail.commits import is_committed as is_committed
 from gmjax.mail.commits import read_commit as read_commit
 from gmjax.mail.commits import record_problem as record_problem
 from gmjax.mail.commits import remove_orphans as remove_orphans
+from gmjax.mail.commits import version_zero_gone as version_zero_gone
 from gmjax.mail.commits import write_commit as write_commit
 
 log = logging.getLogger(__name__)

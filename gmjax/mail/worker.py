@@ -276,6 +276,8 @@ class Worker:
     except states.DamagedCommit:
       return False
     except FileNotFoundError:
+      if version == 0:
+        states.version_zero_gone(self.store, fragment)
       if not self._maybe_pruned(fragment, version):
         return False
       try:
