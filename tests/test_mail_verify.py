@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import time
 
 import pytest
 
@@ -11,6 +12,7 @@ from gmjax.app import cli
 from gmjax.mail import heartbeats
 from gmjax.mail import layout
 from gmjax.mail import manifest as manifest_lib
+from gmjax.mail import states
 
 import mail_support as ms
 
@@ -201,3 +203,39 @@ def test_status_json_writes_a_nan_loss_and_an_infinite_pace_as_null(tmp_path, ca
   report = json.loads(capsys.readouterr().out, parse_constant=refuse)
   (h,) = [learner for learner in report["status"]["learners"] if learner["name"] == "h"]
   assert h["loss"] is None and h["steps_per_second"] is None
+
+
+def test_a_version_pruned_while_verify_reads_it_is_not_damage(tmp_path, monkeypatch):
+  # A prune deletes a version's files first and its records last. verify, having
+  # listed the versions before a newer commit, found the files of a version being
+  # pruned missing while its record still read, and reported a healthy run DAMAGED
+  # (`gmjax status --verify` exited 1 on a run in training, 1 time in 12).
+  run = mail.create(str(tmp_path / "run"), ms.params0(), gmjax.DiLoCo(sync_every=2),
+                    keep_versions=2)
+  learner = run.join("w", poll_interval=ms.POLL)
+  params = learner.pull(ms.params0())
+  for _ in range(4):
+    params = learner.step(ms.inner(params, ms.target(0)))
+  deadline = time.monotonic() + 30  # the closer prunes version 0 after its commit
+  while (stale := states.committed_versions(run.store, 0)) != [1, 2]:
+    assert time.monotonic() < deadline, stale
+    time.sleep(ms.POLL)
+  # The prune of version 1, cut after its files: its records stay.
+  kind, delete = type(run.store), type(run.store).delete
+  monkeypatch.setattr(kind, "delete", lambda self, path: None if layout.slot_version(
+      path.rsplit("/", 1)[-1]) is not None else delete(self, path))
+  for _ in range(2):
+    params = learner.step(ms.inner(params, ms.target(0)))
+  learner.close(params)
+  monkeypatch.setattr(kind, "delete", delete)
+  assert states.committed_versions(run.store, 0) == [1, 2, 3]
+  listings = [stale]  # verify's listing, taken before version 3 committed
+  listed = states.committed_versions
+  monkeypatch.setattr(states, "committed_versions",
+                      lambda *args: listings.pop() if listings else listed(*args))
+  assert mail.verify(mail.open(run.url), deep=True) == []
+  # Files missing from a version that no newer commit has pushed out are damage.
+  monkeypatch.setattr(states, "committed_versions", listed)
+  run.store.delete(layout.commit(0, 3))
+  found = mail.verify(mail.open(run.url), deep=True)
+  assert any("1.commit.json" in p and "missing" in p for p in found), found

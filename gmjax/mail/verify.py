@@ -128,11 +128,24 @@ def _fragment(run, fragment: int, deep: bool) -> list[str]:
     problems += _fields(run, fragment, version, record)
     if (deep or version == versions[-1]) and version >= pruned_below:
       damaged = _files(run, record, layout.commit(fragment, version))
-      if damaged and keep is not None and not states.commit_slots(
-          run.store, fragment, version, run.signing_key):
+      if damaged and _pruned_since(run, fragment, version):
         continue  # pruned while it was read: a live run moved on, nothing is damaged
       problems += damaged
   return problems
+
+
+def _pruned_since(run, fragment: int, version: int) -> bool:
+  """Whether ``version``, kept when the versions were listed, is pruned now: its
+  records gone, or a newer intact commit put it below the kept versions (a prune deletes
+  a version's files first and its records last, so files go missing while the record
+  still reads)."""
+  keep = run.manifest.keep_versions
+  if keep is None:
+    return False
+  if not states.commit_slots(run.store, fragment, version, run.signing_key):
+    return True
+  newest = retention.newest_record(run.store, fragment, run.signing_key, above=version)
+  return newest is not None and version < retention.floor(newest.version, keep)
 
 
 def _record_in_force(run, fragment: int, version: int) -> tuple[dict | None, list[str]]:
