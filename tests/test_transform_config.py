@@ -174,7 +174,13 @@ def test_updates_unlike_the_params_are_named(inner):
     ({}, {"commit_precision": "F8_E4M3"}, r"state\.master"),
     ({"overlap_steps": 0}, {"overlap_steps": 0, "outer_delay": 1}, r"state\.delay"),
     ({}, {"layer_axis": {"w": 0}}, r"state\.(anchor|master|outer_state)"),
-], ids=["fragments", "feedback_on", "feedback_off", "outer", "commit", "delay", "layers"])
+    # Shapes alike, dtypes not: the round's loops failed inside JAX on the carry's type.
+    ({}, {"outer_options": {"accumulator_dtype": "bfloat16"}},
+     r"state\.outer_state.* is dtype float32, where .* builds dtype bfloat16"),
+    ({"outer_options": {"accumulator_dtype": "bfloat16"}}, {},
+     r"state\.outer_state.* is dtype bfloat16, where .* builds dtype float32"),
+], ids=["fragments", "feedback_on", "feedback_off", "outer", "commit", "delay", "layers",
+        "outer_dtype", "outer_dtype_back"])
 def test_a_state_built_for_another_configuration_is_named(built, used, where):
   # A checkpoint restored under a changed config: the state's layout is not the one
   # this optimizer's init builds, which update says instead of failing inside JAX.

@@ -170,8 +170,9 @@ def updates(updates: Any, params: Any) -> None:
 
 def state(state: Any, expected: Any) -> None:
   """Raises unless ``state`` is laid out as ``expected``, what ``init`` builds for the
-  parameters now (shapes only, so that no layout or dtype detail of a restored
-  checkpoint counts)."""
+  parameters now: kinds, shapes and dtypes (as ``jit`` canonicalizes them), not the
+  arrays' sharding or memory layout, so that a checkpoint restored as numpy arrays
+  counts as the state it was."""
   found = structure.state_mismatch(state, expected)
   if found is None:
     return
@@ -180,6 +181,6 @@ def state(state: Any, expected: Any) -> None:
       f"gmjax.diloco: update got a state whose state{path} is {got}, where this"
       f" optimizer's init builds {want}: the state was built for another configuration"
       " (fragments, layer_axis, error_feedback, commit_precision, outer_delay, the outer"
-      " optimizer, shard_outer, the learners' count, the inner optimizer); build it with"
-      " this optimizer's init, or, for a checkpoint, restore it with the config it was"
-      " saved with.")
+      " optimizer or its options, shard_outer, the learners' count, the inner"
+      " optimizer); build it with this optimizer's init, or, for a checkpoint, restore"
+      " it with the config it was saved with.")

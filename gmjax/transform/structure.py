@@ -98,12 +98,18 @@ def _layout(tree: Any) -> str:
   return text if len(text) <= 300 else text[:297] + "..."
 
 
+def _dtype(x: Any) -> np.dtype:
+  """``x``'s dtype as ``jit`` takes it (a restored int64 count is int32 without x64)."""
+  return jax.dtypes.canonicalize_dtype(jnp.result_type(x))
+
+
 def state_mismatch(state: Any, expected: Any) -> tuple[str, str, str] | None:
   """Where ``state`` differs from ``expected`` (what ``init`` builds for the parameters
   now), or None if it does not.
 
   Returns ``(path, got, want)`` for the first leaf in flattening order whose kind
-  (``optax.MaskedNode`` for a part the configuration leaves out) or shape differs, or,
+  (``optax.MaskedNode`` for a part the configuration leaves out), shape or dtype (as
+  ``jit`` canonicalizes it) differs, or,
   where the two trees' leaves lie at different paths, for the part that holds them
   (the node below the paths' common prefix, each side with its arrays as shapes);
   ``path`` as ``jax.tree_util.keystr`` writes it, for the callers' messages.
@@ -130,6 +136,9 @@ def state_mismatch(state: Any, expected: Any) -> tuple[str, str, str] | None:
       return (jax.tree_util.keystr(node), *shown)
     if is_masked(g) != is_masked(w) or (not is_masked(g) and jnp.shape(g) != jnp.shape(w)):
       return jax.tree_util.keystr(got_path), describe(g), describe(w)
+    if not is_masked(g) and _dtype(g) != _dtype(w):
+      # The round's loops carry the state: another dtype fails inside JAX.
+      return jax.tree_util.keystr(got_path), f"dtype {_dtype(g)}", f"dtype {_dtype(w)}"
   if len(got) != len(want):
     longer, other = (got, "nothing") if len(got) > len(want) else (want, None)
     path, leaf = longer[min(len(got), len(want))]
