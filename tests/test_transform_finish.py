@@ -207,6 +207,23 @@ def test_finish_refuses_an_axis_the_state_is_not_stacked_on():
                                        r" \(2, 4\) while the state holds 2 learners"):
     gmjax.finish(state, stacked, learner_axis=1)
   assert gmjax.finish(state, stacked, learner_axis=0)["w"].shape == (4,)
+  # A layer of 16 -> 4 on 4 learners, stacked on axis 0: its last axis is as long as the
+  # learners' count, and learner_axis=-1 or 2 gave w[..., 0], a (4, 16) slice of Θ.
+  # state.pending, (learners, fragments), shows the stacking axis.
+  four = {"w": jnp.ones((4, 16, 4))}
+  state = jax.vmap(optimizer.init)(four)
+  for axis in (-1, 2):
+    with pytest.raises(ValueError, match=rf"learner_axis={axis}, but .*state.pending"
+                                         r" \(4, 1\)\); pass the dimension"):
+      gmjax.finish(state, four, learner_axis=axis)
+  assert gmjax.finish(state, four, learner_axis=-3)["w"].shape == (16, 4)
+  # Stacked last (vmap's out_axes=-1): pending is (fragments, learners).
+  last = {"w": jnp.ones((16, 4, 4))}
+  state = jax.vmap(optimizer.init, in_axes=-1, out_axes=-1)(last)
+  assert state.pending.shape == (1, 4)
+  assert gmjax.finish(state, last, learner_axis=-1)["w"].shape == (16, 4)
+  with pytest.raises(ValueError, match=r"learner_axis=0, but .*state.pending \(1, 4\)"):
+    gmjax.finish(state, last, learner_axis=0)
 
 
 def test_finish_says_how_to_pass_params_in_other_containers():

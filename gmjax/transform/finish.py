@@ -130,14 +130,19 @@ def _check_stacked(state: DiLoCoState, learner_axis: int) -> None:
         f"gmjax.finish: learner_axis={learner_axis}, but state.count has shape {count},"
         " not (learners,): the state is not stacked over learners (one learner's, or a"
         " call inside the learners' axis); pass learner_axis=None.")
+  # state.pending, (fragments,) a learner, shows the axis the state was stacked on where
+  # the learners' and the fragments' counts differ: (learners, P) for jax.vmap's.
+  pending = jnp.shape(state.pending)
+  stacked = {axis for axis in (0, 1) if len(pending) == 2 and pending[axis] == count[0]}
   for path, leaf in jax.tree_util.tree_flatten_with_path(state.anchor)[0]:
     shape = jnp.shape(leaf)
-    if not -len(shape) <= learner_axis < len(shape) or shape[learner_axis] != count[0]:
+    if not -len(shape) <= learner_axis < len(shape) or shape[learner_axis] != count[0] or (
+        len(stacked) == 1 and (learner_axis % len(shape) == 0) != (stacked == {0})):
       raise ValueError(
           f"gmjax.finish: learner_axis={learner_axis}, but state.anchor"
           f"{jax.tree_util.keystr(path)} has shape {shape} while the state holds"
-          f" {count[0]} learners (state.count has shape {count}); pass the dimension the"
-          " learners are stacked on (0 for jax.vmap's).")
+          f" {count[0]} learners (state.count has shape {count}, state.pending {pending});"
+          " pass the dimension the learners are stacked on (0 for jax.vmap's).")
 
 
 def not_a_state(state: Any, where: str = "gmjax.finish") -> str:
