@@ -265,6 +265,15 @@ def test_outlier_screening_turns_off_with_false(tmp_path):
   text = BASE.replace("sync_every = 2", "sync_every = 2\noutlier_factor = 4")
   cfg = config_lib.load(_write(tmp_path, text))
   assert cfg.diloco.outlier_factor == 4 and "outliers past 4x" in cli.settings_line(cfg)
+  # So does every other field that takes None: overlap_steps = None (a merge when the
+  # commit arrives) could not be set at all.
+  text = BASE.replace("sync_every = 2", "sync_every = 2\noverlap_steps = false\n"
+                      "quorum_size = false")
+  cfg = config_lib.load(_write(tmp_path, text))
+  assert cfg.diloco.overlap_steps is None and cfg.diloco.quorum_size is None
+  assert "overlap None" in cli.settings_line(cfg)
+  text = BASE.replace("sync_every = 2", "sync_every = 2\nnesterov = false")
+  assert config_lib.load(_write(tmp_path, text)).diloco.nesterov is False
   with pytest.raises(ValueError, match=r"outlier_factor must be a number above 1 or None, got 0\.5"):
     config_lib.load(_write(tmp_path, BASE.replace("sync_every = 2",
                                                   "sync_every = 2\noutlier_factor = 0.5")))

@@ -129,6 +129,10 @@ _TABLES = {
     "model": {f.name for f in dataclasses.fields(ModelConfig)},
     "diloco": {f.name for f in dataclasses.fields(DiLoCo)},
 }
+# DiLoCo fields that take None (written ``false`` in TOML, which has no null); none of
+# them takes a bool.
+_NULLABLE = {f.name for f in dataclasses.fields(DiLoCo)
+             if str(f.type).endswith("| None") and "bool" not in str(f.type)}
 _AT_LEAST_ONE = {
     "learners": "the learner processes to start",
     "steps": "inner steps per learner",
@@ -378,8 +382,9 @@ def load(path: str | Path) -> TrainConfig:
         f"config [diloco] outer = {CUSTOM!r} means an outer optimizer given in code, but"
         " gmjax train's learners build it from the config; name an optax optimizer, e.g."
         " outer = 'sgd'")
-  if diloco_raw.get("outlier_factor") is False:  # TOML has no null: false turns it off
-    diloco_raw["outlier_factor"] = None
+  for name in _NULLABLE & set(diloco_raw):  # TOML has no null: false stands for None
+    if diloco_raw[name] is False:
+      diloco_raw[name] = None
   try:
     diloco = DiLoCo.from_json(diloco_raw)
   except (TypeError, ValueError) as error:
