@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 from typing import Any
 
 from gmjax.mail import layout
@@ -93,6 +94,7 @@ _WARNED: set[tuple[Any, ...]] = set()  # damaged versions already logged
 # slots of the version they wait for: junk planted there (up to MAX_RECORD_BYTES of JSON
 # that takes seconds to parse and judge) is judged once, not on every poll.
 _DAMAGED: dict[tuple[Any, ...], str] = {}
+_DAMAGED_LOCK = threading.Lock()
 
 
 def _slot_problem(store: Store, path: str, data: bytes, fragment: int, version: int,
@@ -109,9 +111,10 @@ def _slot_problem(store: Store, path: str, data: bytes, fragment: int, version: 
     problem = record_problem(record, fragment, version, key, slot)
   if problem is None:
     return record, None
-  if len(_DAMAGED) >= _DAMAGED_KEPT:
-    del _DAMAGED[next(iter(_DAMAGED))]
-  _DAMAGED[seen] = problem
+  with _DAMAGED_LOCK:  # learners' threads share it
+    if len(_DAMAGED) >= _DAMAGED_KEPT:
+      del _DAMAGED[next(iter(_DAMAGED))]
+    _DAMAGED[seen] = problem
   return None, problem
 
 
