@@ -332,6 +332,35 @@ def test_a_new_closer_compacts_what_the_storage_dates_long_ago(tmp_path):
   assert store.list("learners/live.claims") == ["1"]
 
 
+def test_what_an_observer_keeps_of_names_stays_as_long_as_learners(tmp_path):
+  # A roster and a compactor kept an entry for every name and join they had ever seen:
+  # a learner that stays while others come and go under new names held more each join.
+  store = store_lib.open_store(str(tmp_path / "run"))
+  roster, compactor = heartbeats.Roster(store), retention.Compactor(store)
+  now = datetime.datetime.now(datetime.timezone.utc).isoformat()
+  for wave in range(3):
+    names = [f"w{wave}-{i}" for i in range(20)]
+    for i, name in enumerate(names):
+      beat = {"name": name, "status": "closed", "seq": 2, "incarnation": f"{i:032x}",
+              "claim": 1, "last_seen": now}
+      store.put(layout.heartbeat(name), json.dumps(beat).encode())
+      store.put(f"learners/{name}.claims/1", f"{i:032x}".encode())
+    store.put(f"learners/junk-{wave}.txt", b"x")
+    roster.refresh()
+    compactor.compact(roster, 20.0, interval=0.0)
+    assert set(roster.records) == set(names)
+    for name in names:  # compacted (by another closer: this one has seen them briefly)
+      store.delete(layout.heartbeat(name))
+      store.delete(f"learners/{name}.claims/1")
+      store.delete_empty_folder(f"learners/{name}.claims")
+    store.delete(f"learners/junk-{wave}.txt")
+  roster.refresh()
+  compactor.compact(roster, 20.0, interval=0.0)
+  kept = [roster._newest, roster._rises, roster._claims, roster._changed,  # pylint: disable=protected-access
+          compactor._since, compactor._trimmed]  # pylint: disable=protected-access
+  assert roster.records == {} and [len(m) for m in kept] == [0] * len(kept), kept
+
+
 def test_a_join_between_the_claims_and_their_folder_keeps_its_claim(tmp_path):
   # A join of the name listed the claims folder empty and created claim 1 just before
   # the closer removed the folder, which it had found empty: the folder's delete took

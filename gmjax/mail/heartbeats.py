@@ -296,6 +296,16 @@ class Roster:
         self._changed[name] = now
     self.records = records
     self.refreshed = now
+    # Forget names whose heartbeat is gone (compacted away): in a long run of names that
+    # come and go, what the roster keeps stays as long as learners/. A heartbeat that
+    # comes back is a first sight, timed by the age it states.
+    listed = set(found.records) | set(found.bad)
+    for memory in (self._newest, self._rises):
+      for key in [key for key in memory if key[0] not in listed]:
+        del memory[key]
+    for memory in (self._claims, self._changed):
+      for name in [name for name in memory if name not in listed]:
+        del memory[name]
 
   def fresh(self, name: str, timeout: float) -> bool:
     """Whether ``name``'s heartbeat changed within ``liveness(its record, timeout)``."""

@@ -301,10 +301,15 @@ class Compactor:
         removed.append(f"learners/{entry}")
     for name in sorted(dead):
       removed += self._drop_name(name, roster.records.get(name))
-    for entry in self._store.temporaries("learners"):
+    temporaries = self._store.temporaries("learners")
+    for entry in temporaries:
       if self._stale(entry, None, now, dead_after):  # a write a kill tore, long ago
         self._store.delete(f"learners/{entry}")
         removed.append(f"learners/{entry}")
+    # Forget entries that are gone: what a closer keeps stays as long as learners/.
+    self._since = {e: seen for e, seen in self._since.items()
+                   if e in dated or e in temporaries}
+    self._trimmed = {name: i for name, i in self._trimmed.items() if name in beats}
     for name, record in roster.records.items():
       incarnation = record.get("incarnation")
       if name not in dead and isinstance(incarnation, str) and (
