@@ -390,3 +390,35 @@ def test_an_empty_leaf_on_an_fsdp_mesh_runs_as_unsharded(axis_type):
   assert got["z"].shape == (LEARNERS, 0, 8) and got["y"].shape == (LEARNERS, 0, 64)
   np.testing.assert_array_equal(got_rounds, rounds)
   assert rounds.min() == 4  # two fragments, each syncing every 2 steps
+
+
+@pytest.mark.parametrize("shard_outer", [True, False])
+def test_one_learner_on_an_explicit_mesh_trains_as_without_a_mesh(shard_outer):
+  # One learner's dimension of size 1: the sync's Gram matrix and finiteness counts came
+  # out laid out differently, and their concatenation refused to trace (ShardingTypeError
+  # at the first sync with the default sharded outer step).
+  optimizer = gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=2, overlap_steps=0),
+                           axis_name="learner", shard_outer=shard_outer)
+
+  def step(params, state):
+    grads = jax.grad(lambda p: jnp.sum((p["w"] - 1.0) ** 2))(params)
+    updates, state = optimizer.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  spmd = dict(axis_name="learner", spmd_axis_name="learner")
+  w = jax.random.normal(jax.random.key(0), (1, 64, 32))
+  plain = {"w": w}, jax.vmap(optimizer.init, axis_name="learner")({"w": w})
+  mesh = jax.make_mesh((1, FSDP), ("learner", "fsdp"), axis_types=(AxisType.Explicit,) * 2,
+                       devices=jax.devices()[:FSDP])
+  with jax.set_mesh(mesh):
+    params = {"w": jax.device_put(w, NamedSharding(mesh, P("learner", "fsdp", None)))}
+    placed = params, jax.vmap(optimizer.init, **spmd)(params)
+    mapped = jax.jit(jax.vmap(step, **spmd))
+    for _ in range(4):
+      placed = jax.block_until_ready(mapped(*placed))
+  unmapped = jax.jit(jax.vmap(step, axis_name="learner"))
+  for _ in range(4):
+    plain = jax.block_until_ready(unmapped(*plain))
+  assert int(placed[1].stats.rounds[0]) == 2
+  assert tuple(jax.typeof(placed[0]["w"]).sharding.spec)[:2] == ("learner", "fsdp")
+  np.testing.assert_allclose(placed[0]["w"], plain[0]["w"], rtol=1e-6, atol=1e-6)

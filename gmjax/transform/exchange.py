@@ -154,9 +154,13 @@ def judge_and_sum(deltas: Sequence[jax.Array], counts: jax.Array, axis_name: Any
   learners = deltas[0].shape[LEARNER_DIM]
   every = lax.all_gather(counts, axis_name)
   every = explicit.pin(every, (None,) * every.ndim)
-  partial = jnp.concatenate([
-      round_ops.gram(deltas, LEARNER_DIM, batch=0).reshape(-1),
-      round_ops.non_finite(deltas, LEARNER_DIM)])
+  parts = [round_ops.gram(deltas, LEARNER_DIM, batch=0).reshape(-1),
+           round_ops.non_finite(deltas, LEARNER_DIM)]
+  if explicit.spec(parts[0]) is not None:
+    # On an explicit mesh under vmap, with one learner the Gram matrix's reshape drops the
+    # learners' axis from the batch dimension (its size is 1): laid out alike again.
+    parts = [explicit.pin(part, (None,) * part.ndim) for part in parts]
+  partial = jnp.concatenate(parts)
   summed = explicit.psum(partial, axis_name)
   size = learners * learners
   matrix = summed[:size].reshape(learners, learners)
