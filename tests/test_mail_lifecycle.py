@@ -286,3 +286,36 @@ def test_a_round_record_lists_who_was_live_when_it_closed(tmp_path, monkeypatch)
   run = mail.create(str(tmp_path / "run"), ms.params0(), gmjax.DiLoCo(sync_every=2))
   ms.train(run, "w0", 0, 4)
   assert [r.live for r in run.rounds()] == [("w0",), ("w0",)]
+
+
+@pytest.mark.timeout(60)
+def test_a_second_thread_calling_step_while_one_steps_is_refused(tmp_path):
+  # Two threads stepping one learner published contributions of wrong step counts
+  # ("metadata steps='4' is outside [1, 2]"), then crashed inside the learner
+  # ("pop from empty list") or waited out wait_timeout.
+  run = mail.create(str(tmp_path / "run"), ms.params0(), gmjax.DiLoCo(sync_every=2))
+  learner = run.join("w", poll_interval=ms.POLL)
+  params = learner.pull(ms.params0())
+  params = learner.step(ms.inner(params, ms.target(0)))
+  inside, release = threading.Event(), threading.Event()
+
+  class Held(np.ndarray):  # a leaf whose read waits: the step holds the learner meanwhile
+    def __array__(self, *args, **kwargs):
+      inside.set()
+      release.wait(30)
+      return np.asarray(self.view(np.ndarray), *args[:1])
+
+  held = {k: np.asarray(v).view(Held) for k, v in ms.inner(params, ms.target(0)).items()}
+  out = {}
+  first = threading.Thread(target=lambda: out.update(p=learner.step(held)), name="first")
+  first.start()
+  assert inside.wait(30)
+  with pytest.raises(RuntimeError, match=r"step\(\) called in thread 'MainThread' while"
+                                         r" step\(\) runs in thread 'first'; a Learner"
+                                         r" takes one call at a time"):
+    learner.step(params)
+  release.set()
+  first.join(30)
+  assert learner.local_step == 2 and "p" in out
+  learner.close(out["p"])
+  assert [len(r.participants) for r in run.rounds()] == [1]

@@ -165,6 +165,8 @@ class Learner(Resuming, Rounds):
     self._pulled = self._closed = False
     self._cleaned: set[str] = set()  # the parts of leaving done: "worker", "heartbeat"
     self._user: threading.Thread | None = None  # the thread that last called it
+    self._calling = threading.RLock()  # held through step, pull and restore
+    self._holder: tuple[str, str] | None = None  # (thread, method) holding it
     self.step_count = self.run.start_step()
     self.first_round = self.schedule.first_round_after(self.step_count)
     self._beats: HeartbeatWriter | None = None
@@ -229,6 +231,7 @@ class Learner(Resuming, Rounds):
     """The committed version of each fragment this learner holds."""
     return dict(self._versions)
 
+  @learner_args.one_call_at_a_time
   def step(self, params: Any, *, tokens: int | None = None, loss: float | None = None,
            state: Any = None, position: Any = None) -> Any:
     """Counts one inner step; publishes, merges and waits as the schedule says.

@@ -4,15 +4,17 @@ the fix, raised before anything counts or is written."""
 
 from __future__ import annotations
 
+import functools
 import json
 import numbers
+import threading
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gmjax.core import guards
+from gmjax.core import frozen, guards
 from gmjax.core.schema import Schema
 from gmjax.mail.contributions import MAX_TOKENS_PER_STEP
 
@@ -91,13 +93,6 @@ def process_number(argument: str, value: Any) -> int:
   return int(value)
 
 
-def _native(value: Any) -> Any:
-  """numpy and JAX values as the Python values JSON holds (``json.dumps``' default)."""
-  if isinstance(value, (np.generic, np.ndarray, jax.Array)):
-    return np.asarray(value).tolist()
-  raise TypeError(f"{type(value).__name__} is not JSON")
-
-
 def check_position(position: Any) -> Any:
   """``position`` as the JSON value a save holds; ``ValueError`` where it is not JSON.
 
@@ -105,7 +100,7 @@ def check_position(position: Any) -> Any:
   data shard) are taken as the numbers they hold.
   """
   try:
-    return json.loads(json.dumps(position, allow_nan=False, default=_native))
+    return json.loads(json.dumps(position, allow_nan=False, default=frozen.native))
   except (TypeError, ValueError) as error:
     raise ValueError(f"step(position=...): the position must be JSON (numbers, strings,"
                      f" lists, dicts), got {position!r} ({error}); pass e.g. the data"
@@ -163,3 +158,29 @@ def check_state(state: Any) -> None:
         f" {type(leaf).__name__} {guards.quote(leaf)}, which cannot be saved; pass a tree"
         " of arrays and numbers (ints within int64; e.g. the optimizer state"
         " optimizer.init made).")
+
+
+def one_call_at_a_time(method):
+  """A ``Learner`` method (``step``, ``pull``, ``restore``) that raises a RuntimeError
+  when called while another of them runs in another thread: the learner's rounds are
+  one sequence, and two threads stepping it at once published contributions of wrong
+  step counts, then crashed or waited out ``wait_timeout``."""
+  @functools.wraps(method)
+  def guarded(self, *args, **kwargs):
+    if not self._calling.acquire(blocking=False):  # pylint: disable=protected-access
+      holder, what = self._holder  # pylint: disable=protected-access
+      raise RuntimeError(
+          f"learner {self.name!r}: {method.__name__}() called in thread"
+          f" {threading.current_thread().name!r} while {what}() runs in thread"
+          f" {holder!r}; a Learner takes one call at a time: call it from one thread.")
+    try:
+      previous = self._holder  # pylint: disable=protected-access
+      self._holder = (threading.current_thread().name, method.__name__)  # pylint: disable=protected-access
+      try:
+        return method(self, *args, **kwargs)
+      finally:
+        self._holder = previous  # pylint: disable=protected-access
+    finally:
+      self._calling.release()  # pylint: disable=protected-access
+
+  return guarded

@@ -33,6 +33,7 @@ class Resuming:
   methods read.
   """
 
+  @learner_args.one_call_at_a_time
   def pull(self, like: Any) -> Any:
     """The newest committed Θ of every fragment, shaped like ``like``.
 
@@ -91,6 +92,7 @@ class Resuming:
     self._last_flat = flat
     return schema.unflatten(flat)
 
+  @learner_args.one_call_at_a_time
   def restore(self, like: Any) -> learner_state.Restored | None:
     """The state this learner saved in its ``state_dir``, and its counters back.
 
