@@ -272,6 +272,16 @@ def test_outlier_screening_turns_off_with_false(tmp_path):
   cfg = config_lib.load(_write(tmp_path, text))
   assert cfg.diloco.overlap_steps is None and cfg.diloco.quorum_size is None
   assert "overlap None" in cli.settings_line(cfg)
+  # The settings line names the outer arguments the optimizer is built with: it said
+  # "η 0.7" (outer_learning_rate's default) where outer_options set the rate to 0.9.
+  text = BASE.replace("sync_every = 2", "sync_every = 2\nouter_options = {learning_rate = 0.9}")
+  assert "outer sgd η 0.9 μ 0.9 Nesterov" in cli.settings_line(config_lib.load(_write(
+      tmp_path, text)))
+  text = BASE.replace("sync_every = 2", "sync_every = 2\nouter = 'adam'\nouter_options = "
+                      "{b1 = 0.8, learning_rate = {schedule = 'constant_schedule', value = 0.5}}")
+  line = cli.settings_line(config_lib.load(_write(tmp_path, text)))
+  assert ('outer adam η {"schedule": "constant_schedule", "value": 0.5} {\'b1\': 0.8}'
+          in line), line
   text = BASE.replace("sync_every = 2", "sync_every = 2\nnesterov = false")
   assert config_lib.load(_write(tmp_path, text)).diloco.nesterov is False
   with pytest.raises(ValueError, match=r"outlier_factor must be a number above 1 or None, got 0\.5"):

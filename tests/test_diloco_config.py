@@ -106,11 +106,54 @@ def test_plan(leaves, fragments):
      ("sgd", {"momentum": 0.9, "nesterov": "false"}, "outer_options.nesterov must be true"),
      ("adam", {"b2": -0.5}, r"outer_options.b2 must be a number in \[0, 1\)"),
      ("adam", {"eps": "small"}, "outer_options do not fit optax.adam: a step on a probe"),
+     # A schedule was not held to a number's range: Θ moved away from the optimum
+     # (-1), never moved (0), or every round was skipped (past F32's range).
+     ("sgd", {"learning_rate": {"schedule": "constant_schedule", "value": -1.0}},
+      r"schedule .* gives \{0: -1.0"),
+     ("sgd", {"learning_rate": {"schedule": "constant_schedule", "value": 0.0}},
+      "positive at some"),
+     ("sgd", {"learning_rate": {"schedule": "constant_schedule", "value": 1e39}},
+      r"must be in \[0, 3.403e\+38\]"),
+     ("sgd", {"learning_rate": {"schedule": "linear_schedule", "init_value": 0.7,
+                                "end_value": -0.7, "transition_steps": 1000}},
+      r"at outer steps \[1000, 10000"),
+     # Transformations that are no optimizer: they stepped with the gradient, or not.
+     ("identity", None, "outer='identity' .*is not an optimizer"),
+     ("scale_by_adam", None, "is not an optimizer"),
+     ("clip", {"max_delta": 1.0}, "is not an optimizer"),
+     ("set_to_zero", None, "is not an optimizer"),
+     ("add_decayed_weights", None, "is not an optimizer"),
+     ("chain", None, "outer_options do not fit optax.chain"),  # optax's own ValueError
     ],
 )
 def test_bad_outer_named(outer, options, match):
   with pytest.raises(ValueError, match=match):
     gmjax.DiLoCo(sync_every=4, outer=outer, outer_options=options)
+
+
+@pytest.mark.parametrize("settings, match", [
+    (dict(outer_learning_rate=0.5, outer_options={"learning_rate": 0.9}),
+     "outer_learning_rate=0.5 and outer_options.learning_rate=0.9 both set"),
+    (dict(outer_momentum=0.5, outer_options={"momentum": 0.0}), "both set"),
+    (dict(nesterov=False, outer_options={"nesterov": True}), "both set"),
+    (dict(outer="adam", outer_momentum=0.5), "outer_momentum=0.5 is not used by"),
+    (dict(outer="lion", nesterov=False), "nesterov=False is not used by"),
+])
+def test_outer_settings_that_would_not_be_used_are_refused(settings, match):
+  # outer_options won, while the config (and gmjax train's settings line) recorded the
+  # other value; another optimizer ignored outer_momentum and nesterov.
+  with pytest.raises(ValueError, match=match):
+    gmjax.DiLoCo(sync_every=4, **settings)
+
+
+def test_outer_options_take_numpy_scalars_and_a_warmup_from_zero():
+  config = gmjax.DiLoCo(sync_every=4, outer_options={"momentum": np.float32(0.5),
+                                                     "nesterov": np.bool_(False)})
+  assert config.outer_arguments()["momentum"] == 0.5
+  assert config.outer_arguments()["nesterov"] is False
+  gmjax.DiLoCo(sync_every=4, outer="adam", outer_options={"learning_rate": {
+      "schedule": "warmup_cosine_decay_schedule", "init_value": 0.0, "peak_value": 0.5,
+      "warmup_steps": 10000, "decay_steps": 10**6}})
 
 
 SCHEDULED_ADAM = dict(

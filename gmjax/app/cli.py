@@ -9,6 +9,7 @@ import os
 import pathlib
 import shlex
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -53,9 +54,18 @@ def _import_app():
 def settings_line(cfg) -> str:
   """The settings a ``gmjax train`` run used, in one line under its results table."""
   d = cfg.diloco
-  outer = (f"outer {d.outer} η {d.outer_learning_rate:g}" + (
-      f" μ {d.outer_momentum:g}{' Nesterov' if d.nesterov else ''}" if d.outer == "sgd"
-      else "") + (f" {dict(d.outer_options)}" if d.outer_options else ""))
+  # The arguments the outer optimizer is built with: outer_options' where they set one.
+  arguments = d.outer_arguments()
+  shown = lambda v: f"{v:g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else (
+      json.dumps(v, sort_keys=True) if isinstance(v, Mapping) else str(v))
+  outer = f"outer {d.outer}"
+  if "learning_rate" in arguments:
+    outer += f" η {shown(arguments.pop('learning_rate'))}"
+  if d.outer == "sgd":
+    momentum, nesterov = arguments.pop("momentum", None), arguments.pop("nesterov", False)
+    outer += f" μ {shown(momentum)}{' Nesterov' if nesterov else ''}"
+  if arguments:
+    outer += f" {arguments}"
   parts = [f"{cfg.learners} learners x {cfg.steps} steps of batch {cfg.batch_size}"
            f" (lr {cfg.learning_rate:g})", f"sync_every {d.sync_every}",
            f"fragments {d.fragments}", f"deltas {d.delta_precision or 'F32'}",

@@ -14,6 +14,8 @@ import copy
 import json
 from typing import Any
 
+import numpy as np
+
 
 class FrozenDict(dict):
   """A ``dict`` that refuses changes; equal to, and JSON as, the plain dict."""
@@ -69,3 +71,11 @@ def _numbers_as_floats(value: Any) -> Any:
   if isinstance(value, (list, tuple)):
     return [_numbers_as_floats(v) for v in value]
   return value
+
+
+def native(value: Any) -> Any:
+  """numpy and JAX scalars and arrays as the Python values JSON holds (``json.dumps``'
+  ``default``)."""
+  if isinstance(value, np.generic) or hasattr(value, "__array__"):
+    return np.asarray(value).tolist()
+  raise TypeError(f"{type(value).__name__} is not JSON")

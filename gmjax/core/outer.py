@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -174,7 +175,7 @@ def _build(name: str, options: Mapping[str, Any]) -> optax.GradientTransformatio
   arguments = {k: _option(v, f"outer_options.{k}") for k, v in options.items()}
   try:
     built = factory(**arguments)
-  except TypeError as error:
+  except (TypeError, ValueError) as error:
     raise ValueError(
         f"DiLoCo outer_options do not fit optax.{name}: {error}; got {dict(options)!r}."
     ) from None
@@ -196,8 +197,9 @@ def _check_numbers(options: Mapping[str, Any]) -> None:
   fails only when it first steps (a string)."""
   for key, value in options.items():
     number = not isinstance(value, bool) and isinstance(value, (int, float))
-    if key == "learning_rate" and not isinstance(value, Mapping) and not (
-        number and 0 < value <= F32_MAX):
+    if key == "learning_rate" and isinstance(value, Mapping):
+      _check_schedule(value)
+    elif key == "learning_rate" and not (number and 0 < value <= F32_MAX):
       raise ValueError(
           f"DiLoCo outer_options.learning_rate must be a positive number (at most F32's"
           f" largest) or a schedule ({{'schedule': 'cosine_decay_schedule', ...}}), got"
@@ -206,6 +208,30 @@ def _check_numbers(options: Mapping[str, Any]) -> None:
       raise ValueError(f"DiLoCo outer_options.nesterov must be true or false, got {value!r}.")
     if key in _RATES and value is not None and not (number and 0 <= value < 1):
       raise ValueError(f"DiLoCo outer_options.{key} must be a number in [0, 1), got {value!r}.")
+
+
+# Outer steps a schedule's rate is read at: a schedule that turns negative, vanishes or
+# overflows within a run's rounds does so by one of them.
+_SCHEDULE_STEPS = (0, 1, 10, 100, 10**3, 10**4, 10**5, 10**6)
+
+
+def _check_schedule(value: Mapping[str, Any]) -> None:
+  """Raises a ValueError for a learning-rate schedule that gives a negative, non-finite
+  or too large rate at one of ``_SCHEDULE_STEPS``, or zero at all of them, as a number
+  would be refused."""
+  schedule = _option(value, "outer_options.learning_rate")
+  if not callable(schedule):
+    raise ValueError(
+        f"DiLoCo outer_options.learning_rate must be a positive number or a schedule"
+        f" ({{'schedule': 'cosine_decay_schedule', ...}}), got {dict(value)!r}.")
+  rates = {t: float(schedule(t)) for t in _SCHEDULE_STEPS}
+  bad = {t: r for t, r in rates.items() if not 0 <= r <= F32_MAX}
+  if bad or not any(rates.values()):
+    raise ValueError(
+        f"DiLoCo outer_options.learning_rate: the schedule {dict(value)!r} gives"
+        f" {bad or rates} at outer steps {list(bad or rates)}; a rate must be in"
+        f" [0, {F32_MAX:.4g}] at every step and positive at some (a negative one moves Θ"
+        " against the learners' progress, zero throws it away).")
 
 
 @functools.lru_cache(maxsize=64)
@@ -218,7 +244,26 @@ def _probed(name: str, options: str) -> str | None:
   except Exception as error:  # pylint: disable=broad-except
     # Any failure of the optimizer's own code on a plain vector: the options do not fit.
     return f"{type(error).__name__}: {error}"
+  # An optimizer moves against the gradient: a few steps on a constant one (from 0.5: a
+  # scale by the parameters' norm, fromage's or lars', needs some). A
+  # transformation that is not one (identity, clip, scale_by_adam, set_to_zero, ...)
+  # would move Θ with the learners' deltas reversed, or not at all.
+  params = jnp.full(2, 0.5, jnp.float32)
+  gradient = jnp.ones(2, jnp.float32)
+  state, moved = built.init(params), []
+  for _ in range(_DIRECTION_STEPS):
+    updates, state = built.update(gradient, state, params)
+    moved.append(float(jnp.vdot(updates, gradient)))
+    params = params + updates
+  if not all(math.isfinite(m) and m <= 0 for m in moved) or not any(moved):
+    return (f"{_NOT_AN_OPTIMIZER}: {_DIRECTION_STEPS} steps on a constant gradient"
+            f" of ones moved along it by {[round(m, 6) for m in moved]}, where an"
+            " optimizer moves against it")
   return None
+
+
+_DIRECTION_STEPS = 4
+_NOT_AN_OPTIMIZER = "is not an optimizer"
 
 
 def _probe(name: str, options: Mapping[str, Any]) -> None:
@@ -226,6 +271,10 @@ def _probe(name: str, options: Mapping[str, Any]) -> None:
   on an F32 vector, so that options of the wrong type fail where they are written, not
   at the first round (the result is kept per JSON of the options)."""
   problem = _probed(name, json.dumps(dict(options), sort_keys=True))
+  if problem is not None and problem.startswith(_NOT_AN_OPTIMIZER):
+    raise ValueError(
+        f"DiLoCo outer={name!r} (outer_options {dict(options)!r}) {problem}; name an optax"
+        " optimizer, e.g. 'sgd', 'adam' or 'lion'.")
   if problem is not None:
     raise ValueError(
         f"DiLoCo outer_options do not fit optax.{name}: a step on a probe vector fails"
