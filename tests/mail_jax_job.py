@@ -1,6 +1,7 @@
 """One process of a two-process JAX job that is a single mail learner (jax.distributed).
 
-Usage: mail_jax_job.py URL PORT PROCESS_ID STEPS OUT [STATE_DIR]. Each process has 2 CPU
+Usage: mail_jax_job.py URL PORT PROCESS_ID STEPS OUT [STATE_DIR] (process 1 joins
+``JOIN_DELAY`` seconds late, from the environment, 0 by default). Each process has 2 CPU
 devices; the parameters are global arrays sharded over all 4. Writes what it saw as JSON
 to OUT. With STATE_DIR the learner keeps its state there (``{"m": the parameters after
 each inner step}``, the step as position) and first restores what it finds.
@@ -42,13 +43,17 @@ def main():
     return {k: np.asarray(multihost_utils.process_allgather(v, tiled=True)).tolist()
             for k, v in tree.items()}
 
+  if process_id == 1:  # JOIN_DELAY: process 1 joins that many seconds after process 0
+    import time  # pylint: disable=g-import-not-at-top
+    time.sleep(float(os.environ.get("JOIN_DELAY", "0")))
   learner = mail.open(url).join("job", poll_interval=0.02, wait_timeout=120,
                                 state_dir=state_dir)
   params = learner.pull(like)
   def same(tree):
     return all(tree[k].sharding.is_equivalent_to(shardings[k], tree[k].ndim) for k in host)
 
-  seen = {"primary": learner.primary, "pull_sharding": same(params)}
+  seen = {"primary": learner.primary, "pull_sharding": same(params),
+          "pulled": learner.versions, "pulled_params": gather(params)}
   if state_dir is not None:
     restored = learner.restore({"m": like})
     if restored is not None:

@@ -143,7 +143,7 @@ def spawn(url, name, index, steps, *, mode="normal", poll=POLL, step_sleep=0.0):
       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
 
 
-def two_process_job(url, steps, outs, *extra):
+def two_process_job(url, steps, outs, *extra, env=None):
   """One learner of two JAX processes (``mail_jax_job.py``, ``jax.distributed`` on
   127.0.0.1, two CPU devices each) training ``steps`` steps; returns what each process
   wrote to its file of ``outs``.
@@ -155,7 +155,7 @@ def two_process_job(url, steps, outs, *extra):
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+             XLA_FLAGS="--xla_force_host_platform_device_count=2", **(env or {}))
   jobs = [subprocess.Popen([sys.executable, JAX_JOB, url, str(port), str(i), str(steps),
                             outs[i], *extra],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,

@@ -1,5 +1,7 @@
 """``pull`` and ``step`` keep the parameters' shardings; a learner may be a JAX job."""
 
+import threading
+
 import jax
 import numpy as np
 import pytest
@@ -67,6 +69,38 @@ def test_a_two_process_jax_job_is_one_learner(tmp_path, settings):
     for name in expected:
       np.testing.assert_allclose(got[name], expected[name], rtol=1e-6, atol=1e-7,
                                  err_msg=f"{name} at version {version}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_processes_of_a_job_that_join_apart_start_from_the_same_versions(tmp_path):
+  # Each process read the run's newest versions itself: process 1, joining 2 s after
+  # process 0 while another learner committed rounds, pulled a newer Θ, and the job's
+  # parameters were one global array of two versions (its replicated leaves differed
+  # from process to process), a round apart from then on.
+  url = str(tmp_path / "run")
+  run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2), keep_versions=None)
+  stop = threading.Event()
+
+  def solo():
+    learner = run.join("solo", poll_interval=ms.POLL)
+    params = learner.pull(ms.params0())
+    while not stop.is_set():
+      params = learner.step(ms.inner(params, ms.target(1)))
+    learner.close(params)
+
+  thread = threading.Thread(target=solo)
+  thread.start()
+  try:
+    ms.wait_for(lambda: run.newest_versions()[0] >= 3, 60, "the solo learner's rounds")
+    outs = [str(tmp_path / f"p{i}.json") for i in range(2)]
+    seen = ms.two_process_job(url, 4, outs, env={"JOIN_DELAY": "2"})
+  finally:
+    stop.set()
+    thread.join(60)
+  assert seen[0]["pulled"] == seen[1]["pulled"], [s["pulled"] for s in seen]
+  assert seen[0]["pulled_params"] == seen[1]["pulled_params"]
+  assert seen[0]["final"] == seen[1]["final"]
 
 
 @pytest.mark.slow

@@ -102,6 +102,18 @@ def _from_process_zero(value: int, process_count: int) -> int:
   return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
 
 
+def every_process(versions: dict[int, int], process_count: int) -> list[dict[int, int]]:
+  """Each process's ``versions`` (fragment -> version), in process order (they call this
+  in lockstep)."""
+  if process_count <= 1:
+    return [versions]
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  order = sorted(versions)
+  rows = multihost_utils.process_allgather(np.asarray([versions[f] for f in order], np.int64))
+  return [dict(zip(order, map(int, row))) for row in np.asarray(rows).reshape(
+      process_count, len(order))]
+
+
 def agreed(flag: bool, process_count: int) -> bool:
   """Process 0's ``flag`` on every process of a learner (they call this in lockstep)."""
   return bool(_from_process_zero(int(flag), process_count))

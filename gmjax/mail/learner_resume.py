@@ -18,6 +18,7 @@ from typing import Any
 
 from gmjax.core.guards import quote
 from gmjax.core.schema import Schema
+from gmjax.mail import delayed
 from gmjax.mail import learner_args
 from gmjax.mail import learner_state
 from gmjax.mail import placement
@@ -64,16 +65,23 @@ class Resuming:
           " like those the run was created with (run.schema).")
     self._tree_schema = schema
     flat = schema.flatten(like)  # with layer blocks, pieces sliced only when read
-    newest = self.run.newest_versions()
+    deadline = time.monotonic() + max(self.startup_timeout, self._deadline() - time.monotonic())
+    while True:
+      # Every process of a learner starts from process 0's versions: each reading the
+      # store on its own (seconds apart) could take another, and their parameters would
+      # be one global array of two versions. A version pruned before a process read it
+      # comes as a newer one: then they read again.
+      newest = delayed.every_process(self.run.newest_versions(), self.process_count)[0]
+      commits = self._pull_versions(newest, deadline)
+      loaded = {f: commit.record.version for f, commit in commits.items()}
+      seen = delayed.every_process(loaded, self.process_count)
+      if all(versions == seen[0] for versions in seen):
+        break
+      log.info("learner %r: its processes loaded versions %s: pulling again", self.name, seen)
     self.step_count = self.run.start_step(newest)
     self.first_round = self.schedule.first_round_after(self.step_count)
-    futures = {f: self._worker.request(f, v) for f, v in newest.items()}
-    deadline = time.monotonic() + max(self.startup_timeout, self._deadline() - time.monotonic())
-    for fragment, version in newest.items():
-      self._futures[(fragment, version)] = futures[fragment]
-      commit = self._wait(fragment, version, deadline)
+    for fragment, commit in commits.items():
       theta = commit.theta
-      del self._futures[(fragment, version)]
       for n in self.manifest.plan[fragment]:
         flat[n] = placement.like(theta[n], flat[n])
       self._anchors[fragment] = theta
@@ -91,6 +99,16 @@ class Resuming:
     self._pulled = True
     self._last_flat = flat
     return schema.unflatten(flat)
+
+  def _pull_versions(self, versions: dict[int, int], deadline: float) -> dict[int, Any]:
+    """The commits of ``versions`` (fragment -> version), each with its Θ."""
+    futures = {f: self._worker.request(f, v) for f, v in versions.items()}
+    commits = {}
+    for fragment, version in versions.items():
+      self._futures[(fragment, version)] = futures[fragment]
+      commits[fragment] = self._wait(fragment, version, deadline)
+      del self._futures[(fragment, version)]
+    return commits
 
   @learner_args.one_call_at_a_time
   def restore(self, like: Any) -> learner_state.Restored | None:
