@@ -349,7 +349,7 @@ def main():
               if mesh is not None or label != "data-parallel adamw"}
       base = rows.get("data-parallel adamw" if mesh is not None else "plain adamw")
       for label, row in rows.items():
-        ratio = lambda key: "-" if base is None else f"{row[key] / max(base[key], 1):.2f}"
+        ratio = lambda key: "-" if base is None else f"{row[key] / max(base[key], 1e-9):.2f}"
         print(f"| {learners} | {layers} | {row['leaves']} | {row['size'] / 1e6:.2f}M"
               f" | {label} | {row['seconds']:.1f} | {ratio('seconds')}"
               f" | {row['chars'] / 1e6:.2f}M | {ratio('chars')}"

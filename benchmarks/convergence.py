@@ -71,7 +71,9 @@ def bytes_per_step_dp(n: int) -> float:
 
 
 def bytes_diloco(config: gmjax.DiLoCo, schema: gmjax.Schema, steps: int) -> int:
-  """Bytes of the delta payloads one learner publishes in ``steps`` steps."""
+  """Bytes of the delta payloads one learner publishes in ``steps`` steps (what a mail
+  learner uploads; in-mesh the sharded exchange sends ``(M - 1)/M`` of them and
+  all-gathers Θ at the commit precision besides: ``sync_bytes.measure``)."""
   sent = 0
   plan = config.plan(schema)
   for names in plan:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -76,6 +77,7 @@ def main() -> None:
       "end_objects": samples[-1][1], "end_bytes": samples[-1][2],
       "max_over_formula": round(max(late) / formula, 3) if late else None,
   }, indent=1))
+  shutil.rmtree(os.path.dirname(url))  # the run, measured: nothing left in the temp folder
 
 
 if __name__ == "__main__":
