@@ -1,7 +1,8 @@
 """One process of a two-process JAX job that is a single mail learner (jax.distributed).
 
 Usage: mail_jax_job.py URL PORT PROCESS_ID STEPS OUT [STATE_DIR] (process 1 joins
-``JOIN_DELAY`` seconds late, from the environment, 0 by default). Each process has 2 CPU
+``JOIN_DELAY`` seconds late, from the environment, 0 by default; with ``OWN_STATE_DIR`` set,
+each process passes ``STATE_DIR-<process>``). Each process has 2 CPU
 devices; the parameters are global arrays sharded over all 4. Writes what it saw as JSON
 to OUT. With STATE_DIR the learner keeps its state there (``{"m": the parameters after
 each inner step}``, the step as position) and first restores what it finds.
@@ -21,6 +22,8 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 def main():
   url, port, process_id, steps, out = sys.argv[1:6]
   state_dir = sys.argv[6] if len(sys.argv) > 6 else None
+  if state_dir is not None and os.environ.get("OWN_STATE_DIR"):
+    state_dir = f"{state_dir}-{process_id}"  # each process its own: refused at join
   process_id, steps = int(process_id), int(steps)
   jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                              process_id=process_id)

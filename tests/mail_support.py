@@ -143,10 +143,10 @@ def spawn(url, name, index, steps, *, mode="normal", poll=POLL, step_sleep=0.0):
       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
 
 
-def two_process_job(url, steps, outs, *extra, env=None):
+def two_process_job(url, steps, outs, *extra, env=None, fails=False):
   """One learner of two JAX processes (``mail_jax_job.py``, ``jax.distributed`` on
   127.0.0.1, two CPU devices each) training ``steps`` steps; returns what each process
-  wrote to its file of ``outs``.
+  wrote to its file of ``outs`` (with ``fails``, each one's log: both must fail).
 
   Raises:
     AssertionError: a process did not exit with 0 (its output in the message).
@@ -165,6 +165,9 @@ def two_process_job(url, steps, outs, *extra, env=None):
   finally:
     for j in jobs:
       kill(j)
+  if fails:  # expected to fail: the processes' logs
+    assert 0 not in [j.returncode for j in jobs], logs
+    return logs
   assert [j.returncode for j in jobs] == [0, 0], logs
   seen = []
   for out in outs:

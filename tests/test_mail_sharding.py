@@ -104,6 +104,21 @@ def test_the_processes_of_a_job_that_join_apart_start_from_the_same_versions(tmp
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_processes_of_a_job_with_different_state_dirs_are_refused_at_join(tmp_path):
+  # Each process's own state_dir (two machines' local /tmp): the first save waited for
+  # the other processes in Orbax forever.
+  url, state_dir = str(tmp_path / "run"), str(tmp_path / "state")
+  mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  outs = [str(tmp_path / f"p{i}.json") for i in range(2)]
+  logs = ms.two_process_job(url, 4, outs, state_dir, env={"OWN_STATE_DIR": "1"},
+                            fails=True)
+  for i, log in enumerate(logs):
+    assert (f"join(state_dir='{state_dir}-{i}') in process {i}: processes [1] of this"
+            " learner passed another state_dir than process 0's") in log, log
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_two_process_job_keeps_its_state_in_a_state_dir(tmp_path):
   url, state_dir = str(tmp_path / "run"), str(tmp_path / "state")

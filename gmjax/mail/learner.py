@@ -99,6 +99,7 @@ class Learner(Resuming, Rounds):
     self.run = run
     self.name = layout.check_name(name)
     self.manifest = run.manifest
+    learner_args.check_same_state_dir(state_dir, self.process_index, self.process_count)
     self._state_dir = learner_state.open_state_dir(
         state_dir, (learner_state.run_id(self.manifest.to_json()), run.url), self.name)
     self.config = self.manifest.config

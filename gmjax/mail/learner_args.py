@@ -5,8 +5,10 @@ the fix, raised before anything counts or is written."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import numbers
+import os
 import threading
 from typing import Any
 
@@ -184,3 +186,23 @@ def one_call_at_a_time(method):
       self._calling.release()  # pylint: disable=protected-access
 
   return guarded
+
+
+def check_same_state_dir(state_dir: Any, process_index: int, process_count: int) -> None:
+  """Raises a ValueError on every process of a learner whose processes passed different
+  ``state_dir``s (or some none): their saves are one Orbax checkpoint, which then waited
+  for the other processes forever. They call this in lockstep, from ``join``."""
+  if process_count <= 1:
+    return
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  path = os.fspath(state_dir) if isinstance(state_dir, os.PathLike) else state_dir
+  digest = np.frombuffer(hashlib.sha256(repr(path).encode()).digest(), np.uint8)
+  every = np.asarray(multihost_utils.process_allgather(digest.astype(np.int32)))
+  differ = [i for i, row in enumerate(every.reshape(process_count, -1))
+            if not np.array_equal(row, every.reshape(process_count, -1)[0])]
+  if differ:
+    raise ValueError(
+        f"join(state_dir={state_dir!r}) in process {process_index}: processes {differ} of"
+        " this learner passed another state_dir than process 0's (or none where it passed"
+        " one); pass every process the same path, on storage they all see (a shared disk"
+        " or a gs:// URL), or none.")
