@@ -404,3 +404,14 @@ def test_dequantize_refuses_codes_or_scales_of_another_size(precision):
     with pytest.raises(ValueError, match=rf"dequantize: {precision} codes of 96 values.*"
                                          r"pass quantize's codes and scales"):
       gmjax.dequantize(bad_codes, bad_scales, (96,), precision)
+  # A shape of non-integers was truncated ((96.7,) read as (96,)); a bare int failed with
+  # "'int' object is not iterable".
+  for shape in ((96.7,), 96, (-96,), None):
+    with pytest.raises(ValueError, match=r"dequantize: shape must be a tuple of"
+                                         r" non-negative ints"):
+      gmjax.dequantize(codes, scales, shape, precision)
+  # quantize takes what jnp.asarray takes, a list too (it failed inside jnp.ravel).
+  listed = gmjax.quantize(np.asarray(x).tolist(), precision)
+  for got, want in zip(listed, (codes, scales)):
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8),
+                                  np.asarray(want).view(np.uint8))

@@ -126,9 +126,10 @@ def test_memory_run_with_jax_arrays():
   assert run.learners()["solo"].status == "closed"
 
 
-@pytest.mark.parametrize("loss", [np.ones(3, np.float32), "0.5", [0.5]])
+@pytest.mark.parametrize("loss", [np.ones(3, np.float32), "0.5", [0.5], True,
+                                  np.bool_(False)])
 def test_a_loss_that_is_not_a_number_is_refused_before_the_step_counts(loss):
-  url = f"memory://create-loss-{os.getpid()}-{type(loss).__name__}"
+  url = f"memory://create-loss-{os.getpid()}-{type(loss).__name__}-{id(loss)}"
   run = mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
   learner = run.join("solo", poll_interval=0.01)
   params = learner.pull(ms.params0())

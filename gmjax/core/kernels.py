@@ -25,6 +25,8 @@ Every function here is pure JAX on single arrays (jittable, vmappable); the pytr
 from __future__ import annotations
 
 import math
+import operator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +71,19 @@ _F4_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, Fal
 _ROUND_TO_INTEGER = np.float32(1.5 * 2.0**23)
 # Where each code of ``bits`` sits in a packed little-endian uint32 word, by ``bits``.
 _SHIFTS = {bits: np.arange(0, 32, bits, dtype=np.uint32) for bits in (2, 4)}
+
+
+def _shape(shape: Any) -> tuple[int, ...]:
+  """``dequantize``'s ``shape`` as a tuple of non-negative ints: 64.7 was taken as 64,
+  and a bare 64 failed with "'int' object is not iterable"."""
+  try:
+    dims = tuple(operator.index(d) for d in shape)
+  except TypeError:
+    dims = None
+  if dims is None or any(d < 0 for d in dims):
+    raise ValueError(f"dequantize: shape must be a tuple of non-negative ints (the array's"
+                     f" shape, e.g. (64,)), got {shape!r}.")
+  return dims
 
 
 def _blocks(x: jax.Array) -> jax.Array:
@@ -218,6 +233,7 @@ def quantize(x: jax.Array, precision: str) -> tuple[jax.Array, jax.Array]:
   """
   if precision not in QUANTIZED:
     raise ValueError(f"quantize: precision={precision!r} is not one of {list(QUANTIZED)}.")
+  x = jnp.asarray(x)  # a list or numpy array too
   blocks = _blocks(x)
   qmax = QMAX[precision]
   absmax = lax.bitcast_convert_type(_abs_bits_max(blocks, axis=1), jnp.float32)
@@ -261,7 +277,7 @@ def dequantize(
     raise ValueError(
         f"dequantize: precision={precision!r} is not one of {list(QUANTIZED)}."
     )
-  shape = tuple(int(d) for d in shape)
+  shape = _shape(shape)
   size = math.prod(shape)
   blocks = num_blocks(size)
   codes = jnp.asarray(codes)

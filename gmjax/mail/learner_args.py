@@ -75,7 +75,7 @@ def loss_value(loss: Any) -> float | None:
   if loss is None:
     return None
   shape = np.shape(loss) if not isinstance(loss, (str, bytes)) else None
-  if shape == () and np.asarray(loss).dtype.kind in "biuf":  # a real number
+  if shape == () and np.asarray(loss).dtype.kind in "iuf":  # a real number, not a bool
     # A NaN or infinite loss is kept as None: JSON (the heartbeat on storage) has no
     # value for it, and strict readers refuse Python's NaN.
     return float(loss) if np.isfinite(float(loss)) else None
