@@ -209,6 +209,26 @@ def test_between_rounds_must_be_a_python_bool():
         state, jnp.bool_(True))
 
 
+def test_a_misspelt_keyword_is_refused_where_the_inner_optimizer_takes_none():
+  # token=500 (for tokens=) was dropped by optax's wrapper: one token a step counted.
+  optimizer = gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=2))
+  params = {"w": jnp.ones(4)}
+  state = optimizer.init(params)
+  for typo, meant in (("token", "tokens"), ("n_tokens", "tokens"), ("Tokens", "tokens"),
+                      ("between_round", "between_rounds")):
+    with pytest.raises(TypeError, match=rf"update got {typo}=, which is not gmjax.diloco's"
+                                        rf" {meant}=.*did you mean {meant}=\?"):
+      optimizer.update(params, state, params, **{typo: 500})
+  # Other keywords go to the inner optimizer, as optax passes them.
+  seen = []
+  inner = optax.GradientTransformationExtraArgs(
+      optax.sgd(0.1).init,
+      lambda g, s, p=None, **extra: (seen.append(sorted(extra)) or g, s))
+  taking = gmjax.diloco(inner, gmjax.DiLoCo(sync_every=2))
+  taking.update(params, taking.init(params), params, value=1.0)
+  assert seen == [["value"]]
+
+
 FSDP_LEARNERS, FSDP = 4, 2
 FSDP_SHAPES = {"w": (64, 32), "b": (40,)}
 

@@ -15,6 +15,7 @@ References:
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 import jax
@@ -169,7 +170,9 @@ def diloco(
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update(grads, state, params,
     *, tokens=None, between_rounds=False, **extra_args)`` needs ``params`` and passes
-    ``extra_args`` to ``inner``. Its state is a ``DiLoCoState``; log ``state.stats``.
+    ``extra_args`` to ``inner`` (one named within a typo of ``tokens`` or
+    ``between_rounds``, e.g. ``token=``, is refused). Its state is a ``DiLoCoState``;
+    log ``state.stats``.
 
   Raises:
     ValueError: ``config.overlap_steps`` is None; ``outer`` given with a
@@ -250,6 +253,15 @@ def diloco(
       raise TypeError(
           f"gmjax.diloco: update(between_rounds={between_rounds!r}) must be a Python bool"
           " (it chooses the program: pass it as a static argument of the jitted step).")
+    # Other keywords go to the inner optimizer, whose parts ignore those they do not take
+    # (optax's way): a misspelt tokens= (token=500) was dropped, one token a step counted.
+    for name in extra_args:
+      close = difflib.get_close_matches(name, ["tokens", "between_rounds"], n=1, cutoff=0.8)
+      if close:
+        raise TypeError(
+            f"gmjax.diloco: update got {name}=, which is not gmjax.diloco's {close[0]}= and"
+            f" would go to the inner optimizer, which ignores what it does not take; did"
+            f" you mean {close[0]}=?")
     if not isinstance(state, DiLoCoState):
       raise TypeError(finish_lib.not_a_state(state, "gmjax.diloco: update"))
     if params is None:
