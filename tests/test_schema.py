@@ -155,3 +155,21 @@ def test_a_tree_without_arrays_is_refused_saying_what_to_pass():
   optimizer = gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=2))
   with pytest.raises(ValueError, match=r"no array leaves \(dict \{\}\): pass the parameters"):
     optimizer.init({})
+
+
+@pytest.mark.parametrize("spec, match", [
+    (("w", "F32", (-64,)), "shape must be a tuple of non-negative ints"),
+    (("w", "F32", (4.0,)), "shape must be a tuple of non-negative ints"),
+    (("w", "F32", 4), "shape must be a tuple of non-negative ints"),
+    (("w", "F64", (4,)), r"dtype='F64' is not one of \[.*'F32'"),
+])
+def test_a_spec_is_checked_as_it_is_made(spec, match):
+  # A negative dimension gave a layout of -256 bytes; an unknown dtype code failed with a
+  # bare KeyError at the first plan; a fractional dimension was taken.
+  with pytest.raises(ValueError, match=match):
+    gmjax.ParameterSpec(*spec)
+  assert gmjax.ParameterSpec("w", "F32", [np.int64(4), 2]).shape == (4, 2)
+  with pytest.raises(ValueError, match=r"entry must be \[name, dtype, shape\]"):
+    gmjax.Schema.from_json([["a", "F32"]])
+  with pytest.raises(ValueError, match="non-negative"):
+    gmjax.Schema.from_json([["a", "F32", [-1]]])

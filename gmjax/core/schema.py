@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from typing import Any
 
@@ -93,6 +94,23 @@ class ParameterSpec:
   name: str
   dtype: str
   shape: tuple[int, ...]
+
+  def __post_init__(self):
+    # Checked as made: a negative or fractional dimension gave a layout of negative
+    # bytes, an unknown dtype code a bare KeyError at the first plan.
+    if not isinstance(self.name, str):
+      raise ValueError(f"ParameterSpec name must be a str, got {self.name!r}.")
+    if self.dtype not in NUMPY_DTYPES:
+      raise ValueError(f"ParameterSpec {self.name!r}: dtype={self.dtype!r} is not one of"
+                       f" {sorted(NUMPY_DTYPES)}; pass a dtype code such as 'F32'.")
+    try:
+      shape = tuple(operator.index(d) for d in self.shape)
+    except TypeError:
+      shape = None
+    if shape is None or any(d < 0 for d in shape):
+      raise ValueError(f"ParameterSpec {self.name!r}: shape must be a tuple of"
+                       f" non-negative ints, got {self.shape!r}.")
+    object.__setattr__(self, "shape", shape)
 
   @property
   def size(self) -> int:
@@ -314,10 +332,15 @@ class Schema:
   @classmethod
   def from_json(cls, record: Iterable[Iterable[Any]]) -> Schema:
     specs = []
-    for name, dtype, shape in record:
+    for entry in record:
+      try:
+        name, dtype, shape = entry
+      except (TypeError, ValueError):
+        raise ValueError(f"a stored schema's entry must be [name, dtype, shape], got"
+                         f" {entry!r}") from None
       if dtype not in NUMPY_DTYPES:
         raise ValueError(f"unknown dtype {dtype!r} for {name!r} in a stored schema")
-      specs.append(ParameterSpec(str(name), str(dtype), tuple(int(d) for d in shape)))
+      specs.append(ParameterSpec(str(name), str(dtype), tuple(shape)))
     return cls(tuple(specs))
 
 
