@@ -415,3 +415,19 @@ def test_dequantize_refuses_codes_or_scales_of_another_size(precision):
   for got, want in zip(listed, (codes, scales)):
     np.testing.assert_array_equal(np.asarray(got).view(np.uint8),
                                   np.asarray(want).view(np.uint8))
+
+
+def test_wire_encode_takes_the_schemas_leaves_only():
+  # A leaf shorter than its spec was encoded with a short index, a missing one gave no
+  # entry, an integer one was cast: decode refused them later, or never saw them.
+  schema = gmjax.Schema.from_tree({"w": np.zeros(6, np.float32), "v": np.zeros(3, np.float32)})
+  sparse_wire = wire.Wire("I4", 2, 4)
+  good = {"w": np.ones(6, np.float32), "v": np.ones(3, np.float16)}
+  assert sorted(sparse_wire.encode(good, schema)) == ["v", "v.index", "v.scale", "w",
+                                                       "w.index", "w.scale"]
+  for values, match in (({**good, "w": np.ones(5, np.float32)}, r"leaf 'w' is float32\[5\]"),
+                        ({"w": good["w"]}, r"missing \['v'\]"),
+                        ({**good, "u": good["v"]}, r"not in the schema \['u'\]"),
+                        ({**good, "w": np.ones(6, np.int32)}, r"leaf 'w' is int32\[6\]")):
+    with pytest.raises(ValueError, match="Wire.encode: " + ".*" + match):
+      sparse_wire.encode(values, schema)

@@ -194,6 +194,7 @@ class Wire:
     """
     values = {name: jnp.asarray(v) for name, v in values.items()}
     if schema is not None:
+      _check_values(values, schema)
       dtypes = tuple(sorted((n, schema[n].dtype) for n in values))
     else:
       dtypes = tuple(sorted((n, dtype_code(v.dtype, what=f"leaf {n!r}"))
@@ -294,3 +295,20 @@ def _encode_jit(wire, values, dtypes, unchanged=()):
 @functools.partial(jax.jit, static_argnames=("wire", "specs"))
 def _decode_jit(wire, entries, specs):
   return wire.decode_values(entries, specs)
+
+
+def _check_values(values: Mapping[str, jax.Array], schema: Schema) -> None:
+  """Raises a ValueError unless ``values`` are the schema's leaves, by name, each of its
+  spec's shape and a float: a short leaf was encoded with a short index, a missing one
+  gave no entry, an integer one was cast, and only ``decode`` refused them later."""
+  names = [p.name for p in schema.parameters]
+  if sorted(values) != names:
+    missing, extra = sorted(set(names) - set(values)), sorted(set(values) - set(names))
+    raise ValueError(f"Wire.encode: values must hold the schema's leaves by name: missing"
+                     f" {missing}, not in the schema {extra}.")
+  for spec in schema.parameters:
+    value = values[spec.name]
+    if value.shape != spec.shape or not jnp.issubdtype(value.dtype, jnp.floating):
+      raise ValueError(
+          f"Wire.encode: leaf {spec.name!r} is {value.dtype}{list(value.shape)}, where the"
+          f" schema has a float of shape {spec.shape}; pass the leaf's values in its shape.")
