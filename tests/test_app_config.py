@@ -268,9 +268,10 @@ def test_outlier_screening_turns_off_with_false(tmp_path):
   # So does every other field that takes None: overlap_steps = None (a merge when the
   # commit arrives) could not be set at all.
   text = BASE.replace("sync_every = 2", "sync_every = 2\noverlap_steps = false\n"
-                      "quorum_size = false")
+                      "quorum_size = false\ndelta_precision = false\ncommit_precision = false")
   cfg = config_lib.load(_write(tmp_path, text))
   assert cfg.diloco.overlap_steps is None and cfg.diloco.quorum_size is None
+  assert cfg.diloco.delta_precision is None and cfg.diloco.commit_precision is None
   assert "overlap None" in cli.settings_line(cfg)
   # The settings line names the outer arguments the optimizer is built with: it said
   # "η 0.7" (outer_learning_rate's default) where outer_options set the rate to 0.9.

@@ -317,5 +317,16 @@ def test_a_second_thread_calling_step_while_one_steps_is_refused(tmp_path):
   release.set()
   first.join(30)
   assert learner.local_step == 2 and "p" in out
+  # Between a call taking the learner and naming itself, a second call raised TypeError
+  # (unpacking the holder, not yet set) instead of its RuntimeError.
+  taken, done = threading.Event(), threading.Event()
+  holder = threading.Thread(target=lambda: (learner._calling.acquire(), taken.set(),  # pylint: disable=protected-access
+                                            done.wait(30), learner._calling.release()))  # pylint: disable=protected-access
+  holder.start()
+  assert taken.wait(30)
+  with pytest.raises(RuntimeError, match=r"while another call runs in another thread"):
+    learner.step(out["p"])
+  done.set()
+  holder.join(30)
   learner.close(out["p"])
   assert [len(r.participants) for r in run.rounds()] == [1]

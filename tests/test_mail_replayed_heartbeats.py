@@ -250,6 +250,32 @@ def test_a_heartbeat_of_an_earlier_join_written_back_does_not_end_a_live_learner
     roster.refresh()
     assert roster.records["a1"]["status"] == heartbeats.LIVE
     assert roster.records["a1"]["claim"] == live["claim"] > json.loads(old)["claim"]
+    assert roster.records["a1"]["claimed_at"] > json.loads(old)["claimed_at"]
     assert roster.live_for(0, 5.0) == {"a1"}
+  finally:
+    learner.close(params)
+
+
+def test_a_name_joined_again_after_its_claims_were_compacted_is_seen(tmp_path):
+  # Its claims deleted, a name's next join claims number 1 again: an observer that had
+  # seen claim 2 took the new join's heartbeats for an earlier join's, and the live
+  # learner for closed. Claims are ordered by their dates, which do not start again.
+  run = _run(tmp_path)
+  roster = heartbeats.Roster(run.store, run.signing_key)
+  for _ in range(2):
+    learner = run.join("x", poll_interval=ms.POLL)
+    learner.close(learner.pull(ms.params0()))
+  roster.refresh()
+  assert roster.records["x"]["claim"] == 2 and roster.records["x"]["status"] == "closed"
+  for entry in run.store.list("learners/x.claims"):
+    run.store.delete(f"learners/x.claims/{entry}")
+  run.store.delete_empty_folder("learners/x.claims")
+  time.sleep(1.1)  # storage dates of a local folder may be whole seconds
+  learner = run.join("x", poll_interval=1.0)
+  params = learner.pull(ms.params0())
+  try:
+    roster.refresh()
+    assert roster.records["x"]["claim"] == 1 and roster.records["x"]["status"] == "live"
+    assert roster.live_for(0, 5.0) == {"x"}
   finally:
     learner.close(params)

@@ -217,11 +217,13 @@ def test_finish_refuses_an_axis_the_state_is_not_stacked_on():
                                          r" \(4, 1\)\); pass the dimension"):
       gmjax.finish(state, four, learner_axis=axis)
   assert gmjax.finish(state, four, learner_axis=-3)["w"].shape == (16, 4)
-  # Stacked last (vmap's out_axes=-1): pending is (fragments, learners).
-  last = {"w": jnp.ones((16, 4, 4))}
+  # Stacked last (vmap's out_axes=-1): pending is (fragments, learners). A leaf of one
+  # dimension is stacked on its first axis and its last alike.
+  last = {"w": jnp.ones((16, 4, 4)), "s": jnp.ones(4)}
   state = jax.vmap(optimizer.init, in_axes=-1, out_axes=-1)(last)
   assert state.pending.shape == (1, 4)
-  assert gmjax.finish(state, last, learner_axis=-1)["w"].shape == (16, 4)
+  finished = gmjax.finish(state, last, learner_axis=-1)
+  assert finished["w"].shape == (16, 4) and finished["s"].shape == ()
   with pytest.raises(ValueError, match=r"learner_axis=0, but .*state.pending \(1, 4\)"):
     gmjax.finish(state, last, learner_axis=0)
 

@@ -132,7 +132,8 @@ _TABLES = {
 # DiLoCo fields that take None (written ``false`` in TOML, which has no null); none of
 # them takes a bool.
 _NULLABLE = {f.name for f in dataclasses.fields(DiLoCo)
-             if str(f.type).endswith("| None") and "bool" not in str(f.type)}
+             if (str(f.type).endswith("| None") or str(f.type) == "Precision")
+             and "bool" not in str(f.type)}
 _AT_LEAST_ONE = {
     "learners": "the learner processes to start",
     "steps": "inner steps per learner",

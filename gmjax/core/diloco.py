@@ -187,7 +187,6 @@ class DiLoCo:
     if self.outer == CUSTOM:
       diloco_checks.check_custom_outer(self)
     else:
-      diloco_checks.check_named_outer(self)
       self.outer_transform()  # fails now, naming the argument, rather than at the first round
     diloco_checks.check_exchange(self)
 

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from gmjax.core import eager as eager_updates
-from gmjax.core import feedback, outer, robust
+from gmjax.core import feedback, robust
 from gmjax.core.frozen import FrozenDict
 from gmjax.core.frozen import frozen as frozen_json
 from gmjax.core.frozen import native
@@ -140,37 +140,6 @@ def check_custom_outer(config: Any) -> None:
         f" (gmjax.diloco(inner, config, outer=tx)), so {', '.join(ignored)} would not be"
         f" used; leave them at their defaults, or name an optax optimizer in outer"
         f" (e.g. outer='sgd') to use them.")
-
-
-def check_named_outer(config: Any) -> None:
-  """Checks that each of ``outer_learning_rate``, ``outer_momentum`` and ``nesterov``
-  not at its default is used by ``optax.<outer>``, and not also set in ``outer_options``
-  (which would win, while the config recorded the other).
-
-  Raises:
-    ValueError: naming both settings, or the unused one.
-  """
-  defaults = {f.name: f.default for f in dataclasses.fields(config)}
-  options = dict(config.outer_options or {})
-  fields = {"outer_learning_rate": "learning_rate"}
-  if config.outer == "sgd":
-    fields |= {"outer_momentum": "momentum", "nesterov": "nesterov"}
-  for field in ("outer_learning_rate", "outer_momentum", "nesterov"):
-    value = getattr(config, field)
-    if value == defaults[field]:
-      continue
-    option = fields.get(field)
-    if option is None or (option == "learning_rate"
-                          and not outer.takes(config.outer, "learning_rate")):
-      raise ValueError(
-          f"DiLoCo {field}={value!r} is not used by outer={config.outer!r}"
-          f" (optax.{config.outer} takes no {option or field.removeprefix('outer_')} from"
-          f" it); leave it at its default, or set optax.{config.outer}'s own arguments in"
-          " outer_options.")
-    if option in options:
-      raise ValueError(
-          f"DiLoCo {field}={value!r} and outer_options.{option}={options[option]!r} both"
-          f" set optax.{config.outer}'s {option}, and outer_options would win; set one.")
 
 
 def check_exchange(config: Any) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -224,7 +223,14 @@ def _check_schedule(value: Mapping[str, Any]) -> None:
     raise ValueError(
         f"DiLoCo outer_options.learning_rate must be a positive number or a schedule"
         f" ({{'schedule': 'cosine_decay_schedule', ...}}), got {dict(value)!r}.")
-  rates = {t: float(schedule(t)) for t in _SCHEDULE_STEPS}
+  try:
+    rates = {t: float(schedule(t)) for t in _SCHEDULE_STEPS}
+  except Exception as error:  # pylint: disable=broad-except
+    # The schedule's own code on a step count: its arguments do not fit.
+    raise ValueError(
+        f"DiLoCo outer_options.learning_rate: the schedule {dict(value)!r} fails on an outer"
+        f" step count ({type(error).__name__}: {error}); check its arguments against"
+        f" optax.{value.get('schedule')}'s.") from None
   bad = {t: r for t, r in rates.items() if not 0 <= r <= F32_MAX}
   if bad or not any(rates.values()):
     raise ValueError(
@@ -245,20 +251,24 @@ def _probed(name: str, options: str) -> str | None:
     # Any failure of the optimizer's own code on a plain vector: the options do not fit.
     return f"{type(error).__name__}: {error}"
   # An optimizer moves against the gradient: a few steps on a constant one (from 0.5: a
-  # scale by the parameters' norm, fromage's or lars', needs some). A
-  # transformation that is not one (identity, clip, scale_by_adam, set_to_zero, ...)
-  # would move Θ with the learners' deltas reversed, or not at all.
-  params = jnp.full(2, 0.5, jnp.float32)
-  gradient = jnp.ones(2, jnp.float32)
-  state, moved = built.init(params), []
+  # scale by the parameters' norm, fromage's or lars', needs some; 64 values: noisy_sgd's
+  # noise averages out). A transformation that is not one (identity, clip,
+  # scale_by_adam, set_to_zero, ...) would move Θ with the learners' deltas reversed, or
+  # not at all. A step may overflow (a rate near F32's largest): that is a direction too.
+  params = jnp.full(64, 0.5, jnp.float32)
+  gradient = jnp.ones(64, jnp.float32)
+  state, moved = built.init(params), 0.0
   for _ in range(_DIRECTION_STEPS):
     updates, state = built.update(gradient, state, params)
-    moved.append(float(jnp.vdot(updates, gradient)))
+    moved += float(jnp.vdot(updates, gradient))
     params = params + updates
-  if not all(math.isfinite(m) and m <= 0 for m in moved) or not any(moved):
+  # A schedule may hold its rate at zero for the first steps (a warmup that begins
+  # later): then only moving along the gradient is refused (its values are checked).
+  scheduled = any(isinstance(v, Mapping) for v in json.loads(options).values())
+  if moved > 0 or (moved == 0 and not scheduled):
     return (f"{_NOT_AN_OPTIMIZER}: {_DIRECTION_STEPS} steps on a constant gradient"
-            f" of ones moved along it by {[round(m, 6) for m in moved]}, where an"
-            " optimizer moves against it")
+            f" of ones moved along it by {moved:.6g} in all, where an optimizer moves"
+            " against it")
   return None
 
 

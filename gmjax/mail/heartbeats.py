@@ -253,7 +253,7 @@ class Roster:
     self._changed: dict[str, float] = {}  # when each name's newest beat was first seen
     self._newest: dict[tuple[str, Any], int] = {}  # (name, incarnation) -> highest seq
     self._rises: dict[tuple[str, Any], int] = {}  # how often that seq rose here
-    self._claims: dict[str, int] = {}  # name -> newest claim a valid heartbeat named
+    self._claims: dict[str, float] = {}  # name -> newest claim's date a heartbeat named
     self.refreshed = float("-inf")
     self._read: dict[str, tuple[Any, Any]] = {}  # scan's cache: file -> (marker, result)
 
@@ -271,16 +271,18 @@ class Roster:
     for name, record in found.records.items():
       incarnation = (name, record.get("incarnation"))
       newest = self._newest.get(incarnation)
-      claim, newest_claim = record.get("claim"), self._claims.get(name)
+      # The claim's date (the storage's clock, signed): claim numbers start again at 1
+      # once a name's claims are compacted away, dates do not.
+      claimed, newest_claim = record.get("claimed_at"), self._claims.get(name)
       if ((newest is not None and record["seq"] <= newest)
-          or (claim is not None and newest_claim is not None and claim < newest_claim)):
+          or (claimed is not None and newest_claim is not None and claimed < newest_claim)):
         # Not newer than a beat already seen: unchanged, an old one written back, or one
         # of an earlier join of the name (a replay: it would end a live learner).
         if name in self.records:
           records[name] = self.records[name]
         continue
-      if claim is not None:
-        self._claims[name] = max(claim, newest_claim or 0)
+      if claimed is not None:
+        self._claims[name] = max(claimed, newest_claim or claimed)
       self._newest[incarnation] = record["seq"]
       rises = self._rises[incarnation] = self._rises.get(incarnation, -1) + 1
       records[name] = record

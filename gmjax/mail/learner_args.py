@@ -170,11 +170,14 @@ def one_call_at_a_time(method):
   @functools.wraps(method)
   def guarded(self, *args, **kwargs):
     if not self._calling.acquire(blocking=False):  # pylint: disable=protected-access
-      holder, what = self._holder  # pylint: disable=protected-access
+      # Read once, without the lock: the holder may be between taking it and naming itself.
+      found = self._holder  # pylint: disable=protected-access
+      running = (f"{found[1]}() runs in thread {found[0]!r}" if found
+                 else "another call runs in another thread")
       raise RuntimeError(
           f"learner {self.name!r}: {method.__name__}() called in thread"
-          f" {threading.current_thread().name!r} while {what}() runs in thread"
-          f" {holder!r}; a Learner takes one call at a time: call it from one thread.")
+          f" {threading.current_thread().name!r} while {running}; a Learner takes one call"
+          " at a time: call it from one thread.")
     try:
       previous = self._holder  # pylint: disable=protected-access
       self._holder = (threading.current_thread().name, method.__name__)  # pylint: disable=protected-access

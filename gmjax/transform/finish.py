@@ -136,8 +136,10 @@ def _check_stacked(state: DiLoCoState, learner_axis: int) -> None:
   stacked = {axis for axis in (0, 1) if len(pending) == 2 and pending[axis] == count[0]}
   for path, leaf in jax.tree_util.tree_flatten_with_path(state.anchor)[0]:
     shape = jnp.shape(leaf)
+    # pending's axis 0 is every leaf's first, its axis 1 every leaf's last.
     if not -len(shape) <= learner_axis < len(shape) or shape[learner_axis] != count[0] or (
-        len(stacked) == 1 and (learner_axis % len(shape) == 0) != (stacked == {0})):
+        len(stacked) == 1 and learner_axis % len(shape) != (
+            0 if stacked == {0} else len(shape) - 1)):
       raise ValueError(
           f"gmjax.finish: learner_axis={learner_axis}, but state.anchor"
           f"{jax.tree_util.keystr(path)} has shape {shape} while the state holds"
