@@ -148,6 +148,9 @@ def test_version_zeros_record_deleted_before_its_first_round_stops_the_learner_a
     for _ in range(2):
       params = learner.step(ms.inner(params, ms.target(0)))
     learner.close(params)  # waits for the round's commit
+  with pytest.raises(mail.LearnerClosed):
+    learner.close(params)  # leaves now: nothing is left to close at exit
+  assert run.learners()["w"].status == "failed"
 
 
 def test_zeroed_newest_state_is_repaired_from_the_version_before(tmp_path):

@@ -173,3 +173,10 @@ def test_a_spec_is_checked_as_it_is_made(spec, match):
     gmjax.Schema.from_json([["a", "F32"]])
   with pytest.raises(ValueError, match="non-negative"):
     gmjax.Schema.from_json([["a", "F32", [-1]]])
+
+
+def test_an_empty_key_named_like_another_leaf_is_said_so():
+  # The message blamed keys containing '/' only.
+  with pytest.raises(ValueError, match=r"duplicate leaf names \['_'\].*an empty key .* is"
+                                       r" named '_'"):
+    gmjax.Schema.from_tree({"": jnp.ones(2), "_": jnp.ones(2)})

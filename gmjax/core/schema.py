@@ -161,7 +161,8 @@ class Schema:
     if duplicates:
       raise ValueError(
           f"Schema has duplicate leaf names {duplicates}; keys containing '/' can collide"
-          " with nested keys, rename them."
+          " with nested keys, and an empty key (or a lone leaf) is named '_': rename"
+          " them."
       )
     object.__setattr__(self, "_index", {name: i for i, name in enumerate(names)})
     if self.payload:

@@ -221,7 +221,8 @@ class Learner(Resuming, Rounds):
 
   @property
   def batch_size(self) -> int | None:
-    """``global_batch_size // live learners``, or None when the run sets no global batch."""
+    """``global_batch_size // live learners`` (at least 1), or None when the run sets no
+    global batch."""
     total = self.config.global_batch()
     if total is None:
       return None
