@@ -103,8 +103,8 @@ def _from_process_zero(value: int, process_count: int) -> int:
 
 
 def every_process(versions: dict[int, int], process_count: int) -> list[dict[int, int]]:
-  """Each process's ``versions`` (fragment -> version), in process order (they call this
-  in lockstep)."""
+  """Each process's ``versions`` (an int key -> an int, e.g. fragment -> version), in
+  process order (they call this in lockstep)."""
   if process_count <= 1:
     return [versions]
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top

@@ -18,6 +18,7 @@ import numpy as np
 
 from gmjax.core import frozen, guards
 from gmjax.core.schema import Schema
+from gmjax.mail import delayed
 from gmjax.mail.contributions import MAX_TOKENS_PER_STEP
 
 
@@ -195,14 +196,10 @@ def check_same_state_dir(state_dir: Any, process_index: int, process_count: int)
   """Raises a ValueError on every process of a learner whose processes passed different
   ``state_dir``s (or some none): their saves are one Orbax checkpoint, which then waited
   for the other processes forever. They call this in lockstep, from ``join``."""
-  if process_count <= 1:
-    return
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   path = os.fspath(state_dir) if isinstance(state_dir, os.PathLike) else state_dir
-  digest = np.frombuffer(hashlib.sha256(repr(path).encode()).digest(), np.uint8)
-  every = np.asarray(multihost_utils.process_allgather(digest.astype(np.int32)))
-  differ = [i for i, row in enumerate(every.reshape(process_count, -1))
-            if not np.array_equal(row, every.reshape(process_count, -1)[0])]
+  digest = hashlib.sha256(repr(path).encode()).digest()
+  every = delayed.every_process(dict(enumerate(digest)), process_count)  # its bytes, as ints
+  differ = [i for i, seen in enumerate(every) if seen != every[0]]
   if differ:
     raise ValueError(
         f"join(state_dir={state_dir!r}) in process {process_index}: processes {differ} of"
