@@ -149,6 +149,8 @@ _FLOAT_BOUNDS = {"learning_rate": "> 0", "weight_decay": ">= 0", "poll_interval"
 MAX_PARAMETERS = 2**30
 """The largest demo model a config may ask for."""
 ATTENTION_BYTES = 4 * 2**30
+# The held-out windows stay in memory (int32) and each evaluation reads them all.
+MAX_HELD_OUT_TOKENS = 2**26
 """The most the demo model's attention scores may take in one training process."""
 
 
@@ -253,7 +255,8 @@ def _model(raw: dict[str, Any]) -> ModelConfig:
 
 
 def _check_context(model: ModelConfig, train: dict[str, Any]) -> None:
-  """Raises ValueError if ``seq_len`` is beyond what the demo model can train on.
+  """Raises ValueError if ``seq_len`` is beyond what the demo model can train on, or the
+  held-out windows beyond what a job keeps in memory.
 
   The model attends densely: each layer keeps ``batch·heads·seq_len²`` F32 scores and
   as many probabilities for the backward pass, and the baseline trains on the learners'
@@ -276,6 +279,15 @@ def _check_context(model: ModelConfig, train: dict[str, Any]) -> None:
         f" dense attention would keep {needed / 2**30:,.1f} GiB of scores at batch"
         f" {batch}{why}, over the {ATTENTION_BYTES // 2**30} GiB allowed; set seq_len <="
         f" {longest}, or lower batch_size, heads or layers")
+  held_out = train["eval_batches"] * train["batch_size"] * (model.seq_len + 1)
+  if held_out > MAX_HELD_OUT_TOKENS:
+    fits = MAX_HELD_OUT_TOKENS // (train["batch_size"] * (model.seq_len + 1))
+    raise ValueError(
+        f"config [train] eval_batches = {train['eval_batches']} is too many: the held-out"
+        f" windows would be {held_out:,} tokens (eval_batches·batch_size·(seq_len + 1)),"
+        f" over the {MAX_HELD_OUT_TOKENS:,} a job keeps in memory and reads at each"
+        f" evaluation; set eval_batches <= {max(fits, 1)}"
+        + ("" if fits else ", and lower batch_size or seq_len"))
 
 
 def check_data(cfg: TrainConfig) -> None:
