@@ -164,6 +164,46 @@ def test_updates_unlike_the_params_are_named(inner):
     optimizer.update(jnp.ones(3), state, params)
 
 
+def test_gradients_of_another_dtype_than_the_params_are_named():
+  # The first update took them and returned adam's moments in F32; the second refused
+  # that state as "built for another configuration".
+  optimizer = gmjax.diloco(optax.adam(0.1), gmjax.DiLoCo(sync_every=4))
+  params = {"w": jnp.ones((2, 3), jnp.bfloat16), "b": jnp.ones(3, jnp.bfloat16)}
+  state = optimizer.init(params)
+  grads = {"w": jnp.ones((2, 3)), "b": jnp.ones(3, jnp.bfloat16)}
+  with pytest.raises(ValueError, match=r"updates\['w'\] of dtype float32, but params\['w'\]"
+                                       r" are bfloat16.*g\.astype\(p\.dtype\)"):
+    optimizer.update(grads, state, params)
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+  updates, state = optimizer.update(grads, state, params)
+  optimizer.update(grads, state, optax.apply_updates(params, updates))
+
+
+def test_an_inner_state_holding_a_prng_key_trains():
+  # optax.add_noise keeps a typed key: the state check called canonicalize_dtype on it,
+  # which refuses extended dtypes ("Internal: canonicalize_dtype called on ...").
+  inner = optax.chain(optax.add_noise(0.01, 0.55, 0), optax.adam(1e-2))
+  optimizer = gmjax.diloco(inner, gmjax.DiLoCo(sync_every=2, overlap_steps=0),
+                           axis_name="learner")
+  x = jnp.arange(24.0).reshape(2, 3, 4) / 10
+
+  def step(params, state, x, scale):
+    grads = jax.grad(lambda q: jnp.mean((x @ q["w"] - 1) ** 2))(params)
+    updates, state = optimizer.update(jax.tree.map(lambda g: g * scale, grads), state,
+                                      params)
+    return optax.apply_updates(params, updates), state
+
+  step = jax.jit(jax.vmap(step, axis_name="learner", in_axes=(0, 0, 0, None)))
+  params = {"w": jnp.ones((2, 4, 2))}
+  state = jax.vmap(optimizer.init, axis_name="learner")(params)
+  for t in range(6):  # a step with an infinite gradient is dropped (t = 2), and counts
+    params, state = step(params, state, x, jnp.inf if t == 2 else 1.0)
+    assert np.isfinite(np.asarray(params["w"])).all()
+  assert step._cache_size() == 1  # pylint: disable=protected-access
+  # Step 5 synced with overlap_steps=0: both learners stand on Θ.
+  np.testing.assert_array_equal(params["w"][0], params["w"][1])
+
+
 @pytest.mark.parametrize("built,used,where", [
     ({"fragments": 2}, {"fragments": 3}, r"state\.(anchor|master|outer_state)"),
     ({"delta_precision": "I4"}, {"delta_precision": "I4", "error_feedback": 1.0},

@@ -166,6 +166,19 @@ def updates(updates: Any, params: Any) -> None:
               "params{path} has shape",
               "pass the gradients of these params, shaped and structured like them:"
               " update(grads, state, params)")
+  # The inner optimizer's state follows the gradients' dtypes (optax's moments do):
+  # other dtypes than the parameters' would leave a state that init did not build.
+  for (path, u), p in zip(jax.tree_util.tree_flatten_with_path(updates)[0],
+                          jax.tree.leaves(params)):
+    if structure.dtype(u) != structure.dtype(p):
+      where = jax.tree_util.keystr(path)
+      raise ValueError(
+          f"gmjax.diloco: update got updates{where} of dtype {structure.dtype(u)}, but"
+          f" params{where} are {structure.dtype(p)}: the inner optimizer's state (its"
+          " moments) would take the gradients' dtype, and no longer be the state init"
+          " built; pass gradients at the parameters' dtypes, e.g. jax.tree.map(lambda g,"
+          " p: g.astype(p.dtype), grads, params), or train parameters of the gradients'"
+          " dtype.")
 
 
 def state(state: Any, expected: Any) -> None:

@@ -98,9 +98,13 @@ def _layout(tree: Any) -> str:
   return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _dtype(x: Any) -> np.dtype:
-  """``x``'s dtype as ``jit`` takes it (a restored int64 count is int32 without x64)."""
-  return jax.dtypes.canonicalize_dtype(jnp.result_type(x))
+def dtype(x: Any) -> np.dtype:
+  """``x``'s dtype as ``jit`` takes it (a restored int64 count is int32 without x64; a
+  typed PRNG key, as ``optax.add_noise`` keeps, is its key dtype)."""
+  kind = x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
+  if jax.dtypes.issubdtype(kind, jax.dtypes.extended):
+    return kind  # canonicalize_dtype refuses extended dtypes; jit keeps them as they are
+  return jax.dtypes.canonicalize_dtype(kind)
 
 
 def state_mismatch(state: Any, expected: Any) -> tuple[str, str, str] | None:
@@ -136,9 +140,9 @@ def state_mismatch(state: Any, expected: Any) -> tuple[str, str, str] | None:
       return (jax.tree_util.keystr(node), *shown)
     if is_masked(g) != is_masked(w) or (not is_masked(g) and jnp.shape(g) != jnp.shape(w)):
       return jax.tree_util.keystr(got_path), describe(g), describe(w)
-    if not is_masked(g) and _dtype(g) != _dtype(w):
+    if not is_masked(g) and dtype(g) != dtype(w):
       # The round's loops carry the state: another dtype fails inside JAX.
-      return jax.tree_util.keystr(got_path), f"dtype {_dtype(g)}", f"dtype {_dtype(w)}"
+      return jax.tree_util.keystr(got_path), f"dtype {dtype(g)}", f"dtype {dtype(w)}"
   if len(got) != len(want):
     longer, other = (got, "nothing") if len(got) > len(want) else (want, None)
     path, leaf = longer[min(len(got), len(want))]
