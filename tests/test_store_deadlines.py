@@ -31,10 +31,12 @@ DOES_NOT_HANG = 30.0
 
 class Proxy:
   """A TCP server on 127.0.0.1 that forwards to ``upstream`` until ``stall()``; from then
-  on (and always, without an upstream) it accepts and reads, and never answers."""
+  on (and always, without an upstream) it accepts and reads, and never answers; so does
+  it on its first ``swallow`` connections."""
 
-  def __init__(self, upstream: tuple[str, int] | None = None):
+  def __init__(self, upstream: tuple[str, int] | None = None, swallow: int = 0):
     self.upstream = upstream
+    self.swallow = swallow  # the first connections that get no answer, stalled or not
     self.stalled = threading.Event()
     if upstream is None:
       self.stalled.set()
@@ -51,7 +53,8 @@ class Proxy:
       while True:
         client, _ = self.listener.accept()
         self.sockets.append(client)
-        if self.stalled.is_set():
+        if self.stalled.is_set() or self.swallow > 0:
+          self.swallow -= 1
           threading.Thread(target=self._pump, args=(client, None), daemon=True).start()
           continue
         server = socket.create_connection(self.upstream)
@@ -106,6 +109,11 @@ def test_s3_calls_to_a_server_that_never_answers_raise(moto, black_hole):
                                storage_options=_s3_options(black_hole.port))
   assert store.has_deadlines
   _bounded(lambda: store.create("fragments/0/1.commit.json", b"{}"))
+  # create waited 30 s, then spoke of a learner's timeout and the poll interval.
+  with pytest.raises(mail.StorageUnavailable, match=r"budget of 1\.00s \(retry_seconds;"
+                     r" check the storage's availability, its endpoint .* raise retry_seconds"):
+    mail.create(f"s3://{BUCKET}/y", ms.params0(), gmjax.DiLoCo(sync_every=2),
+                storage_options=_s3_options(black_hole.port), retry_seconds=1.0)
 
 
 @pytest.mark.timeout(120)
@@ -141,5 +149,22 @@ def test_a_run_whose_server_stops_answering_raises_instead_of_blocking(moto):
     proxy.stall()
     _bounded(run.rounds)
     _bounded(lambda: run.store.put("rounds/0/a.safetensors", os.urandom(1000)))
+  finally:
+    proxy.close()
+
+
+@pytest.mark.timeout(120)
+def test_an_attempt_that_outlasts_the_budget_is_tried_again(moto):
+  # As a process paused (SIGSTOP, a debugger) for longer than its budget mid-request
+  # finds its attempt past its deadline on waking: it raised StorageUnavailable after
+  # that one attempt ("1 attempt(s) over 6.01s, the retry budget of 1.90s") while the
+  # storage was fine.
+  proxy = Proxy(moto, swallow=1)
+  try:
+    store = store_lib.open_store(f"s3://gmjax-test/{uuid.uuid4().hex[:8]}",
+                                 storage_options=_s3_options(proxy.port))
+    store = store.with_retry_budget(lambda: 1.0)  # an attempt gets 2 s, over the budget
+    store.put("learners/a.json", b"{}")
+    assert store.get("learners/a.json") == b"{}"
   finally:
     proxy.close()

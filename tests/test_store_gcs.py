@@ -132,3 +132,19 @@ def test_an_empty_object_and_a_pattern_name(bucket):
     store.put("rounds/0/x.safetensors", b"1")
   mine.delete("rounds/0")
   assert other.list("rounds/0") == ["x.safetensors"] and mine.list("rounds/0") == []
+
+
+@pytest.mark.timeout(60)
+def test_a_missing_bucket_is_named(bucket):
+  # create raised gcsfs's FileNotFoundError("http://.../upload/storage/v1/b/.../o"); open
+  # said to create the run, which then failed so.
+  url = f"gs://no-such-bucket-{uuid.uuid4().hex[:8]}/run"
+  with pytest.raises(FileNotFoundError, match=r"create gs://no-such-bucket-.*/run/manifest"
+                     r"\.json: the bucket 'no-such-bucket-.*' does not exist .* create it"):
+    mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2))
+  with pytest.raises(mail.RunNotFound, match=r"the bucket .* does not exist"):
+    mail.open(url)
+  with pytest.raises(mail.RunNotFound, match=r"\(no manifest\.json\); create one"):
+    mail.open(_url(bucket))
+  with pytest.raises(ValueError, match=r"names no bucket; give gs://BUCKET/RUN"):
+    mail.open("gs:///run")

@@ -6,6 +6,9 @@ keeps the objects and enforces ``If-None-Match: *`` on ``PutObject``.
 """
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -241,3 +244,63 @@ def test_a_prefix_named_like_an_object_does_not_hide_its_replacement(options):
   before = store.list_marked("rounds/0")["a1.safetensors"]
   store.put("rounds/0/a1.safetensors", b"the learner's own")
   assert store.list_marked("rounds/0")["a1.safetensors"] != before
+
+
+@pytest.mark.timeout(120)
+def test_a_url_with_a_version_is_refused_and_deletes_nothing(options):
+  # s3fs read "?versionId=1" as an object's version: every file of the run went to one
+  # key, and the probe's delete removed the user's object at the run's prefix.
+  fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
+  data = f"{BUCKET}/{uuid.uuid4().hex[:8]}/data.csv"
+  fs.pipe_file(data, b"kept")
+  with pytest.raises(ValueError, match=r"names an object's version \('\?versionId=1'\)"
+                     r".*drop it"):
+    mail.create(f"s3://{data}?versionId=1", ms.params0(), gmjax.DiLoCo(sync_every=2),
+                storage_options=options)
+  assert fs.cat_file(data) == b"kept"
+  for url in ("s3://", "s3:///run"):
+    with pytest.raises(ValueError, match=r"names no bucket; give s3://BUCKET/RUN"):
+      mail.open(url, storage_options=options)
+
+
+@pytest.mark.timeout(120)
+def test_a_missing_bucket_is_named(options):
+  # create raised s3fs's "The specified bucket does not exist" without the URL; open
+  # said to create the run, which then failed so.
+  url = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run"
+  with pytest.raises(FileNotFoundError, match=r"create s3://no-such-bucket-.*/run/manifest"
+                     r"\.json: the bucket 'no-such-bucket-.*' does not exist .* create it"):
+    mail.create(url, ms.params0(), gmjax.DiLoCo(sync_every=2), storage_options=options)
+  with pytest.raises(mail.RunNotFound, match=r"the bucket .* does not exist"):
+    mail.open(url, storage_options=options)
+  with pytest.raises(mail.RunNotFound, match=r"\(no manifest\.json\); create one"):
+    mail.open(_url(), storage_options=options)  # the bucket is there, the run is not
+  with pytest.raises(ValueError, match=r"endpoint_url='127\.0\.0\.1:1' has no scheme.*"
+                     r"'http://127\.0\.0\.1:1'"):
+    mail.open(_url(), storage_options={**options, "endpoint_url": "127.0.0.1:1"})
+
+
+@pytest.mark.timeout(120)
+def test_credentials_the_storage_refuses_are_named(tmp_path):
+  # A moto server that checks credentials: create and open raised a bare
+  # PermissionError("Forbidden"), naming neither the URL nor the fix.
+  script = ("import os, sys, time, moto.server\n"
+            "s = moto.server.ThreadedMotoServer(ip_address='127.0.0.1', port=0,"
+            " verbose=False)\n"
+            "s.start(); print(s.get_host_and_port()[1], flush=True)\n"
+            "sys.stdin.read()\n")
+  env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"}
+  server = subprocess.Popen([sys.executable, "-c", script], env=env, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+  try:
+    port = int(server.stdout.readline())
+    bad = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "bad", "secret": "bad"}
+    fix = r"the storage refused access .*; check the credentials \(storage_options' key"
+    with pytest.raises(PermissionError, match=rf"create s3://{BUCKET}/run/manifest\.json: {fix}"):
+      mail.create(f"s3://{BUCKET}/run", ms.params0(), gmjax.DiLoCo(sync_every=2),
+                  storage_options=bad)
+    with pytest.raises(PermissionError, match=rf"s3://{BUCKET}/run/manifest\.json: {fix}"):
+      mail.open(f"s3://{BUCKET}/run", storage_options=bad)
+  finally:
+    server.stdin.close()
+    server.wait(30)

@@ -184,6 +184,9 @@ def read_manifest(store: Store, url: str) -> Manifest:
   try:
     data = store.read(layout.MANIFEST, MAX_MANIFEST_BYTES)
   except FileNotFoundError:
+    problem = store.bucket_problem()
+    if problem:
+      raise RunNotFound(f"no run at {url!r}: {problem}.") from None
     raise RunNotFound(
         f"no run at {url!r} (no {layout.MANIFEST}); create one with"
         " gmjax.mail.create(url, params, config).") from None

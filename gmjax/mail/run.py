@@ -296,7 +296,8 @@ def _integer(argument: str, value: Any) -> int:
 
 def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = None,
            keep_versions: int | None = 4,
-           storage_options: dict[str, Any] | None = None) -> Run:
+           storage_options: dict[str, Any] | None = None,
+           retry_seconds: float = 30.0) -> Run:
   """Creates a run at ``url`` whose version 0 is ``params``.
 
   Args:
@@ -311,6 +312,8 @@ def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = N
       deleted after each commit (``gmjax.mail.retention``). None keeps every version.
       Stored in the manifest.
     storage_options: options for the fsspec filesystem.
+    retry_seconds: how long the creation's storage calls, and the run's reads after,
+      retry a storage that does not answer (as ``open``'s).
 
   Returns:
     The run (the existing one if a run with the same configuration is there).
@@ -340,7 +343,8 @@ def create(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None = N
     (('b',), ('w',))
   """
   created = run_create.write_run(url, params, config, key=key, keep_versions=keep_versions,
-                                 storage_options=storage_options)
+                                 storage_options=storage_options,
+                                 retry_seconds=retry_seconds)
   return Run(created.store.url, created.store, created.manifest, created.key)  # str, a Path too
 
 

@@ -44,7 +44,8 @@ class Created(NamedTuple):
 
 
 def write_run(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None,
-              keep_versions: int | None, storage_options: dict[str, Any] | None) -> Created:
+              keep_versions: int | None, storage_options: dict[str, Any] | None,
+              retry_seconds: float = 30.0) -> Created:
   """Checks ``create``'s arguments and writes the run at ``url`` (its manifest and
   version 0 of every fragment), or finds the same run there.
 
@@ -60,7 +61,7 @@ def write_run(url: str, params: Any, config: DiLoCo, *, key: bytes | str | None,
         " (e.g. dataclasses.replace(config, outer='sgd'), or 'adam' with outer_options).")
   keep_versions = retention.check_keep_versions(keep_versions)
   key = signing.as_key(key)
-  store = open_store(url, storage_options=storage_options)
+  store = open_store(url, storage_options=storage_options, retry_seconds=retry_seconds)
   _check_folder(url, store.local_root)
   schema = config.cut(Schema.from_tree(params))
   config.check_parameters(schema)

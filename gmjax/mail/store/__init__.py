@@ -42,6 +42,25 @@ def meant(url: str) -> str | None:
   return mistyped and f"{mistyped[1]}://{url[mistyped.end():]}"
 
 
+# Protocols whose URL is a bucket and a prefix in it.
+_BUCKETED = ("gs", "gcs", "s3", "s3a")
+
+
+def _check_bucket_url(url: str, protocol: str) -> None:
+  """Raises ValueError unless ``url`` names a bucket, and, on S3, no object version:
+  s3fs cuts ``?versionId=...`` off every key, so each file of the run would be one
+  key (the key before it, which the S3 store's probe, deleted, would remove)."""
+  if protocol in ("s3", "s3a") and "?versionId=" in url:
+    cut = url.index("?versionId=")
+    raise ValueError(
+        f"url={url!r} names an object's version ({url[cut:]!r:.60}), which s3fs would"
+        f" cut off every key of the run; a run's URL is a bucket and a prefix in it:"
+        f" drop it, e.g. {url[:cut]!r}")
+  if not url.split("://", 1)[1].split("/", 1)[0]:
+    raise ValueError(f"url={url!r} names no bucket; give {protocol}://BUCKET/RUN, e.g."
+                     f" {protocol}://my-bucket/runs/exp1")
+
+
 def open_store(url: str, *, retry_seconds: float = 30.0,
                storage_options: dict[str, Any] | None = None) -> Store:
   """The store for ``url``: a local directory (a path or ``file://``) or an fsspec URL.
@@ -54,7 +73,9 @@ def open_store(url: str, *, retry_seconds: float = 30.0,
 
   Raises:
     TypeError: ``url`` is not a string, or ``storage_options`` not a dict.
-    ValueError: ``storage_options`` given for a local folder (they would be ignored).
+    ValueError: ``storage_options`` given for a local folder (they would be ignored); a
+      ``gs://`` or ``s3://`` URL without a bucket, an ``s3://`` one with
+      ``?versionId=``.
     UnsupportedStorage: the URL's protocol has no atomic exclusive create
       (``SUPPORTED_PROTOCOLS`` lists those that do).
     StorageNotInstalled: the package for the URL's protocol (gcsfs, s3fs) is not
@@ -86,6 +107,8 @@ def open_store(url: str, *, retry_seconds: float = 30.0,
         " fsspec's generic create is an exists() check then a write, which two closers"
         f" can both pass. Use one of {', '.join(p + '://' for p in SUPPORTED_PROTOCOLS)}"
         " or a local directory.")
+  if protocol in _BUCKETED:
+    _check_bucket_url(url, protocol)
   require_filesystem(protocol)
   if protocol in ("s3", "s3a"):
     from gmjax.mail.store.s3 import S3Store  # pylint: disable=g-import-not-at-top

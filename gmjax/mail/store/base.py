@@ -198,6 +198,17 @@ class Store(abc.ABC):
     """Removes the folder ``path`` if it is empty; backends with folders override this
     (an object store's folder is a prefix that is gone with its last object)."""
 
+  def _explain(self, what: str, path: str, error: BaseException) -> BaseException | None:
+    """An error that says what a non-transient ``error`` of ``what`` on ``path`` means
+    and how to fix it, or None to raise ``error`` as it is; backends override this."""
+    del what, path, error
+    return None
+
+  def bucket_problem(self) -> str | None:
+    """Why the run's bucket cannot hold it (missing, or out of these credentials'
+    reach), for a store in a bucket; else None. Asked where an object was not found."""
+    return None
+
   @property
   def local_root(self) -> str | None:
     """The directory of a local store (Orbax writes there directly), else None."""
@@ -226,13 +237,21 @@ class Store(abc.ABC):
               " AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or a profile), or pass"
               " storage_options") from error
         if not is_transient(error):
-          raise
-        if time.monotonic() + delay > started + budget:
+          explained = self._explain(what, path, error)
+          if explained is None:
+            raise
+          raise explained from error
+        # A second attempt whatever the budget: one that outlasted it may have been a
+        # pause of this process (a debugger, SIGSTOP, a swapped-out host), not storage.
+        if attempts >= 2 and time.monotonic() + delay > started + budget:
+          whose = ("the run's timeout for a learner; check the storage's availability or"
+                   " raise the poll interval" if self._retry_budget is not None else
+                   "retry_seconds; check the storage's availability, its endpoint and"
+                   " the network, or raise retry_seconds")
           raise StorageUnavailable(
               f"{what} {self.url}/{path.strip('/')} still failed after {attempts}"
               f" attempt(s) over {time.monotonic() - started:.2f}s, the retry budget of"
-              f" {budget:.2f}s (the run's timeout for a learner); last error: {error!r}."
-              " Check the storage's availability or raise the poll interval.") from error
+              f" {budget:.2f}s ({whose}); last error: {error!r}.") from error
         log.warning("transient storage error on %s %s/%s, retrying in %.2fs: %r",
                     what, self.url, path, delay, error)
         time.sleep(delay * (0.5 + random.random()))

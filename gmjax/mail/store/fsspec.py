@@ -31,7 +31,8 @@ from typing import Any
 import fsspec
 
 from gmjax.mail.errors import StorageNotInstalled
-from gmjax.mail.store.base import BadObject, Store, attempt_deadline
+from gmjax.mail.store.base import (BadObject, MIN_ATTEMPT_SECONDS, Store,
+                                   attempt_deadline)
 
 log = logging.getLogger(__name__)
 # Serializes every memory:// call (see the module docstring); reentrant, as a create
@@ -64,6 +65,16 @@ def _date(info: dict[str, Any]) -> float | None:
       return float(value)
   return None
 
+
+# How to fix credentials that storage refused, by protocol.
+_GCS_CREDENTIALS = ("check the credentials (storage_options' token, or"
+                    " GOOGLE_APPLICATION_CREDENTIALS) and that they may read and write"
+                    " the run's prefix")
+_S3_CREDENTIALS = ("check the credentials (storage_options' key and secret, or"
+                   " AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or a profile) and that"
+                   " they may read and write the run's prefix")
+_CREDENTIALS = {"gs": _GCS_CREDENTIALS, "gcs": _GCS_CREDENTIALS, "s3": _S3_CREDENTIALS,
+                "s3a": _S3_CREDENTIALS}
 
 _PATTERN = re.compile(r"[*?\[]")  # what fsspec's rm and expand_path take as a pattern
 
@@ -125,6 +136,35 @@ class FsspecStore(Store):
     self.protocol = protocol
     self._memory = protocol == "memory"
     self.has_deadlines = bool(getattr(self.fs, "async_impl", False))
+
+  def bucket_problem(self) -> str | None:
+    if self.protocol not in _EXTRAS:
+      return None
+    bucket = self.root.split("/", 1)[0]
+    try:
+      self.fs.info(bucket, **({"timeout": MIN_ATTEMPT_SECONDS} if self.has_deadlines else {}))
+    except FileNotFoundError:
+      return (f"the bucket {bucket!r} does not exist at this storage; create it, or give"
+              " a URL in an existing bucket")
+    except PermissionError as error:
+      return (f"these credentials may not read the bucket {bucket!r} ({error});"
+              f" {_CREDENTIALS[self.protocol]}")
+    except Exception:  # pylint: disable=broad-except
+      return None  # unknown: the caller's own error stands
+    return None
+
+  def _explain(self, what: str, path: str, error: BaseException) -> BaseException | None:
+    where = f"{what} {self.url}/{path.strip('/')}"
+    if self.protocol not in _EXTRAS:
+      return None
+    if isinstance(error, PermissionError):
+      return PermissionError(f"{where}: the storage refused access ({error});"
+                             f" {_CREDENTIALS[self.protocol]}")
+    if isinstance(error, FileNotFoundError) and what in ("put", "create"):
+      problem = self.bucket_problem()  # a write finds nothing missing but its bucket
+      if problem:
+        return FileNotFoundError(f"{where}: {problem}")
+    return None
 
   def _limit(self) -> dict[str, float]:
     """The keyword that bounds one request of an asynchronous filesystem by the current

@@ -43,6 +43,10 @@ class S3Store(FsspecStore):
     options.setdefault("skip_instance_cache", True)
     self._endpoint = str(options.get("endpoint_url")
                          or (options.get("client_kwargs") or {}).get("endpoint_url") or "aws")
+    if self._endpoint != "aws" and "://" not in self._endpoint:
+      raise ValueError(
+          f"storage_options endpoint_url={self._endpoint!r} has no scheme; give the"
+          f" service's URL, e.g. 'http://{self._endpoint}' (or 'https://...')")
     super().__init__(url, storage_options=options, **kwargs)
 
   def _put_if_absent(self, target: str, data: bytes) -> None:
