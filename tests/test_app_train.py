@@ -160,6 +160,30 @@ def test_train_keeps_an_earlier_jobs_outputs_whose_run_was_deleted(tmp_path, cap
   assert not (out / "run").exists()
 
 
+def test_train_names_files_by_a_jobs_names_instead_of_overwriting_them(tmp_path, capsys):
+  # A summary.json, plots and learner-<i>.log in <out>, and no run: the job truncated
+  # the logs as its learners started and replaced the rest at its end, without a word.
+  from gmjax.app import cli, outdir  # pylint: disable=g-import-not-at-top
+
+  config = tmp_path / "tiny.toml"
+  config.write_text(TINY)
+  out = tmp_path / "out"
+  out.mkdir()
+  mine = {"summary.json": '{"my": "results"}', "learner-0.log": "my own log",
+          "loss.png": "a plot", "goodput.png": "a plot", "notes.log": "kept",
+          "learner-x.log": "kept", "summary.json.bak": "kept"}
+  for name, text in mine.items():
+    (out / name).write_text(text)
+  assert cli.main(["train", str(config), "--out", str(out), "--quiet"]) == 2
+  err = capsys.readouterr().err
+  assert (f"{out} holds an earlier job's outputs (goodput.png, learner-0.log, loss.png,"
+          " summary.json) but no run" in err), err
+  assert {p.name: p.read_text() for p in out.iterdir()} == mine
+  outdir.check_new_run(out, out / "run", force=True)
+  assert sorted(p.name for p in out.iterdir()) == ["learner-x.log", "notes.log",
+                                                   "summary.json.bak"]
+
+
 def test_force_deletes_only_what_a_job_wrote(tmp_path, capsys):
   # --force deleted the whole of <out>/state and overwrote any config.json: files of
   # the user's that a job never writes, named as "an earlier job's outputs".

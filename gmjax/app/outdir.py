@@ -27,6 +27,8 @@ CONFIG = "config.json"
 STATE = "state"
 """``<out>/state/<learner>``: each learner's own ``state_dir`` (Adam state, data position)."""
 _JOB_METRICS = re.compile(r"metrics(-baseline|-learner-[0-9]+)?\.jsonl")
+# The other files a job writes in ``out``: its summary, plots and learners' logs.
+_JOB_FILES = re.compile(r"summary\.json|(loss|bytes|cosine|goodput)\.png|learner-[0-9]+\.log")
 _NOT_SETTINGS = ("name", "out", "source")  # where a config came from, not what it runs
 
 
@@ -156,10 +158,19 @@ def job_metrics(out: Path) -> list[Path]:
   return sorted(p for p in out.glob("metrics*.jsonl") if _JOB_METRICS.fullmatch(p.name))
 
 
+def job_files(out: Path) -> list[Path]:
+  """The metrics, summary, plots and learners' logs a job writes in ``out`` (files or
+  links by those names), sorted."""
+  if not out.is_dir():
+    return []
+  return sorted([*job_metrics(out), *(p for p in out.iterdir() if _JOB_FILES.fullmatch(p.name)
+                                      and (p.is_file() or p.is_symlink()))])
+
+
 def earlier_outputs(out: Path) -> list[str]:
-  """An earlier job's metrics, learners' states and config in ``out``, which a new job
-  would delete or overwrite."""
-  found = [p.name for p in job_metrics(out)]
+  """An earlier job's metrics, summary, plots, logs, learners' states and config in
+  ``out``, which a new job would delete or overwrite."""
+  found = [p.name for p in job_files(out)]
   found += [f"{STATE}/{p.name}/" for p in learner_states(out)]
   return found + [CONFIG] * (out / CONFIG).exists()
 
@@ -293,7 +304,7 @@ def check_new_run(out: Path, run_dir: Path, force: bool) -> None:
         " --out DIR to train elsewhere, or --force to delete them and train anew")
   if earlier:
     print(f"gmjax train: --force: deleting {', '.join(earlier)} in {out}")
-    for old in job_metrics(out):
+    for old in job_files(out):
       old.unlink()
     for state in learner_states(out):  # nothing else in <out>/state is the job's
       delete_learner_state(state)
