@@ -171,9 +171,15 @@ def test_gradients_of_another_dtype_than_the_params_are_named():
   params = {"w": jnp.ones((2, 3), jnp.bfloat16), "b": jnp.ones(3, jnp.bfloat16)}
   state = optimizer.init(params)
   grads = {"w": jnp.ones((2, 3)), "b": jnp.ones(3, jnp.bfloat16)}
-  with pytest.raises(ValueError, match=r"updates\['w'\] of dtype float32, but params\['w'\]"
-                                       r" are bfloat16.*g\.astype\(p\.dtype\)"):
+  with pytest.raises(ValueError, match=r"update returns state\.inner_state\[0\]\.mu\['w'\]"
+                     r" as dtype float32, where the state holds dtype bfloat16 .* updates"
+                     r"\['w'\] are float32 where params\['w'\] are bfloat16.*g\.astype"):
     optimizer.update(grads, state, params)
+  # A stateless inner optimizer takes them, as optax does.
+  plain = gmjax.diloco(optax.sgd(0.1), gmjax.DiLoCo(sync_every=4))
+  plain_state = plain.init(params)
+  for _ in range(2):
+    updates, plain_state = plain.update(grads, plain_state, params)
   grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
   updates, state = optimizer.update(grads, state, params)
   optimizer.update(grads, state, optax.apply_updates(params, updates))

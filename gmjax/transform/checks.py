@@ -166,19 +166,31 @@ def updates(updates: Any, params: Any) -> None:
               "params{path} has shape",
               "pass the gradients of these params, shaped and structured like them:"
               " update(grads, state, params)")
-  # The inner optimizer's state follows the gradients' dtypes (optax's moments do):
-  # other dtypes than the parameters' would leave a state that init did not build.
-  for (path, u), p in zip(jax.tree_util.tree_flatten_with_path(updates)[0],
-                          jax.tree.leaves(params)):
-    if structure.dtype(u) != structure.dtype(p):
-      where = jax.tree_util.keystr(path)
-      raise ValueError(
-          f"gmjax.diloco: update got updates{where} of dtype {structure.dtype(u)}, but"
-          f" params{where} are {structure.dtype(p)}: the inner optimizer's state (its"
-          " moments) would take the gradients' dtype, and no longer be the state init"
-          " built; pass gradients at the parameters' dtypes, e.g. jax.tree.map(lambda g,"
-          " p: g.astype(p.dtype), grads, params), or train parameters of the gradients'"
-          " dtype.")
+
+
+def inner_state(new: Any, old: Any, grads: Any, params: Any) -> None:
+  """Raises unless the inner optimizer's ``new`` state is laid out as its ``old`` one:
+  the next update would refuse it (``state``), and the round's loops carry it. optax's
+  moments take the gradients' dtype, so gradients of another dtype than ``params`` are
+  the usual cause, named with the cast that mends it."""
+  found = structure.state_mismatch(new, old)
+  if found is None:
+    return
+  path, got, want = found
+  cause = ("; check that the inner optimizer's update returns a state laid out as its"
+           " init builds it")
+  for (where, g), p in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
+                           jax.tree.leaves(params)):
+    if structure.dtype(g) != structure.dtype(p):
+      where = jax.tree_util.keystr(where)
+      cause = (f": it follows the gradients, and updates{where} are {structure.dtype(g)}"
+               f" where params{where} are {structure.dtype(p)}; pass gradients at the"
+               " parameters' dtypes, e.g. jax.tree.map(lambda g, p: g.astype(p.dtype),"
+               " grads, params), or train parameters of the gradients' dtype")
+      break
+  raise ValueError(
+      f"gmjax.diloco: the inner optimizer's update returns state.inner_state{path} as"
+      f" {got}, where the state holds {want} (a state that init did not build){cause}.")
 
 
 def state(state: Any, expected: Any) -> None:

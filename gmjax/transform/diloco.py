@@ -291,6 +291,7 @@ def diloco(
       inner_updates, inner_state = inner.update(updates, state.inner_state, params,
                                                 **extra_args)
       dropped = jnp.zeros([], bool)
+    checks.inner_state(inner_state, state.inner_state, updates, params)
     counts = token_counts.withhold(token_counts.add(state.tokens, step_tokens), dropped)
     stats = state.stats._replace(
         dropped=state.stats.dropped + dropped.astype(jnp.int32),
