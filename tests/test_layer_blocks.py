@@ -41,11 +41,45 @@ def test_the_plan_is_blocks_of_layers_in_layer_order():
   )
   cut = config.cut(schema)
   assert cut["layers/w[1:3]"].shape == (2, 4, 2) and cut["emb"].shape == (6, 2)
-  assert config.cut(cut) is cut
+  again = config.cut(cut)  # cut again from its source: the same blocks
+  assert again == cut and again.pieces == cut.pieces and again.source is schema
   assert config.schedule(schema).fragments == 3
   # More fragments than layers: one block per layer.
   many = gmjax.DiLoCo(sync_every=8, fragments=8, layer_axis={"layers": 0})
   assert len(many.plan(schema)) == LAYERS
+
+
+def test_a_schema_cut_under_another_configuration_is_cut_again_from_its_source():
+  # It was taken as it was: two fragments' configuration planned four, and schedule
+  # reported four fragments, which schedule(4) refuses.
+  schema = gmjax.Schema.from_tree(nested({n: np.zeros(s, np.float32)
+                                          for n, s in SHAPES.items()}))
+  four = gmjax.DiLoCo(sync_every=8, fragments=4, layer_axis={"layers": 0}).cut(schema)
+  two = gmjax.DiLoCo(sync_every=8, fragments=2, layer_axis={"layers": 0})
+  assert two.plan(four) == two.plan(schema) and len(two.plan(four)) == 2
+  assert two.schedule(four).fragments == 2
+  whole = gmjax.DiLoCo(sync_every=8, fragments=2)
+  assert whole.plan(four) == whole.plan(schema)
+  assert sorted(n for f in whole.plan(four) for n in f) == sorted(SHAPES)
+  whole.check_parameters(four)
+
+
+def test_a_mail_runs_schema_plans_as_the_run(tmp_path):
+  # The manifest keeps the blocks' specs only: cut again by name, run.schema gave
+  # blocks of blocks ('layers/b[0:2][0:1]'), another plan and 2 fragments for 4.
+  config = gmjax.DiLoCo(sync_every=8, fragments=4, layer_axis={"layers": 0})
+  shapes = {**SHAPES, "layers/b": (8, 3), "layers/w": (8, 4, 2)}
+  params = nested({n: np.zeros(s, np.float32) for n, s in shapes.items()})
+  created = gmjax.mail.create(str(tmp_path / "run"), params, config)
+  for run in (created, gmjax.mail.open(str(tmp_path / "run"))):
+    assert run.config.plan(run.schema) == run.plan and len(run.plan) == 4
+    assert run.config.schedule(run.schema).fragments == 4
+    assert run.schema.source == gmjax.Schema.from_tree(params)
+  shapes["layers/w"] = (8, 4, 3)
+  learner = created.join("a")
+  with pytest.raises(ValueError, match=r"run\.schema\.source holds the stacked leaves"):
+    learner.pull(nested({n: np.zeros(s, np.float32) for n, s in shapes.items()}))
+  learner.close(learner.pull(params))
 
 
 def test_maxtext_layout_stacks_layers_on_axis_one():

@@ -203,13 +203,16 @@ class DiLoCo:
   def cut(self, schema: Schema) -> Schema:
     """The schema whose leaves the fragments hold: ``schema`` itself, or with
     ``layer_axis`` its stacked leaves cut into ``min(P, L)`` blocks of layers
-    (``gmjax.core.layers``). A schema already cut is returned as it is.
+    (``gmjax.core.layers``). A schema already cut is cut again from its source, as
+    this configuration cuts it (another one's blocks would give another plan).
 
     Raises:
       TypeError: ``schema`` is not a ``gmjax.Schema`` (params: ``Schema.from_tree``).
       ValueError: ``layer_axis`` does not fit ``schema`` (``layers.stacked_leaves``).
     """
-    if Schema.given(schema, "DiLoCo.plan").source is not None or self.layer_axis is None:
+    if Schema.given(schema, "DiLoCo.plan").source is not None:
+      schema = schema.source
+    if self.layer_axis is None:
       return schema
     shapes = {p.name: p.shape for p in schema.parameters}
     axes = layers.stacked_leaves(shapes, self.layer_axis)

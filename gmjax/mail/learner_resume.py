@@ -25,6 +25,9 @@ from gmjax.mail import placement
 
 # The learner's own logger: these warnings are a learner's, as its other ones.
 log = logging.getLogger("gmjax.mail.learner")
+# Where a user finds the run's parameters' shapes.
+_WHERE = ("run.schema; with layer_axis, run.schema.source holds the stacked leaves, and"
+          " run.schema their blocks")
 
 
 class Resuming:
@@ -57,12 +60,12 @@ class Resuming:
       schema = self.config.cut(Schema.from_tree(like))
     except ValueError as error:  # None, or no arrays: the message named neither pull nor like
       raise ValueError(f"pull(like): {error} Pass parameters shaped like those the run was"
-                       " created with (run.schema).") from None
+                       f" created with ({_WHERE}).") from None
     if schema != self.manifest.schema:
       raise ValueError(
           "pull(like): like does not match the run's parameters:"
           f" {learner_args.schema_differences(schema, self.manifest.schema)}; pass parameters shaped"
-          " like those the run was created with (run.schema).")
+          f" like those the run was created with ({_WHERE}).")
     self._tree_schema = schema
     flat = schema.flatten(like)  # with layer blocks, pieces sliced only when read
     deadline = time.monotonic() + max(self.startup_timeout, self._deadline() - time.monotonic())

@@ -12,11 +12,13 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import re
 from typing import Any, Self
 
+from gmjax.core import layers
 from gmjax.core.diloco import DiLoCo
 from gmjax.core.guards import quote
-from gmjax.core.schema import Schema
+from gmjax.core.schema import ParameterSpec, Schema
 from gmjax.mail import layout
 from gmjax.mail import signing
 from gmjax.mail.errors import AuthenticationError, CorruptRecord, RunNotFound
@@ -25,6 +27,40 @@ from gmjax.mail.store import BadObject, Store
 MAX_MANIFEST_BYTES = 256 << 20
 """The largest manifest a reader takes: a model's schema and plan, a few hundred bytes a
 leaf (a planted object past it is refused before it is downloaded)."""
+
+
+# A block of a stacked leaf, as ``gmjax.core.layers.piece_name`` names it.
+_BLOCK = re.compile(r"(.+)\[([0-9]+):([0-9]+)\]")
+
+
+def stored_schema(schema: Schema, config: DiLoCo) -> Schema:
+  """The run's schema from the specs a manifest stores: with ``layer_axis``, those of
+  the blocks, given back the stacked leaves they were cut from (``source``) and their
+  ``pieces``, so that ``config.cut``, ``plan`` and ``schedule`` of it are the run's.
+  Specs that are no such cut stay as they are."""
+  if config.layer_axis is None:
+    return schema
+  blocks: dict[str, list[tuple[int, ParameterSpec]]] = {}
+  whole = []
+  for spec in schema.parameters:
+    block = _BLOCK.fullmatch(spec.name)
+    if block:
+      blocks.setdefault(block[1], []).append((int(block[3]), spec))
+    else:
+      whole.append(spec)
+  shapes = {spec.name: spec.shape for spec in whole}
+  shapes.update({leaf: parts[0][1].shape for leaf, parts in blocks.items()})
+  try:
+    axes = layers.stacked_leaves(shapes, config.layer_axis)
+    sources = []
+    for leaf, parts in blocks.items():
+      shape = list(parts[0][1].shape)
+      shape[axes[leaf]] = max(stop for stop, _ in parts)
+      sources.append(ParameterSpec(leaf, parts[0][1].dtype, tuple(shape)))
+    cut = config.cut(Schema((*whole, *sources)))
+  except (ValueError, KeyError, IndexError):
+    return schema
+  return cut if cut == schema else schema
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +92,7 @@ class Manifest:
   def new(cls, schema: Schema, config: DiLoCo, key: bytes | None,
           keep_versions: int | None = None) -> Self:
     manifest = cls(
-        schema=Schema(schema.parameters),
+        schema=stored_schema(Schema(schema.parameters), config),
         config=config,
         plan=tuple(tuple(names) for names in config.plan(schema)),
         auth=None if key is None else signing.new_auth(key),
@@ -98,7 +134,8 @@ class Manifest:
       if record.get("auth") is not None and not isinstance(record["auth"], dict):
         raise CorruptRecord(f"manifest auth is {type(record['auth']).__name__}, not an object")
       return cls(
-          schema=Schema.from_json(record["schema"]),
+          schema=stored_schema(Schema.from_json(record["schema"]),
+                               DiLoCo.from_json(record["algorithm"])),
           config=DiLoCo.from_json(record["algorithm"]),
           plan=tuple(tuple(str(n) for n in names) for names in record["plan"]),
           auth=record.get("auth"),
