@@ -9,6 +9,7 @@ through without a copy.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -18,8 +19,7 @@ from jax import lax
 from gmjax.core import eager, feedback, outer
 from gmjax.core import round as round_ops
 from gmjax.core.schema import ParameterSpec
-from gmjax.transform import control, exchange, explicit, replicated, shards
-from gmjax.transform import finite as finite_steps
+from gmjax.transform import control, exchange, explicit, merge, replicated, shards
 from gmjax.transform import tokens as token_counts
 from gmjax.transform.structure import Layout
 from gmjax.transform.state import MERGE, NOTHING, RESET, DelayState, RoundState
@@ -108,11 +108,6 @@ def _kept_residual(new: dict[str, jax.Array], old: dict[str, jax.Array],
   or the delta was ``withheld`` (as if it were not finite: ``gmjax.transform.finite``)."""
   ok = (round_ops.count_non_finite(new.values(), explicit.total) == 0) & ~withheld
   return {n: explicit.where(ok, v, jnp.zeros_like(old[n])) for n, v in new.items()}
-
-
-def _difference(theta: jax.Array, params: jax.Array, update: jax.Array) -> jax.Array:
-  """The update that takes ``params`` to ``theta``, at ``update``'s dtype."""
-  return (theta.astype(jnp.float32) - params.astype(jnp.float32)).astype(update.dtype)
 
 
 def _own(weights: jax.Array, index: Any) -> jax.Array:
@@ -253,7 +248,7 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
     shared, state = start(layout, tx, axis_name, learner)(params, state)
     if axis_name is not None:
       shared, own = layout.flatten(shared), layout.flatten(params)
-      updates = {n: _difference((shared[n] + u).astype(shared[n].dtype), own[n], u)
+      updates = {n: merge.difference((shared[n] + u).astype(shared[n].dtype), own[n], u)
                  for n, u in updates.items()}
     return vary_like((state, updates), x)
 
@@ -269,11 +264,7 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
   rest = (state.master, state.outer_state, state.pending, state.tokens, state.stats,
           delay.weight if layout.eager else (), delay.outer if layout.eager else ())
 
-  def piece_theta(n, updates, params):
-    """``θ`` of piece ``n``, at the parameter dtype, as ``optax.apply_updates`` forms it."""
-    piece = layout.pieces[n]
-    return finite_steps.applied(piece.take(params[piece.leaf]),
-                                piece.take(updates[piece.leaf]))
+  piece_theta = functools.partial(merge.piece_theta, layout)
 
   # The loops read the parameters (and the merge the anchor) as ``reads``, so that XLA
   # forms θ and the F32 conversions where they are read, not as whole buffers hoisted
@@ -357,39 +348,47 @@ def run_round(layout, config, tx, axis_name, learner, inputs, state: RoundState,
 
     return sync
 
+  def merges(flat_updates, pending, flat, index):
+    """The merge of each fragment ``index − 1`` names (or whose sync this is, where a
+    merge is left pending: a state saved between a sync and its merge, continued under
+    another ``sync_every`` or ``overlap_steps``), and the pending codes after them."""
+    # With a delay a merge adopts the learner's new start, not the new Θ.
+    flat_anchor = flat[2] if layout.delay else flat[0]
+    for fragment, names in enumerate(layout.plan):
+      merge_ = merge.merge_of(layout, config, names, pending[fragment])
+      flat_updates = control.when(
+          (index == fragment + 1) | (sync_index == fragment + 1),
+          lambda u, reads, merge_=merge_: vary_like(merge_(u, reads), u), flat_updates,
+          reads=(flat_params, flat_anchor))
+    done = jnp.arange(pending.shape[0])
+    done = (done == index - 1) | (done == sync_index - 1)
+    return flat_updates, jnp.where(done, NOTHING, pending).astype(pending.dtype)
+
+  # A fragment's merge comes before its next sync (the learners adopt Θ before they
+  # send the next delta against it): with overlap_steps > 0 at its own step, and at the
+  # sync where a changed schedule left it pending; with 0, at the sync that made it.
+  masters, outer_states, pending, counts, stats, weights, own_states = rest
+  flat_updates, pending = merges(flat_updates, pending, flat,
+                                 merge_index if config.overlap_steps > 0 else 0)
+  rest = (masters, outer_states, pending, counts, stats, weights, own_states)
   for fragment, names in enumerate(layout.plan):
     sync = sync_of(fragment, names)
     flat, rest, flat_updates = control.when(
         sync_index == fragment + 1, lambda x, params, sync=sync: sync(*x, params),
         (flat, rest, flat_updates), reads=flat_params)
   masters, outer_states, pending, counts, stats, weights, own_states = rest
-  # With a delay a merge adopts the learner's new start, not the new Θ.
-  flat_anchor = flat[2] if layout.delay else flat[0]
+  if config.overlap_steps == 0:
+    flat_updates, pending = merges(flat_updates, pending, flat, merge_index)
+  return _finish(layout, state, flat, flat_updates, masters, outer_states, pending, counts,
+                 stats, weights, own_states)
 
-  def merge_of(fragment, names):
-    def merge(updates, reads):
-      code, (flat_params, flat_anchor) = pending[fragment], reads
-      current = {n: piece_theta(n, updates, flat_params) for n in names}
-      target = layout.view(flat_anchor, names)
-      mixed = outer.align(current, target, config.mixing)
-      reset = outer.align(current, target, 0.0)
-      thetas = {n: explicit.where(code == MERGE, mixed[n],
-                                  explicit.where(code == RESET, reset[n], current[n]))
-                for n in names}
-      params, pieces = layout.view(flat_params, names), layout.view(updates, names)
-      new = dict(updates)
-      layout.write(new, {n: _difference(thetas[n], params[n], pieces[n]) for n in names})
-      return vary_like(new, updates)
 
-    return merge
-
-  for fragment, names in enumerate(layout.plan):
-    flat_updates = control.when(merge_index == fragment + 1, merge_of(fragment, names),
-                                flat_updates, reads=(flat_params, flat_anchor))
-  pending = jnp.where(
-      jnp.arange(pending.shape[0]) == merge_index - 1, NOTHING, pending).astype(pending.dtype)
+def _finish(layout, state, flat, flat_updates, masters, outer_states, pending, counts, stats,
+            weights, own_states):
+  """``run_round``'s results from the round's flat values."""
   anchor = layout.unflatten(flat[0])
   residual = state.residual if layout.beta is None else layout.unflatten(flat[1])
+  delay = state.delay
   if layout.delay:
     delay = DelayState(layout.unflatten(flat[2]))
     if layout.eager:
