@@ -143,6 +143,26 @@ def test_two_honest_learners_ten_times_apart(outlier_factor, rejected):
   assert (0.04 < theta < 0.06) if rejected else (0.45 < theta < 0.55), theta
 
 
+def test_a_large_delta_beside_zero_deltas_is_rejected():
+  # Three learners' deltas exactly zero (their gradients are: a frozen part), the
+  # fourth's 1e6 a value: zeros were no reference, so "mean" took it whole.
+  config = gmjax.DiLoCo(sync_every=2, overlap_steps=0)
+  optimizer = gmjax.diloco(optax.sgd(1.0), config, axis_name="l")
+
+  def step(params, state, grads):
+    updates, state = optimizer.update({"w": grads}, state, params)
+    return optax.apply_updates(params, updates), state
+
+  step = jax.jit(jax.vmap(step, axis_name="l"))
+  params = {"w": jnp.zeros((4, 3))}
+  state = jax.vmap(optimizer.init, axis_name="l")(params)
+  grads = jnp.zeros((4, 3)).at[3].set(-1e6)
+  for _ in range(2):
+    params, state = step(params, state, grads)
+  assert state.stats.rejected.tolist() == [1] * 4
+  np.testing.assert_array_equal(np.asarray(state.anchor["w"]), 0.0)
+
+
 def test_token_caps_are_the_same_in_mesh_and_by_mail_for_any_factor():
   # With a factor F32 cannot hold (1.3, 4.1) the mail closer's float64 cap and the
   # in-mesh F32 one differed by one token at the boundary: learner 2 below was clamped
