@@ -46,7 +46,7 @@ def test_step_of_formula_and_monotone(schedule):
 @hypothesis.given(schedules())
 def test_round_at_and_first_round_after(schedule):
   sync_steps = {schedule.step_of(r): r for r in range(4 * schedule.fragments)}
-  for step in range(-2, 3 * schedule.sync_every + 1):
+  for step in range(0, 3 * schedule.sync_every + 1):
     assert schedule.round_at(step) == sync_steps.get(step)
     r = schedule.first_round_after(step)
     assert schedule.step_of(r) > step
@@ -76,7 +76,10 @@ def test_rounds_and_steps_must_be_ints():
            (s.gap, -1, "gap(round=-1)"),
            (s.round_at, 2.0, "round_at(step=2.0) needs an int"),
            (s.round_at, np.array([2, 4]), "round_at(step=array"),
-           (s.first_round_after, float("inf"), "first_round_after(step=inf) needs an int")]
+           (s.first_round_after, float("inf"), "first_round_after(step=inf) needs an int"),
+           # round_at(-5) was None and first_round_after(-5) 0, as if steps began before 0.
+           (s.round_at, -5, "round_at(step=-5) needs an int >= 0"),
+           (s.first_round_after, -5, "first_round_after(step=-5) needs an int >= 0")]
   for method, value, said in calls:
     with pytest.raises(ValueError, match=re.escape(f"RoundSchedule.{said}")):
       method(value)

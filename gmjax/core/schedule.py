@@ -111,8 +111,12 @@ class RoundSchedule:
     return self.step_of(round) - self.step_of(round - 1)
 
   def round_at(self, step: int) -> int | None:
-    """The round whose sync happens at global ``step``, or None if no round does."""
-    step = _index("round_at", "step", step, None)
+    """The round whose sync happens at global ``step`` (``>= 0``), or None if no round
+    does."""
+    return self._round_at(_index("round_at", "step", step, 0))
+
+  def _round_at(self, step: int) -> int | None:
+    """``round_at`` of any int ``step`` (None before step 1)."""
     if step < 1:
       return None
     cycle, offset = divmod(step, self.sync_every)
@@ -150,12 +154,12 @@ class RoundSchedule:
           " number of steps after each sync: build it from a DiLoCo whose overlap_steps"
           " is an int.")
     step = int(count) + 1
-    return (count == 0 or self.round_at(step) is not None
-            or self.round_at(step - self.overlap_steps) is not None)
+    return (count == 0 or self._round_at(step) is not None
+            or self._round_at(step - self.overlap_steps) is not None)
 
   def first_round_after(self, step: int) -> int:
-    """The first round whose sync step is strictly after global ``step``."""
-    step = _index("first_round_after", "step", step, None)
+    """The first round whose sync step is strictly after global ``step`` (``>= 0``)."""
+    step = _index("first_round_after", "step", step, 0)
     r = max(0, (step // self.sync_every) * self.fragments - 1)
     while self.step_of(r) <= step:
       r += 1
