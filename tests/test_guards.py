@@ -25,7 +25,7 @@ def test_quote_is_short_escaped_and_ascii():
     ([1.0, 1e6, 1e6], [1e6, 1e6, 1e6]),          # a majority is the median
     ([1.0, 1.1, 0.05], [1.0, 1.0, 1.0]),         # a small minority cannot lower it
     ([1.0, 1.1, 1.2, 0.05, 0.05], [1.0] * 5),
-    ([0.0, 3.0], [3.0, np.nan]),                 # a zero is no reference (a token count)
+    ([0.0, 3.0], [3.0, np.nan]),                 # a zero is no reference
     ([np.nan, 2.0, 3.0], [2.0, 2.0, 2.0]),
     ([1.0, 2.0, 3.0, 4.0], [2.0, 2.0, 2.0, 2.0]),
 ])
@@ -33,19 +33,6 @@ def test_reference_is_the_lower_median(values, expected):
   np.testing.assert_array_equal(guards.reference(np.asarray(values)), np.asarray(expected))
   on_device = jax.jit(lambda v: guards.reference(v, xp=jnp))(jnp.asarray(values, jnp.float32))
   np.testing.assert_allclose(np.asarray(on_device), np.asarray(expected, np.float32))
-
-
-def test_a_large_norm_beside_zero_norms_is_an_outlier():
-  # Learners whose deltas were all exactly zero (a frozen fragment) were no reference: a
-  # fourth learner's delta of 1e6 a value went into the mean unjudged.
-  np.testing.assert_array_equal(guards.outliers(np.asarray([0.0, 0.0, 0.0, 2e6])),
-                                [False, False, False, True])
-  np.testing.assert_array_equal(guards.reference(np.asarray([0.0, 0.0, 5.0]), zeros=True),
-                                [0.0, 0.0, 0.0])
-  # A minority of zeros lowers it no more than a minority of small values.
-  np.testing.assert_array_equal(guards.outliers(np.asarray([0.0, 1.0, 1.1])), [False] * 3)
-  on_device = jax.jit(lambda v: guards.outliers(v, xp=jnp))(jnp.asarray([0.0, 0, 0, 2e6]))
-  np.testing.assert_array_equal(np.asarray(on_device), [False, False, False, True])
 
 
 def test_a_minority_of_small_values_makes_no_one_an_outlier():

@@ -79,9 +79,9 @@ def seconds(argument: str, value: Any, *, finite: bool = False, none: str = "",
   return float(value)
 
 
-def reference(values: Any, *, xp: Any = np, zeros: bool = False) -> Any:
-  """For each value, the lower median of the positive (with ``zeros``, non-negative),
-  finite values, its own included; NaN where no *other* value is one.
+def reference(values: Any, *, xp: Any = np) -> Any:
+  """For each value, the lower median of the positive, finite values, its own included;
+  NaN where no *other* value is one.
 
   The lower median (the ``⌊(n−1)/2⌋``-th smallest of ``n``) is a rank: values above it
   cannot raise it, however large, and fewer than half of the values, however small,
@@ -90,21 +90,18 @@ def reference(values: Any, *, xp: Any = np, zeros: bool = False) -> Any:
   which each value was judged before, is the smaller of the two others among three: one
   learner with a tiny delta made both others outliers, and was aggregated alone.) With
   ``M = 2`` the larger value is judged by the smaller; with ``M = 1`` there is nothing
-  to compare with (NaN). Non-finite values are no reference for anyone, nor are zeros
-  unless ``zeros``: a zero delta is a delta (beside learners whose deltas are all zero, a
-  frozen fragment's, one large delta is an outlier), a zero token count says nothing.
+  to compare with (NaN). Zeros and non-finite values are no reference for anyone.
 
   Args:
     values: a 1-d array of ``M`` values (e.g. delta norms per step).
     xp: ``numpy`` or ``jax.numpy`` (jittable: static shapes, no data-dependent control).
-    zeros: whether zeros are references too.
 
   Returns:
     An array of ``M`` references, NaN where value ``i`` has no other to compare with.
   """
   values = xp.asarray(values)
   count = values.shape[0]
-  usable = xp.isfinite(values) & ((values >= 0) if zeros else (values > 0))
+  usable = xp.isfinite(values) & (values > 0)
   # Without sorting, so that the traced form is a few elementwise passes over M × M
   # (sorts and gathers of M values split a compiled program into many small kernels):
   # ``before[i, j]``, value ``j`` sorts before value ``i`` (unusable ones last, ties by
@@ -121,11 +118,10 @@ def reference(values: Any, *, xp: Any = np, zeros: bool = False) -> Any:
 
 
 def outliers(values: Any, factor: float = OUTLIER_FACTOR, *, xp: Any = np) -> Any:
-  """Which values (norms) exceed ``factor`` times their ``reference``, zeros counted; a
-  non-finite value is an outlier whenever there is a reference to judge it by, and a
-  lone value never is."""
+  """Which values exceed ``factor`` times their ``reference``; a non-finite value is an
+  outlier whenever there is a reference to judge it by, and a lone value never is."""
   values = xp.asarray(values)
-  ref = reference(values, xp=xp, zeros=True)
+  ref = reference(values, xp=xp)
   judged = ~xp.isnan(ref)
   too_big = xp.where(xp.isfinite(values), values > factor * xp.where(judged, ref, 0), True)
   return judged & too_big

@@ -94,7 +94,7 @@ def screen(watch: Watch, factor: float | None = guards.OUTLIER_FACTOR
   norms = np.asarray([watch.norms[c.learner] for c in valid], np.float64)
   if factor is None:
     return valid, rejected, clamped
-  references = guards.reference(norms, zeros=True)  # as guards.outliers judges them
+  references = guards.reference(norms)
   kept = []
   for contribution, norm, reference, outlier in zip(
       valid, norms, references, guards.outliers(norms, factor)):
