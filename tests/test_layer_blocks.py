@@ -76,6 +76,11 @@ def test_a_mail_runs_schema_plans_as_the_run(tmp_path):
     assert run.config.schedule(run.schema).fragments == 4
     assert run.schema.source == gmjax.Schema.from_tree(params)
   shapes["layers/w"] = (8, 4, 3)
+  # A leaf of its own named like a block stays a leaf (it took the schema's source away).
+  named = {"layers": {"w": np.zeros((5, 3), np.float32)}, "z[0:3]": np.zeros(3, np.float32)}
+  other = gmjax.mail.open(str(gmjax.mail.create(str(tmp_path / "named"), named,
+                                                config).url))
+  assert other.config.plan(other.schema) == other.plan and other.schema.source is not None
   learner = created.join("a")
   with pytest.raises(ValueError, match=r"run\.schema\.source holds the stacked leaves"):
     learner.pull(nested({n: np.zeros(s, np.float32) for n, s in shapes.items()}))

@@ -4,7 +4,12 @@
 on 127.0.0.1; gcsfs talks to it through ``STORAGE_EMULATOR_HOST``. Nothing is mocked.
 """
 
+import http.client
+import http.server
+import os
+import re
 import threading
+import urllib.parse
 import uuid
 
 import numpy as np
@@ -148,3 +153,65 @@ def test_a_missing_bucket_is_named(bucket):
     mail.open(_url(bucket))
   with pytest.raises(ValueError, match=r"names no bucket; give gs://BUCKET/RUN"):
     mail.open("gs:///run")
+
+
+class _BucketMetadataRefused(http.server.ThreadingHTTPServer):
+  """An HTTP proxy on 127.0.0.1 in front of the emulator that answers 403 to a bucket's
+  metadata (``GET /storage/v1/b/<bucket>``), as GCS does for credentials that may only
+  read and write objects, and forwards every other request as it is."""
+
+  def __init__(self, upstream: str):
+    self.upstream = urllib.parse.urlsplit(upstream)
+    super().__init__(("127.0.0.1", 0), _Forward)
+
+
+class _Forward(http.server.BaseHTTPRequestHandler):
+  def log_message(self, *args):  # pylint: disable=arguments-differ
+    del args
+
+  def _forward(self):
+    body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+    if self.command == "GET" and re.fullmatch(r"/storage/v1/b/[^/?]+/?(\?.*)?", self.path):
+      self.send_response(403)
+      payload = b'{"error": {"code": 403, "message": "no storage.buckets.get access"}}'
+      self.send_header("Content-Type", "application/json")
+      self.send_header("Content-Length", str(len(payload)))
+      self.end_headers()
+      self.wfile.write(payload)
+      return
+    upstream = self.server.upstream
+    connection = http.client.HTTPConnection(upstream.hostname, upstream.port, timeout=30)
+    headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+    connection.request(self.command, self.path, body=body or None, headers=headers)
+    response = connection.getresponse()
+    data = response.read()
+    self.send_response(response.status)
+    for key, value in response.getheaders():
+      if key.lower() not in ("transfer-encoding", "content-length", "connection"):
+        self.send_header(key, value)
+    self.send_header("Content-Length", str(len(data)))
+    self.end_headers()
+    self.wfile.write(data)
+    connection.close()
+
+  do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _forward
+
+
+@pytest.mark.timeout(60)
+def test_no_run_in_an_empty_bucket_whose_metadata_is_refused_is_named_as_no_run(
+    bucket, monkeypatch):
+  # Credentials limited to objects: fsspec's info of the bucket fell back to listing it,
+  # found it empty, and open said the bucket did not exist.
+  del bucket  # the emulator runs
+  fs = gcsfs.core.GCSFileSystem(token="anon", skip_instance_cache=True)
+  empty = f"gmjax-empty-{uuid.uuid4().hex[:8]}"
+  fs.mkdir(empty)
+  proxy = _BucketMetadataRefused(os.environ["STORAGE_EMULATOR_HOST"])
+  threading.Thread(target=proxy.serve_forever, daemon=True).start()
+  try:
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{proxy.server_port}")
+    with pytest.raises(mail.RunNotFound, match=r"\(no manifest\.json\); create one"):
+      mail.open(f"gs://{empty}/run", retry_seconds=5)
+  finally:
+    proxy.shutdown()
+    proxy.server_close()

@@ -149,9 +149,10 @@ _FLOAT_BOUNDS = {"learning_rate": "> 0", "weight_decay": ">= 0", "poll_interval"
 MAX_PARAMETERS = 2**30
 """The largest demo model a config may ask for."""
 ATTENTION_BYTES = 4 * 2**30
-# The held-out windows stay in memory (int32) and each evaluation reads them all.
-MAX_HELD_OUT_TOKENS = 2**26
 """The most the demo model's attention scores may take in one training process."""
+MAX_HELD_OUT_TOKENS = 2**26
+"""The most tokens the held-out windows may hold: a job keeps them in memory (int32)
+and each evaluation reads them all."""
 
 
 def _unknown(table: str, key: str, known) -> str:

@@ -42,9 +42,11 @@ def stored_schema(schema: Schema, config: DiLoCo) -> Schema:
     return schema
   blocks: dict[str, list[tuple[int, ParameterSpec]]] = {}
   whole = []
+  prefixes = [p.rstrip("/") for p in config.layer_axis]
+  stacked = lambda leaf: any(leaf == p or leaf.startswith(p + "/") for p in prefixes)
   for spec in schema.parameters:
     block = _BLOCK.fullmatch(spec.name)
-    if block:
+    if block and stacked(block[1]):  # a leaf of its own may be named like a block
       blocks.setdefault(block[1], []).append((int(block[3]), spec))
     else:
       whole.append(spec)

@@ -141,16 +141,20 @@ class FsspecStore(Store):
     if self.protocol not in _EXTRAS:
       return None
     bucket = self.root.split("/", 1)[0]
+    limit = {"timeout": MIN_ATTEMPT_SECONDS} if self.has_deadlines else {}
     try:
-      self.fs.info(bucket, **({"timeout": MIN_ATTEMPT_SECONDS} if self.has_deadlines else {}))
+      # The bucket's own metadata: a 404 there is the only evidence taken. A listing, or
+      # fsspec's info (which lists where the metadata is refused), finds an empty bucket
+      # or one these credentials may not list as missing too.
+      if self.protocol in ("s3", "s3a"):
+        self.fs.call_s3("head_bucket", Bucket=bucket, **limit)
+      else:
+        self.fs.call("GET", "b/{}", bucket, json_out=True, **limit)
     except FileNotFoundError:
       return (f"the bucket {bucket!r} does not exist at this storage; create it, or give"
               " a URL in an existing bucket")
-    except PermissionError as error:
-      return (f"these credentials may not read the bucket {bucket!r} ({error});"
-              f" {_CREDENTIALS[self.protocol]}")
     except Exception:  # pylint: disable=broad-except
-      return None  # unknown: the caller's own error stands
+      return None  # refused (credentials for objects only), unreachable: no evidence
     return None
 
   def _explain(self, what: str, path: str, error: BaseException) -> BaseException | None:
