@@ -143,16 +143,13 @@ _AT_LEAST_ONE = {
     "corpus_bytes": "bytes of the corpus to read; leave it out to read all of it",
 }
 MAX_STEP_MS = 3_600_000  # an hour: a learner sleeps its step time out
-MAX_SPEED_RATIO = 1000  # the slowest learner's step time over the fastest's
-MAX_POLL_SECONDS = 60
+MAX_SPEED_RATIO, MAX_POLL_SECONDS = 1000, 60  # slowest step time over fastest; seconds
 _FLOAT_BOUNDS = {"learning_rate": "> 0", "weight_decay": ">= 0", "poll_interval": "> 0"}
 MAX_PARAMETERS = 2**30
 """The largest demo model a config may ask for."""
 ATTENTION_BYTES = 4 * 2**30
 """The most the demo model's attention scores may take in one training process."""
-MAX_HELD_OUT_TOKENS = 2**26
-"""The most tokens the held-out windows may hold: a job keeps them in memory (int32)
-and each evaluation reads them all."""
+MAX_HELD_OUT_TOKENS = 2**26  # held-out windows: kept in memory, read at each evaluation
 
 
 def _unknown(table: str, key: str, known) -> str:
@@ -256,8 +253,7 @@ def _model(raw: dict[str, Any]) -> ModelConfig:
 
 
 def _check_context(model: ModelConfig, train: dict[str, Any]) -> None:
-  """Raises ValueError if ``seq_len`` is beyond what the demo model can train on, or the
-  held-out windows beyond what a job keeps in memory.
+  """Raises ValueError if ``seq_len``, or the held-out windows, are beyond what a job holds.
 
   The model attends densely: each layer keeps ``batch·heads·seq_len²`` F32 scores and
   as many probabilities for the backward pass, and the baseline trains on the learners'
@@ -280,15 +276,13 @@ def _check_context(model: ModelConfig, train: dict[str, Any]) -> None:
         f" dense attention would keep {needed / 2**30:,.1f} GiB of scores at batch"
         f" {batch}{why}, over the {ATTENTION_BYTES // 2**30} GiB allowed; set seq_len <="
         f" {longest}, or lower batch_size, heads or layers")
-  held_out = train["eval_batches"] * train["batch_size"] * (model.seq_len + 1)
-  if held_out > MAX_HELD_OUT_TOKENS:
-    fits = MAX_HELD_OUT_TOKENS // (train["batch_size"] * (model.seq_len + 1))
+  window = train["batch_size"] * (model.seq_len + 1)
+  if train["eval_batches"] * window > MAX_HELD_OUT_TOKENS:
     raise ValueError(
         f"config [train] eval_batches = {train['eval_batches']} is too many: the held-out"
-        f" windows would be {held_out:,} tokens (eval_batches·batch_size·(seq_len + 1)),"
-        f" over the {MAX_HELD_OUT_TOKENS:,} a job keeps in memory and reads at each"
-        f" evaluation; set eval_batches <= {max(fits, 1)}"
-        + ("" if fits else ", and lower batch_size or seq_len"))
+        f" windows would hold {train['eval_batches'] * window:,} tokens, over the"
+        f" {MAX_HELD_OUT_TOKENS:,} a job keeps in memory; set eval_batches <="
+        f" {max(MAX_HELD_OUT_TOKENS // window, 1)} (or lower batch_size or seq_len)")
 
 
 def check_data(cfg: TrainConfig) -> None:

@@ -199,15 +199,12 @@ class Store(abc.ABC):
     (an object store's folder is a prefix that is gone with its last object)."""
 
   def _explain(self, what: str, path: str, error: BaseException) -> BaseException | None:
-    """An error that says what a non-transient ``error`` of ``what`` on ``path`` means
-    and how to fix it, or None to raise ``error`` as it is; backends override this."""
+    """The error to raise for a non-transient ``error`` of ``what`` on ``path``, naming
+    its fix; None raises ``error`` itself (backends override this)."""
     del what, path, error
-    return None
 
   def bucket_problem(self) -> str | None:
-    """Why the run's bucket cannot hold it (missing, or out of these credentials'
-    reach), for a store in a bucket; else None. Asked where an object was not found."""
-    return None
+    """Why the bucket the run lies in is not there, if it is known not to be; else None."""
 
   @property
   def local_root(self) -> str | None:
@@ -241,8 +238,7 @@ class Store(abc.ABC):
           if explained is None:
             raise
           raise explained from error
-        # A second attempt whatever the budget: one that outlasted it may have been a
-        # pause of this process (a debugger, SIGSTOP, a swapped-out host), not storage.
+        # Twice at least: an attempt past the budget may have been this process paused.
         if attempts >= 2 and time.monotonic() + delay > started + budget:
           whose = ("the run's timeout for a learner; check the storage's availability or"
                    " raise the poll interval" if self._retry_budget is not None else
