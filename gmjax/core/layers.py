@@ -36,6 +36,15 @@ def piece_name(leaf: str, start: int, stop: int) -> str:
   return f"{leaf}[{start}:{stop}]"
 
 
+_PIECE_NAME = re.compile(r"(.+)\[([0-9]+):([0-9]+)\]")
+
+
+def block_of(name: str) -> tuple[str, int, int] | None:
+  """``(leaf, start, stop)`` of a name ``piece_name`` made, else None."""
+  block = _PIECE_NAME.fullmatch(name)
+  return block and (block[1], int(block[2]), int(block[3]))
+
+
 @dataclasses.dataclass(frozen=True)
 class Piece:
   """Layers ``[start, stop)`` along ``axis`` of leaf ``leaf`` (``axis`` None: the whole leaf)."""

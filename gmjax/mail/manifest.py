@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import re
 from typing import Any, Self
 
 from gmjax.core import layers
@@ -29,10 +28,6 @@ MAX_MANIFEST_BYTES = 256 << 20
 leaf (a planted object past it is refused before it is downloaded)."""
 
 
-# A block of a stacked leaf, as ``gmjax.core.layers.piece_name`` names it.
-_BLOCK = re.compile(r"(.+)\[([0-9]+):([0-9]+)\]")
-
-
 def stored_schema(schema: Schema, config: DiLoCo) -> Schema:
   """The run's schema from the specs a manifest stores: with ``layer_axis``, those of
   the blocks, given back the stacked leaves they were cut from (``source``) and their
@@ -45,9 +40,9 @@ def stored_schema(schema: Schema, config: DiLoCo) -> Schema:
   prefixes = [p.rstrip("/") for p in config.layer_axis]
   stacked = lambda leaf: any(leaf == p or leaf.startswith(p + "/") for p in prefixes)
   for spec in schema.parameters:
-    block = _BLOCK.fullmatch(spec.name)
-    if block and stacked(block[1]):  # a leaf of its own may be named like a block
-      blocks.setdefault(block[1], []).append((int(block[3]), spec))
+    block = layers.block_of(spec.name)
+    if block and stacked(block[0]):  # a leaf of its own may be named like a block
+      blocks.setdefault(block[0], []).append((block[2], spec))
     else:
       whole.append(spec)
   shapes = {spec.name: spec.shape for spec in whole}
@@ -135,10 +130,10 @@ class Manifest:
         )
       if record.get("auth") is not None and not isinstance(record["auth"], dict):
         raise CorruptRecord(f"manifest auth is {type(record['auth']).__name__}, not an object")
+      config = DiLoCo.from_json(record["algorithm"])
       return cls(
-          schema=stored_schema(Schema.from_json(record["schema"]),
-                               DiLoCo.from_json(record["algorithm"])),
-          config=DiLoCo.from_json(record["algorithm"]),
+          schema=stored_schema(Schema.from_json(record["schema"]), config),
+          config=config,
           plan=tuple(tuple(str(n) for n in names) for names in record["plan"]),
           auth=record.get("auth"),
           created_at=str(record.get("created_at", "")),
